@@ -1,0 +1,3 @@
+from fewbits.cli import main
+
+main(prog_name="fewbits")

@@ -1,0 +1,278 @@
+"""What numbers are stored: the `Format` value and the spec strings users type.
+
+This module is pure Python (no torch, no numpy) so that the cost model can import it.
+
+Spec grammar (canonical spellings; `parse_format(f.spec) == f` for every format):
+
+    bf16 | fp16 | fp32                         no quantisation
+    int{2..8}[-t|-g{N}][-asym][-s{dtype}]      integer codes; default one scale per output channel
+    fp8-e4m3 | fp8-e5m2 [-t|-g{N}][-s{dtype}]  OCP 8-bit floats with a high-precision scale
+    fp4-g{N} | nf4-g{N} [-s{dtype}]            E2M1 / NormalFloat-4 codes, one scale per group
+    mxfp4 | mxfp8                              OCP MX: blocks of 32, power-of-two E8M0 scale
+    nvfp4                                      blocks of 16, E4M3 scale, plus one FP32 tensor scale
+
+Granularity refers to a weight of shape (out_features, in_features): "channel" is one scale per
+row, "group" is one scale per `group_size` consecutive values along the input (last) dimension,
+"tensor" is one scale for everything.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+FORMAT_VERSION = 1
+
+Kind = Literal["float", "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4"]
+Granularity = Literal["none", "tensor", "channel", "group"]
+
+#: storage bits of each scale dtype
+SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3": 8}
+#: element encodings of the floating kinds (exponent bits, mantissa bits)
+FLOAT_KINDS = {"bf16": 16, "fp16": 16, "fp32": 32}
+ELEMENTS = {"e4m3", "e5m2"}
+
+
+class FormatError(ValueError):
+    """A format spec or a tensor/format combination that cannot work."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """One storage format.  Immutable; round-trips through `spec` and `to_dict`.
+
+    kind: "float" (bf16/fp16/fp32, unquantised), "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4".
+    bits: bits per stored code (16/32 for floats).
+    granularity: "none" for floats, else "tensor", "channel" or "group".
+    group_size: values per scale along the last dimension when granularity == "group".
+    symmetric: False for min-max codes with a zero point (integer formats only).
+    scale_dtype: "fp16", "bf16", "fp32", "e8m0" (MX) or "e4m3" (NVFP4).
+    element: "int", "e4m3", "e5m2", "e2m1", "nf4", or the float name for unquantised formats.
+    tensor_scale: an extra FP32 scale for the whole tensor (NVFP4).
+    """
+
+    kind: Kind
+    bits: int
+    granularity: Granularity = "channel"
+    group_size: int = 0
+    symmetric: bool = True
+    scale_dtype: str = "fp16"
+    element: str = "int"
+    tensor_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind == "int" and not 2 <= self.bits <= 8:
+            raise FormatError(f"integer formats take 2..8 bits, got {self.bits}")
+        if self.granularity == "group" and self.group_size <= 0:
+            raise FormatError(f"group size must be positive, got {self.group_size}")
+        if self.scale_dtype not in SCALE_BITS:
+            raise FormatError(f"unknown scale dtype {self.scale_dtype!r}; one of {sorted(SCALE_BITS)}")
+        if not self.symmetric and self.kind != "int":
+            raise FormatError(f"-asym applies to integer formats only, not {self.kind}")
+
+    # ------------------------------------------------------------------ naming
+    @property
+    def is_quantized(self) -> bool:
+        return self.kind != "float"
+
+    @property
+    def default_scale_dtype(self) -> str:
+        return {"fp8": "fp32", "mxfp4": "e8m0", "mxfp8": "e8m0", "nvfp4": "e4m3"}.get(self.kind, "fp16")
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string; `parse_format(self.spec) == self`."""
+        if self.kind == "float":
+            return self.element
+        if self.kind in ("mxfp4", "mxfp8", "nvfp4"):
+            return self.kind
+        base = {"int": f"int{self.bits}", "fp8": f"fp8-{self.element}", "fp4": "fp4", "nf4": "nf4"}[self.kind]
+        parts = [base]
+        if self.granularity == "tensor":
+            parts.append("t")
+        elif self.granularity == "group":
+            parts.append(f"g{self.group_size}")
+        if not self.symmetric:
+            parts.append("asym")
+        if self.scale_dtype != self.default_scale_dtype:
+            parts.append(f"s{self.scale_dtype}")
+        return "-".join(parts)
+
+    def __str__(self) -> str:
+        return self.spec
+
+    # ------------------------------------------------------------------ sizes
+    def groups_per_row(self, in_features: int) -> int:
+        """Scales per row of a weight with `in_features` columns (1 per-channel, 0 per-tensor)."""
+        if self.granularity == "group":
+            return in_features // self.group_size
+        if self.granularity == "channel":
+            return 1
+        return 0
+
+    def check_shape(self, shape: tuple[int, ...], name: str = "tensor") -> None:
+        """Raise FormatError naming `name`, the shape and the format when they do not fit."""
+        if len(shape) == 0 or any(d <= 0 for d in shape):
+            raise FormatError(f"{name}: shape {tuple(shape)} is empty; format {self.spec} needs at least one value")
+        if self.granularity == "group" and shape[-1] % self.group_size:
+            raise FormatError(
+                f"{name}: last dimension {shape[-1]} of shape {tuple(shape)} is not divisible by the "
+                f"group size {self.group_size} of format {self.spec}"
+            )
+
+    def storage_bits(self, shape: tuple[int, ...]) -> int:
+        """Exact bits stored for a tensor of `shape`: codes + scales + zero points (+ tensor scale).
+
+        Codes are packed row by row (rows padded to whole bytes), as `QuantizedTensor` stores them.
+        """
+        self.check_shape(shape)
+        numel = math.prod(shape)
+        if self.kind == "float":
+            return numel * self.bits
+        cols = shape[-1]
+        rows = numel // cols
+        code_bits = rows * (-(-cols * self.bits // 8) * 8)
+        n_scales = 1 if self.granularity == "tensor" else rows * self.groups_per_row(cols)
+        scale_bits = n_scales * SCALE_BITS[self.scale_dtype]
+        zero_bits = 0
+        if not self.symmetric:  # zero points are packed with the code width, row by row
+            zeros_per_row = self.groups_per_row(cols)
+            zero_bits = 8 * -(-self.bits // 8) if self.granularity == "tensor" else rows * (
+                -(-zeros_per_row * self.bits // 8) * 8)
+        extra = 32 if self.tensor_scale else 0
+        return code_bits + scale_bits + zero_bits + extra
+
+    def bits_per_weight(self, shape: tuple[int, ...] | None = None) -> float:
+        """Average stored bits per value for `shape`, scales and zero points included.
+
+        Without a shape, the asymptotic figure for a large matrix: per-tensor and per-channel
+        scales (and the NVFP4 tensor scale) are then negligible.  `int4-g128` gives 4.125.
+        """
+        if shape is not None:
+            return self.storage_bits(tuple(shape)) / math.prod(shape)
+        if self.kind == "float":
+            return float(self.bits)
+        bpw = float(self.bits)
+        if self.granularity == "group":
+            bpw += SCALE_BITS[self.scale_dtype] / self.group_size
+            if not self.symmetric:
+                bpw += self.bits / self.group_size
+        return bpw
+
+    def bytes_per_weight(self, shape: tuple[int, ...] | None = None) -> float:
+        return self.bits_per_weight(shape) / 8
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes a tensor of `shape` occupies in this format."""
+        return -(-self.storage_bits(tuple(shape)) // 8)
+
+    # ------------------------------------------------------------------ metadata
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": FORMAT_VERSION,
+            "spec": self.spec,
+            "kind": self.kind,
+            "bits": self.bits,
+            "granularity": self.granularity,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "scale_dtype": self.scale_dtype,
+            "element": self.element,
+            "tensor_scale": self.tensor_scale,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Format:
+        version = d.get("version")
+        if version != FORMAT_VERSION:
+            raise FormatError(f"format metadata version {version!r} is not supported (this fewbits reads {FORMAT_VERSION})")
+        fields = {k: d[k] for k in ("kind", "bits", "granularity", "group_size", "symmetric",
+                                    "scale_dtype", "element", "tensor_scale") if k in d}
+        fmt = cls(**fields)
+        if "spec" in d and d["spec"] != fmt.spec:
+            raise FormatError(f"format metadata is inconsistent: spec {d['spec']!r} but fields give {fmt.spec!r}")
+        return fmt
+
+    def with_group(self, group_size: int) -> Format:
+        """The same format with another group size (used to regroup layers that do not divide)."""
+        if self.granularity != "group":
+            raise FormatError(f"format {self.spec} has no groups")
+        return replace(self, group_size=group_size)
+
+
+# ---------------------------------------------------------------------- parsing
+_SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp32|fp16|bf16))$")
+
+
+def parse_format(spec: str | Format) -> Format:
+    """Parse a spec string such as ``int4-g128``, ``int8-asym``, ``fp8-e4m3``, ``nvfp4``."""
+    if isinstance(spec, Format):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise FormatError(f"empty format spec {spec!r}")
+    s = spec.strip().lower()
+    if s in FLOAT_KINDS:
+        return Format("float", FLOAT_KINDS[s], "none", 0, True, "fp16" if s != "fp32" else "fp32", s)
+    if s == "mxfp4":
+        return Format("mxfp4", 4, "group", 32, True, "e8m0", "e2m1")
+    if s == "mxfp8":
+        return Format("mxfp8", 8, "group", 32, True, "e8m0", "e4m3")
+    if s == "nvfp4":
+        return Format("nvfp4", 4, "group", 16, True, "e4m3", "e2m1", tensor_scale=True)
+    m = re.match(r"^(int(\d+)|fp8-(e4m3|e5m2)|fp4|nf4)((?:-[a-z0-9]+)*)$", s)
+    if not m:
+        raise FormatError(f"unknown format {spec!r}; " + _hint(s))
+    head, int_bits, fp8_elem, rest = m.group(1), m.group(2), m.group(3), m.group(4)
+    if int_bits is not None:
+        kind, bits, element = "int", int(int_bits), "int"
+        if not 2 <= bits <= 8:
+            raise FormatError(f"format {spec!r}: integer formats take 2..8 bits, got {bits}")
+    elif fp8_elem is not None:
+        kind, bits, element = "fp8", 8, fp8_elem
+    else:
+        kind, bits, element = head, 4, "e2m1" if head == "fp4" else "nf4"
+    granularity, group, symmetric = "channel", 0, True
+    scale_dtype = "fp32" if kind == "fp8" else "fp16"
+    seen: set[str] = set()
+    for part in [p for p in rest.split("-") if p]:
+        sm = _SUFFIX.match(part)
+        key = part[0] if not part.startswith("asym") else "asym"
+        if not sm or key in seen or (key in "tg" and ("t" in seen or "g" in seen)):
+            raise FormatError(f"format {spec!r}: cannot read the suffix {part!r}; " + _hint(s))
+        seen.add(key)
+        if part == "t":
+            granularity = "tensor"
+        elif part == "asym":
+            symmetric = False
+        elif sm.group(2):
+            granularity, group = "group", int(sm.group(2))
+            if group <= 0:
+                raise FormatError(f"format {spec!r}: group size must be positive")
+        else:
+            scale_dtype = sm.group(3)
+    if kind in ("fp4", "nf4") and granularity != "group":
+        raise FormatError(f"format {spec!r}: {kind} needs a group size, e.g. {kind}-g64")
+    if not symmetric and kind != "int":
+        raise FormatError(f"format {spec!r}: -asym applies to integer formats only")
+    return Format(kind, bits, granularity, group, symmetric, scale_dtype, element)
+
+
+#: the formats `fewbits formats` lists (every spec the grammar accepts works as well)
+EXAMPLE_SPECS = (
+    "fp32", "bf16", "fp16",
+    "int8", "int8-t", "int8-g128", "int8-asym",
+    "int4", "int4-g128", "int4-g64", "int4-g32", "int4-g128-asym",
+    "int3-g128", "int3-g64", "int2-g64", "int2-g32-asym",
+    "fp8-e4m3", "fp8-e4m3-t", "fp8-e5m2",
+    "fp4-g32", "nf4-g64", "mxfp4", "mxfp8", "nvfp4",
+)
+
+
+def _hint(s: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(s, EXAMPLE_SPECS, n=3, cutoff=0.5)
+    tail = f"did you mean {', '.join(close)}? " if close else ""
+    return tail + "examples: int4-g128, int8, int4-g64-asym, fp8-e4m3, nf4-g64, mxfp4, nvfp4, bf16"
