@@ -1,0 +1,167 @@
+"""Quantise and dequantise a 2-D weight (rows = output channels, cols = input features) for any Format.
+
+Three steps that methods can use separately (GPTQ picks its codes column by column with fixed scales):
+
+    scale, zero = compute_scales(w2d, fmt)          # (rows, n_groups), zero None when symmetric
+    codes = quantize_codes(w2d, scale, zero, fmt)   # uint8 (rows, cols), unpacked
+    w_hat = dequantize_codes(codes, scale, zero, fmt)
+
+Scales are returned as float32 values already rounded to the precision they are stored in (fp16, bf16,
+E8M0 powers of two, E4M3 block scales times the FP32 tensor scale), so codes and dequantisation agree
+exactly with what a `QuantizedTensor` holds.
+
+Integer codes are unsigned: symmetric b-bit codes store q + 2^(b-1) for q in [-L, L], L = 2^(b-1)-1
+(absmax scale s = max|w| / L); asymmetric codes store round(w/s) + z in [0, 2^b-1] with
+s = (max - min) / (2^b - 1), z = round(-min / s) (min-max with the range widened to include 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbits.formats.format import Format, FormatError, parse_format
+from fewbits.formats.grids import (
+    E2M1,
+    E4M3,
+    MINIFLOATS,
+    decode_minifloat,
+    e8m0_exponent,
+    encode_minifloat,
+    nf4_round,
+    nf4_values,
+    round_minifloat,
+)
+
+_TORCH_SCALE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def n_groups(fmt: Format, cols: int) -> int:
+    """Scales per row: cols / group size, 1 per channel (per tensor: one for the whole tensor)."""
+    return cols // fmt.group_size if fmt.granularity == "group" else 1
+
+
+def _grouped(w2d: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """(rows, cols) -> (rows, n_groups, group) for group/channel, (1, 1, rows*cols) per tensor."""
+    rows, cols = w2d.shape
+    if fmt.granularity == "tensor":
+        return w2d.reshape(1, 1, rows * cols)
+    return w2d.reshape(rows, n_groups(fmt, cols), -1)
+
+
+def _expand(s: torch.Tensor, w2d: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Broadcast a (rows, n_groups) tensor of per-group values to (rows, n_groups, group)."""
+    return s.unsqueeze(-1)
+
+
+def elem_max(fmt: Format) -> float:
+    """Largest magnitude of a code of the element grid before scaling."""
+    if fmt.kind == "int":
+        return float(2 ** (fmt.bits - 1) - 1)
+    if fmt.kind in ("fp8", "mxfp8"):
+        return MINIFLOATS[fmt.element].max
+    if fmt.kind in ("fp4", "mxfp4", "nvfp4"):
+        return E2M1.max
+    if fmt.kind == "nf4":
+        return 1.0
+    raise FormatError(f"format {fmt.spec} is not quantised")
+
+
+def round_scale(s: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Round float scales to the precision of `fmt.scale_dtype`; zeros become 1 (all-zero groups)."""
+    if fmt.scale_dtype in _TORCH_SCALE:
+        s = s.to(_TORCH_SCALE[fmt.scale_dtype]).float()
+    elif fmt.scale_dtype == "e4m3":
+        s = round_minifloat(s, E4M3, saturate=True)
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def nvfp4_tensor_scale(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4 per-tensor FP32 scale: amax / (6 * 448), so block scales use E4M3's whole range."""
+    amax = w.detach().abs().max().float()
+    ts = amax / (E2M1.max * E4M3.max)
+    return torch.where(ts == 0, torch.ones_like(ts), ts)
+
+
+def compute_scales(
+    w2d: torch.Tensor, fmt: Format | str, tensor_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scales (and zero points) of round-to-nearest for `w2d`: float32 (rows, n_groups), (1, 1) per tensor.
+
+    Zero points are float32 integers in [0, 2^b-1] for asymmetric integer formats, else None.
+    """
+    fmt = parse_format(fmt)
+    g = _grouped(w2d.detach().float(), fmt)
+    if fmt.kind == "int" and not fmt.symmetric:
+        qmax = 2**fmt.bits - 1
+        lo = g.amin(-1).clamp(max=0)
+        hi = g.amax(-1).clamp(min=0)
+        s = round_scale((hi - lo) / qmax, fmt)
+        z = torch.round(-lo / s).clamp(0, qmax)
+        return s, z
+    amax = g.abs().amax(-1)
+    if fmt.kind in ("mxfp4", "mxfp8"):
+        return torch.exp2(e8m0_exponent(amax, MINIFLOATS[fmt.element])), None
+    if fmt.kind == "nvfp4":
+        ts = nvfp4_tensor_scale(w2d) if tensor_scale is None else tensor_scale.float()
+        block = round_minifloat(amax / E2M1.max / ts, E4M3, saturate=True)
+        block = torch.where(block == 0, torch.ones_like(block), block)
+        return block * ts, None
+    return round_scale(amax / elem_max(fmt), fmt), None
+
+
+def quantize_codes(
+    w2d: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: Format | str
+) -> torch.Tensor:
+    """Codes (uint8, (rows, cols), unpacked) of `w2d` under the given scales and zero points."""
+    fmt = parse_format(fmt)
+    rows, cols = w2d.shape
+    g = _grouped(w2d.detach().float(), fmt)
+    x = g / scale.unsqueeze(-1)  # (rows, n_groups, group)
+    if fmt.kind == "int":
+        if fmt.symmetric:
+            L = 2 ** (fmt.bits - 1) - 1
+            q = torch.round(x).clamp_(-L, L) + 2 ** (fmt.bits - 1)
+        else:
+            q = (torch.round(x) + zero.unsqueeze(-1)).clamp_(0, 2**fmt.bits - 1)
+        codes = q.to(torch.uint8)
+    elif fmt.kind == "nf4":
+        codes = nf4_round(x.clamp(-1, 1))
+    else:
+        elem = MINIFLOATS[fmt.element]
+        codes = encode_minifloat(round_minifloat(x, elem, saturate=True), elem)
+    return codes.reshape(rows, cols)
+
+
+def dequantize_codes(
+    codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, fmt: Format | str,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Float values (rows, cols) of codes under the given scales and zero points."""
+    fmt = parse_format(fmt)
+    rows, cols = codes.shape
+    c = _grouped(codes, fmt)
+    if fmt.kind == "int":
+        off = zero.unsqueeze(-1) if zero is not None else 2 ** (fmt.bits - 1)
+        v = c.float() - off
+    elif fmt.kind == "nf4":
+        v = nf4_values(c)
+    else:
+        v = decode_minifloat(c, MINIFLOATS[fmt.element])
+    return (v * scale.unsqueeze(-1)).reshape(rows, cols).to(dtype)
+
+
+def as_2d(x: torch.Tensor) -> torch.Tensor:
+    """View any tensor as (rows, last dim); a 1-D tensor is one row."""
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 1 else x.reshape(1, -1)
+
+
+def fake_quantize(w: torch.Tensor, fmt: Format | str) -> torch.Tensor:
+    """Round-to-nearest quantise then dequantise; same shape and dtype as `w`."""
+    fmt = parse_format(fmt)
+    if not fmt.is_quantized:
+        return w.to(_TORCH_SCALE.get(fmt.element, torch.float32)).to(w.dtype)
+    fmt.check_shape(tuple(w.shape))
+    w2d = as_2d(w)
+    scale, zero = compute_scales(w2d, fmt)
+    codes = quantize_codes(w2d, scale, zero, fmt)
+    return dequantize_codes(codes, scale, zero, fmt, dtype=w.dtype).reshape(w.shape)
