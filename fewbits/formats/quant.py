@@ -90,15 +90,15 @@ def compute_scales(
     Zero points are float32 integers in [0, 2^b-1] for asymmetric integer formats, else None.
     """
     fmt = parse_format(fmt)
-    g = _grouped(w2d.detach().float(), fmt)
+    g = _grouped(w2d.detach(), fmt)  # reductions run in the input dtype; only their results are cast
+    lo = g.amin(-1).float().clamp(max=0)
+    hi = g.amax(-1).float().clamp(min=0)
     if fmt.kind == "int" and not fmt.symmetric:
         qmax = 2**fmt.bits - 1
-        lo = g.amin(-1).clamp(max=0)
-        hi = g.amax(-1).clamp(min=0)
         s = round_scale((hi - lo) / qmax, fmt)
         z = torch.round(-lo / s).clamp(0, qmax)
         return s, z
-    amax = g.abs().amax(-1)
+    amax = torch.maximum(hi, -lo)
     if fmt.kind in ("mxfp4", "mxfp8"):
         return torch.exp2(e8m0_exponent(amax, MINIFLOATS[fmt.element])), None
     if fmt.kind == "nvfp4":
@@ -115,15 +115,16 @@ def quantize_codes(
     """Codes (uint8, (rows, cols), unpacked) of `w2d` under the given scales and zero points."""
     fmt = parse_format(fmt)
     rows, cols = w2d.shape
-    g = _grouped(w2d.detach().float(), fmt)
-    x = g / scale.unsqueeze(-1)  # (rows, n_groups, group)
+    g = _grouped(w2d.detach(), fmt)
+    x = g / scale.unsqueeze(-1)  # (rows, n_groups, group), float32
     if fmt.kind == "int":
+        torch.round(x, out=x)
         if fmt.symmetric:
             L = 2 ** (fmt.bits - 1) - 1
-            q = torch.round(x).clamp_(-L, L) + 2 ** (fmt.bits - 1)
+            x.clamp_(-L, L).add_(2 ** (fmt.bits - 1))
         else:
-            q = (torch.round(x) + zero.unsqueeze(-1)).clamp_(0, 2**fmt.bits - 1)
-        codes = q.to(torch.uint8)
+            x.add_(zero.unsqueeze(-1)).clamp_(0, 2**fmt.bits - 1)
+        codes = x.to(torch.uint8)
     elif fmt.kind == "nf4":
         codes = nf4_round(x.clamp(-1, 1))
     else:
@@ -141,13 +142,13 @@ def dequantize_codes(
     rows, cols = codes.shape
     c = _grouped(codes, fmt)
     if fmt.kind == "int":
-        off = zero.unsqueeze(-1) if zero is not None else 2 ** (fmt.bits - 1)
-        v = c.float() - off
+        v = c.float()
+        v.sub_(zero.unsqueeze(-1) if zero is not None else 2 ** (fmt.bits - 1))
     elif fmt.kind == "nf4":
         v = nf4_values(c)
     else:
         v = decode_minifloat(c, MINIFLOATS[fmt.element])
-    return (v * scale.unsqueeze(-1)).reshape(rows, cols).to(dtype)
+    return v.mul_(scale.unsqueeze(-1)).reshape(rows, cols).to(dtype)
 
 
 def as_2d(x: torch.Tensor) -> torch.Tensor:
