@@ -29,7 +29,7 @@ Kind = Literal["float", "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4"]
 Granularity = Literal["none", "tensor", "channel", "group"]
 
 #: storage bits of each scale dtype
-SCALE_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3": 8}
+SCALE_BITS = {"fp64": 64, "fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3": 8}
 #: element encodings of the floating kinds (exponent bits, mantissa bits)
 FLOAT_KINDS = {"bf16": 16, "fp16": 16, "fp32": 32}
 ELEMENTS = {"e4m3", "e5m2"}
@@ -203,7 +203,7 @@ class Format:
 
 
 # ---------------------------------------------------------------------- parsing
-_SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp32|fp16|bf16))$")
+_SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp64|fp32|fp16|bf16))$")
 
 
 def parse_format(spec: str | Format) -> Format:

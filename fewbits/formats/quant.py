@@ -32,7 +32,12 @@ from fewbits.formats.grids import (
     round_minifloat,
 )
 
-_TORCH_SCALE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_TORCH_SCALE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 inputs are computed in float64 (exact reference experiments), everything else in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def n_groups(fmt: Format, cols: int) -> int:
@@ -69,7 +74,7 @@ def elem_max(fmt: Format) -> float:
 def round_scale(s: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Round float scales to the precision of `fmt.scale_dtype`; zeros become 1 (all-zero groups)."""
     if fmt.scale_dtype in _TORCH_SCALE:
-        s = s.to(_TORCH_SCALE[fmt.scale_dtype]).float()
+        s = s.to(_TORCH_SCALE[fmt.scale_dtype]).to(_work_dtype(s))
     elif fmt.scale_dtype == "e4m3":
         s = round_minifloat(s, E4M3, saturate=True)
     return torch.where(s == 0, torch.ones_like(s), s)
@@ -91,8 +96,9 @@ def compute_scales(
     """
     fmt = parse_format(fmt)
     g = _grouped(w2d.detach(), fmt)  # reductions run in the input dtype; only their results are cast
-    lo = g.amin(-1).float().clamp(max=0)
-    hi = g.amax(-1).float().clamp(min=0)
+    wd = _work_dtype(w2d)
+    lo = g.amin(-1).to(wd).clamp(max=0)
+    hi = g.amax(-1).to(wd).clamp(min=0)
     if fmt.kind == "int" and not fmt.symmetric:
         qmax = 2**fmt.bits - 1
         s = round_scale((hi - lo) / qmax, fmt)
@@ -116,7 +122,7 @@ def quantize_codes(
     fmt = parse_format(fmt)
     rows, cols = w2d.shape
     g = _grouped(w2d.detach(), fmt)
-    x = g / scale.unsqueeze(-1)  # (rows, n_groups, group), float32
+    x = g.to(_work_dtype(g)) / scale.unsqueeze(-1)  # (rows, n_groups, group)
     if fmt.kind == "int":
         torch.round(x, out=x)
         if fmt.symmetric:
@@ -142,7 +148,7 @@ def dequantize_codes(
     rows, cols = codes.shape
     c = _grouped(codes, fmt)
     if fmt.kind == "int":
-        v = c.float()
+        v = c.to(scale.dtype if scale.dtype == torch.float64 else torch.float32)
         v.sub_(zero.unsqueeze(-1) if zero is not None else 2 ** (fmt.bits - 1))
     elif fmt.kind == "nf4":
         v = nf4_values(c)

@@ -1,0 +1,52 @@
+"""`fewbits formats`: the format specs and what each stores per weight."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from fewbits.formats.format import EXAMPLE_SPECS, FormatError, parse_format
+
+_KIND = {
+    "float": "no quantisation",
+    "int": "integer codes, absmax (or min-max with -asym)",
+    "fp8": "OCP 8-bit float codes",
+    "fp4": "E2M1 codes",
+    "nf4": "NormalFloat-4 codes",
+    "mxfp4": "OCP MX: E2M1, E8M0 block scale",
+    "mxfp8": "OCP MX: E4M3, E8M0 block scale",
+    "nvfp4": "E2M1, E4M3 block scale + FP32 tensor scale",
+}
+
+
+@click.command("formats")
+@click.argument("specs", nargs=-1)
+@click.option("--shape", default="4096x4096", show_default=True,
+              help="Weight shape OUTxIN for the exact bits per weight (per-channel scales depend on it).")
+@click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
+def formats(specs: tuple[str, ...], shape: str, as_json: bool) -> None:
+    """List format specs with their bits per weight (codes + scales + zero points).
+
+    With SPECS, describe those instead of the built-in list.  Grammar: bf16 | fp16 | fp32 |
+    int{2..8}[-t|-g{N}][-asym] | fp8-e4m3 | fp8-e5m2 [-t|-g{N}] | fp4-g{N} | nf4-g{N} | mxfp4 | mxfp8 | nvfp4,
+    and -s{fp32,fp16,bf16} to change the scale dtype.
+    """
+    try:
+        dims = tuple(int(d) for d in shape.lower().split("x"))
+        fmts = [parse_format(s) for s in (specs or EXAMPLE_SPECS)]
+        rows = [(f, f.bits_per_weight(dims)) for f in fmts]
+    except (ValueError, FormatError) as e:
+        raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps([{**f.to_dict(), "bits_per_weight": b, "shape": list(dims)} for f, b in rows], indent=2))
+        return
+    click.echo(f"{'format':<16} {'bits/weight':>11}  {'scale':<14} stores  (shape {shape})")
+    for f, b in rows:
+        if f.kind == "float":
+            scale = "-"
+        elif f.granularity == "group":
+            scale = f"{f.scale_dtype}/{f.group_size}"
+        else:
+            scale = f"{f.scale_dtype}/{f.granularity}"
+        click.echo(f"{f.spec:<16} {b:11.4f}  {scale:<14} {_KIND[f.kind]}")
