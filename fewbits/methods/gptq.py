@@ -1,0 +1,203 @@
+"""GPTQ (Frantar, Ashkboos, Hoefler, Alistarh 2022, "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers").
+
+Quantise the columns of W one at a time; after rounding column q, spread its error over the columns not
+yet quantised so that the layer output on the calibration inputs X moves as little as possible
+(Optimal Brain Surgeon update with H = 2 X X^T):
+
+    delta_F = -(w_q - quant(w_q)) / [H_F^-1]_qq * (H_F^-1)_{:,q}           (paper eq. 2)
+
+Algorithm 1 of the paper: the rows of the upper Cholesky factor U of H^-1 (H^-1 = U^T U) give every
+[H_F^-1] needed; updates are applied lazily, one block of B columns at a time (eq. 4).
+
+Deviations and additions:
+* Damping lambda = damp * mean(diag H) (default 1 %); when the Cholesky factorisation fails, damping is
+  multiplied by 10 and retried, with a log line; after `max_tries` the layer falls back to
+  round-to-nearest (logged, never a crash, never NaN).
+* Dead input columns (zero Hessian diagonal, never excited by the data) keep their weights and are
+  rounded to nearest (the reference code zeroes them, which loses them for inputs calibration missed).
+* Groups: with `static_groups` (forced by act-order) group scales come from the original W, so codes
+  keep their column order and no index permutation has to be stored; otherwise each group's scale is
+  taken from the already-updated weights when quantisation reaches the group (block size is rounded up
+  to a multiple of the group size so a group lies inside one lazy block and is fully up to date).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fewbits.formats.format import Format
+from fewbits.formats.quant import compute_scales
+from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
+from fewbits.methods.rtn import rtn_quantize
+
+log = logging.getLogger("fewbits.gptq")
+
+
+def inverse_hessian_factor(
+    hessian: torch.Tensor, damp: float = 0.01, max_tries: int = 6, name: str = "layer"
+) -> tuple[torch.Tensor, float] | None:
+    """Upper Cholesky factor U of (H + lambda I)^-1 with lambda = damp * mean(diag H), and the damp used.
+
+    Damping is raised tenfold after every failed factorisation (logged); None after `max_tries`.
+    """
+    H = hessian.double()
+    n = H.shape[0]
+    mean_diag = torch.diag(H).mean().clamp_min(1e-12)
+    eye = torch.eye(n, dtype=H.dtype)
+    ratio = damp
+    for _ in range(max_tries):
+        L, info = torch.linalg.cholesky_ex(H + ratio * mean_diag * eye)
+        if int(info) == 0:
+            U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if int(info2) == 0 and torch.isfinite(U).all():
+                return U.float(), ratio
+        log.warning("%s: Hessian is not positive definite with damping %.3g of its mean diagonal; "
+                    "retrying with %.3g", name, ratio, ratio * 10)
+        ratio *= 10
+    return None
+
+
+def _int_range(fmt: Format) -> tuple[int, int, int]:
+    """(lowest, highest) rounded value and the offset that turns it into a stored code."""
+    if fmt.symmetric:
+        L = 2 ** (fmt.bits - 1) - 1
+        return -L, L, 2 ** (fmt.bits - 1)
+    return 0, 2**fmt.bits - 1, 0
+
+
+def gptq_quantize(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    fmt: Format | str,
+    *,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = False,
+    static_groups: bool = False,
+    max_tries: int = 6,
+    name: str = "weight",
+) -> QuantResult:
+    """GPTQ codes for a weight (rows, cols) given the Hessian (cols, cols) of its inputs (X^T X up to scale).
+
+    Returns codes, scales and zero points in the layout of `fewbits.formats.quant`; `info` holds the
+    damping used, the OBS loss sum (w - q)^2 / [H^-1]_qq and whether the layer fell back to RTN.
+    """
+    fmt = check_method_format("gptq", fmt)
+    if w.dim() != 2:
+        raise MethodError(f"{name}: GPTQ expects a 2-D weight, got shape {tuple(w.shape)}")
+    rows, cols = w.shape
+    fmt.check_shape((rows, cols), name)
+    if tuple(hessian.shape) != (cols, cols):
+        raise MethodError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match {cols} input columns")
+    if not torch.isfinite(hessian).all():
+        raise MethodError(f"{name}: Hessian contains NaN or inf (were the calibration activations finite?)")
+    W = w.detach().float().clone()
+    if not torch.isfinite(W).all():
+        raise MethodError(f"{name}: weight of shape {(rows, cols)} contains NaN or inf")
+    H = hessian.detach().float().clone()
+    dead = torch.diag(H) <= 0
+    if bool(dead.all()):
+        log.warning("%s: calibration never reached this layer (Hessian is zero); using round-to-nearest", name)
+        res = rtn_quantize(W, fmt, name)
+        res.info.update(method="gptq", fallback="rtn: no calibration data")
+        return res
+    if dead.any():
+        H[dead, :] = 0
+        H[:, dead] = 0
+        H[dead, dead] = torch.diag(H)[~dead].mean()
+
+    grouped = fmt.granularity == "group"
+    g = fmt.group_size if grouped else cols
+    static = (not grouped) or static_groups or act_order
+    scale = zero = None
+    if static:
+        scale, zero = compute_scales(W, fmt)  # (rows, n_groups) from the original weights
+        if fmt.granularity == "tensor":  # broadcast the single scale to every row
+            scale = scale.expand(rows, 1).contiguous()
+            zero = zero.expand(rows, 1).contiguous() if zero is not None else None
+    else:
+        scale = torch.zeros(rows, cols // g)
+        zero = torch.zeros(rows, cols // g) if not fmt.symmetric else None
+
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols)
+    W = W[:, perm]
+    H = H[perm][:, perm]
+    fac = inverse_hessian_factor(H, damp, max_tries, name)
+    if fac is None:
+        log.warning("%s: Hessian stayed singular after %d damping increases; using round-to-nearest",
+                    name, max_tries)
+        res = rtn_quantize(w, fmt, name)
+        res.info.update(method="gptq", fallback="rtn: Hessian not positive definite")
+        return res
+    U, damp_used = fac
+    cfmt = column_format(fmt)
+    block = block_size if not grouped else max(g, -(-block_size // g) * g)
+    group_of = (perm // g) if static else None  # static group index of every permuted column
+    if static:  # per permuted column: its scale and zero point, (rows, cols)
+        col_scale = scale[:, group_of]
+        col_zero = zero[:, group_of] if zero is not None else None
+    qlo, qhi, off = _int_range(fmt)
+    qcodes = torch.zeros(rows, cols)
+    losses = torch.zeros(rows)
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = U[i1:i2, i1:i2]
+        if static:
+            S1 = col_scale[:, i1:i2]
+            Z1 = col_zero[:, i1:i2] if col_zero is not None else None
+        else:
+            S1 = torch.empty_like(W1)
+            Z1 = torch.zeros_like(W1) if zero is not None else None
+        for i in range(i2 - i1):
+            j = i1 + i
+            if not static and j % g == 0:  # a new group: scales from the current (updated) weights
+                s_, z_ = compute_scales(W1[:, i:i + g], cfmt)
+                scale[:, j // g] = s_[:, 0]
+                S1[:, i:i + g] = s_
+                if zero is not None:
+                    zero[:, j // g] = z_[:, 0]
+                    Z1[:, i:i + g] = z_
+            col = W1[:, i]
+            s = S1[:, i]
+            # the integer grid of fewbits.formats.quant (same float operations, so the same codes)
+            if Z1 is None:
+                q = torch.round(col / s).clamp_(qlo, qhi)
+                deq = q * s
+            else:
+                z = Z1[:, i]
+                q = (torch.round(col / s) + z).clamp_(qlo, qhi)
+                deq = (q - z) * s
+            Q1[:, i] = q
+            d = Hinv1[i, i]
+            diff = col - deq
+            losses += diff**2 / d**2 / 2
+            err = diff / d
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        qcodes[:, i1:i2] = Q1
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    codes = (qcodes + off).to(torch.uint8)
+    inv = torch.argsort(perm)
+    codes = codes[:, inv]
+    if fmt.granularity == "tensor":
+        scale, zero = scale[:1], (zero[:1] if zero is not None else None)
+    res = QuantResult(codes, scale, zero, fmt,
+                      {"method": "gptq", "damp": damp_used, "loss": float(losses.sum()),
+                       "act_order": act_order, "dead_columns": int(dead.sum())})
+    if not torch.isfinite(res.dequantize()).all():  # cannot happen with finite inputs; stay safe anyway
+        log.warning("%s: GPTQ produced non-finite values; using round-to-nearest", name)
+        res = rtn_quantize(w, fmt, name)
+        res.info.update(method="gptq", fallback="rtn: non-finite result")
+    return res
+
+
+def layer_output_error(w: torch.Tensor, w_hat: torch.Tensor, x: torch.Tensor) -> float:
+    """Relative output error ||X W_hat^T - X W^T|| / ||X W^T|| over captured inputs X (tokens, cols)."""
+    ref = x.float() @ w.float().T
+    return float((x.float() @ w_hat.float().T - ref).norm() / ref.norm().clamp_min(1e-30))

@@ -1,0 +1,95 @@
+"""HQQ: half-quadratic quantisation (Badri and Shaji 2023, "Half-Quadratic Quantization of Large
+Machine Learning Models").  Calibration-free.
+
+Instead of minimising the squared weight error, minimise a sparsity-promoting l_p norm (p < 1) of it,
+which tolerates the few large errors of outliers and fits the bulk better:
+
+    min_{z, W_e}  ||W_e||_p^p + beta/2 ||W_e - (W - Q_z^-1(Q_z(W)))||_2^2
+
+solved by alternating (half-quadratic splitting), with beta growing by kappa each step:
+    W_e <- shrink_p(W - Q_z^-1(Q_z(W)), beta),  shrink_p(x) = sign(x) relu(|x| - |x|^(p-1) / beta)
+    z   <- mean_group(W_q - (W - W_e) / s)                                  (closed form)
+Defaults p = 0.7, beta = 10, kappa = 1.01, 20 iterations; the best iterate (mean |W - W_hat|) is kept.
+
+Storage constraint of fewbits: zero points are stored as integers (with the code width), so after the
+iterations the zero point is rounded and the scale refitted in closed form to the same target,
+s = <W_q - z, W - W_e> / ||W_q - z||^2.  Symmetric formats (no zero point) optimise the scale that way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbits.formats.format import Format
+from fewbits.formats.quant import compute_scales, quantize_codes, round_scale
+from fewbits.methods.common import QuantResult, check_method_format
+
+
+def shrink_lp(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
+    """Generalised soft-thresholding: the proximal operator of the l_p (p < 1) penalty."""
+    return torch.sign(x) * torch.relu(x.abs() - x.abs().clamp_min(1e-12).pow(p - 1) / beta)
+
+
+def _codes(W: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, fmt: Format) -> torch.Tensor:
+    if z is None:
+        L = 2 ** (fmt.bits - 1) - 1
+        return torch.round(W / s).clamp(-L, L)
+    return (torch.round(W / s) + z).clamp(0, 2**fmt.bits - 1)
+
+
+def _deq(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
+    return (q - z) * s if z is not None else q * s
+
+
+def _refit_scale(q: torch.Tensor, z: torch.Tensor | None, target: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    v = q - z if z is not None else q
+    den = (v * v).sum(-1, keepdim=True)
+    new = (v * target).sum(-1, keepdim=True) / den.clamp_min(1e-12)
+    return torch.where((den > 0) & (new > 0), new, s)
+
+
+def hqq_quantize(
+    w: torch.Tensor, fmt: Format | str, *, iters: int = 20, p: float = 0.7, beta: float = 10.0,
+    kappa: float = 1.01, name: str = "weight",
+) -> QuantResult:
+    """HQQ codes, scales and zero points for a weight (rows, cols) in an integer format."""
+    fmt = check_method_format("hqq", fmt)
+    if w.dim() != 2:
+        raise ValueError(f"{name}: hqq expects a 2-D weight, got shape {tuple(w.shape)}")
+    fmt.check_shape(tuple(w.shape), name)
+    w = w.detach().float()
+    if not torch.isfinite(w).all():
+        raise ValueError(f"{name}: weight of shape {tuple(w.shape)} contains NaN or inf")
+    rows, cols = w.shape
+    scale0, zero0 = compute_scales(w, fmt)
+    shape_s = scale0.shape
+    W = w.reshape(shape_s[0] * shape_s[1], -1)  # one row per group: (rows * n_groups, group)
+    s = scale0.reshape(-1, 1).clone()
+    z = zero0.reshape(-1, 1).clone() if zero0 is not None else None
+    best = (s.clone(), None if z is None else z.clone())
+    best_err = float("inf")
+    for _ in range(iters):
+        q = _codes(W, s, z, fmt)
+        r = W - _deq(q, s, z)
+        err = float(r.abs().mean())
+        if err < best_err:
+            best_err, best = err, (s.clone(), None if z is None else z.clone())
+        elif err > best_err * 1.0001:
+            break
+        target = W - shrink_lp(r, beta, p)
+        if z is not None:
+            z = (q - target / s).mean(-1, keepdim=True)
+        else:
+            s = _refit_scale(q, None, target, s)
+        beta *= kappa
+    s, z = best
+    # storage: integer zero points, then the scale refitted (least squares) and rounded to its dtype
+    if z is not None:
+        z = torch.round(z).clamp(0, 2**fmt.bits - 1)
+        q = _codes(W, s, z, fmt)
+        target = W - shrink_lp(W - _deq(q, s, z), beta, p)
+        s = _refit_scale(q, z, target, s)
+    s = round_scale(s, fmt).reshape(shape_s)
+    z = z.reshape(shape_s) if z is not None else None
+    codes = quantize_codes(w, s, z, fmt)
+    return QuantResult(codes, s, z, fmt, {"method": "hqq", "l1_error": best_err})
