@@ -1,0 +1,307 @@
+"""The one orchestrator: quantise a whole model with a recipe, save it, load it again.
+
+Methods plug in through `METHODS`, an explicit table of name -> `MethodEntry` ("module:function",
+whether it needs calibration data).  A method runner has the signature
+
+    runner(model, layers, data, commit, progress) -> dict | None
+
+- `layers`: the `LayerPlan`s (action "quantize") this method must handle, in module order;
+- `data`: calibration token ids (n_samples, seq_len) LongTensor, or None;
+- `commit(name, q)`: hands over one finished layer: a `QuantizedTensor` (wrapped in a QuantLinear that
+  keeps the old bias) or a ready `nn.Module`; the full-precision weight is released at once, so a
+  runner that commits each layer as soon as it is done never holds two copies of the weights;
+- the returned dict (JSON-able) lands in the report under "method_info".
+Every planned layer must be committed exactly once; `quantize` checks that.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fewbits.formats.format import FormatError
+from fewbits.models.qlinear import PREFIX as QPREFIX
+from fewbits.models.qlinear import KernelChooser, QuantLinear
+from fewbits.models.recipe import LayerPlan, Recipe, RecipeError
+from fewbits.models.swap import linear_shapes, model_nbytes, swap_in
+from fewbits.tensor import QuantizedTensor, quantize_tensor
+
+Commit = Callable[[str, "QuantizedTensor | nn.Module"], None]
+MethodRunner = Callable[[nn.Module, Sequence[LayerPlan], "torch.Tensor | None", Commit, bool], "dict | None"]
+
+
+@dataclass(frozen=True)
+class MethodEntry:
+    target: str  # "module:function" of a MethodRunner
+    needs_data: bool = False
+
+    def load(self) -> MethodRunner:
+        module, attr = self.target.split(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+def run_rtn(model: nn.Module, layers: Sequence[LayerPlan], data: torch.Tensor | None, commit: Commit,
+            progress: bool = True) -> dict[str, Any]:
+    """Round-to-nearest, one layer at a time: quantise, commit (frees the weight), next."""
+    for plan in tqdm(layers, desc="rtn", unit="layer", disable=not progress, leave=False):
+        w = model.get_submodule(plan.name).weight.detach()  # (out, in)
+        commit(plan.name, quantize_tensor(w, plan.format, name=plan.name))
+    return {}
+
+
+#: method name -> runner; add a method with one line here
+METHODS: dict[str, MethodEntry] = {
+    "rtn": MethodEntry("fewbits.api:run_rtn", needs_data=False),
+}
+
+
+class QuantizeError(RecipeError):
+    """A model and recipe that cannot be quantised together (nothing has been changed)."""
+
+
+@dataclass
+class QuantizeReport:
+    """What `quantize` did: sizes before/after, and every linear layer's fate."""
+
+    size_before: int
+    size_after: int
+    layers: list[dict[str, Any]]
+    seconds: float
+    recipe: dict[str, Any]
+    method_info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantized_layers(self) -> list[dict[str, Any]]:
+        return [r for r in self.layers if r["action"] == "quantize"]
+
+    @property
+    def bits_per_weight(self) -> float | None:
+        """Stored bits per weight over the quantised linear layers (scales and zeros included)."""
+        q = self.quantized_layers
+        n = sum(r["shape"][0] * r["shape"][1] for r in q)
+        return 8 * sum(r["bytes_after"] for r in q) / n if n else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size_before": self.size_before, "size_after": self.size_after, "seconds": self.seconds,
+                "bits_per_weight": self.bits_per_weight, "recipe": self.recipe, "layers": self.layers,
+                "method_info": self.method_info}
+
+    def text(self, max_lines: int = 12) -> str:
+        """Sizes, counts per action and format, and every layer that was not treated as asked."""
+        by: dict[str, int] = {}
+        for r in self.layers:
+            key = f"{r['action']} {r['format'] or '16-bit'}" + (f" ({r['method']})" if r["method"] else "")
+            by[key] = by.get(key, 0) + 1
+        ratio = self.size_before / self.size_after if self.size_after else float("nan")
+        bpw = self.bits_per_weight
+        lines = [f"model size: {self.size_before:,} bytes -> {self.size_after:,} bytes ({ratio:.2f}x smaller)"
+                 + (f"; quantised linears {bpw:.3f} bits/weight" if bpw else ""),
+                 "layers: " + ", ".join(f"{n} {k}" for k, n in by.items())]
+        special = [r for r in self.layers if r["note"] and r["note"] not in ("ignore list", "no rule matches")]
+        for r in special[:max_lines]:
+            lines.append(f"  {r['name']}: {r['note']}")
+        if len(special) > max_lines:
+            lines.append(f"  ... and {len(special) - max_lines} more")
+        ignored = [r["name"] for r in self.layers if r["action"] == "ignore"]
+        if ignored:
+            more = " ..." if len(ignored) > 6 else ""
+            lines.append(f"  16-bit (ignore list / no rule): {', '.join(ignored[:6])}{more}")
+        return "\n".join(lines)
+
+
+def plan_model(model: nn.Module, recipe: Recipe) -> list[LayerPlan]:
+    """The recipe's plan for this model; raises before anything changes (misfits, unknown methods)."""
+    plans = recipe.plan(linear_shapes(model))
+    unknown = sorted({p.method for p in plans if p.action == "quantize" and p.method not in METHODS})
+    if unknown:
+        raise QuantizeError(f"unknown method(s) {', '.join(unknown)}; available: {', '.join(METHODS)}")
+    return plans
+
+
+def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None = None, progress: bool = True,
+             chooser: KernelChooser | None = None) -> QuantizeReport:
+    """Quantise `model` in place with `recipe` (or a format spec such as "int4-g64").
+
+    Every layer is planned first (a misfit or unknown method raises before any layer changes); then
+    each method's runner quantises its layers one at a time.  Returns a `QuantizeReport`.
+    """
+    if isinstance(recipe, str):
+        recipe = Recipe.from_format(recipe)
+    t0 = time.perf_counter()
+    plans = plan_model(model, recipe)
+    todo = [p for p in plans if p.action == "quantize"]
+    for method in dict.fromkeys(p.method for p in todo):
+        if METHODS[method].needs_data and data is None:
+            raise QuantizeError(f"method {method} needs calibration data (token ids); none was given")
+    size_before = model_nbytes(model)
+    before = {p.name: _weight_bytes(model.get_submodule(p.name)) for p in plans}
+    after: dict[str, int] = {}
+    planned = {p.name: p for p in todo}
+
+    def commit(name: str, q: QuantizedTensor | nn.Module) -> None:
+        if name not in planned:
+            raise QuantizeError(f"layer {name} was not planned for quantisation")
+        if name in after:
+            raise QuantizeError(f"layer {name} was committed twice")
+        new = swap_in(model, name, q, chooser)
+        after[name] = q.nbytes if isinstance(q, QuantizedTensor) else model_nbytes(new)
+
+    info: dict[str, Any] = {}
+    for method in dict.fromkeys(p.method for p in todo):
+        layers = [p for p in todo if p.method == method]
+        out = METHODS[method].load()(model, layers, data, commit, progress)
+        if out:
+            info[method] = out
+    missing = [p.name for p in todo if p.name not in after]
+    if missing:
+        raise QuantizeError(f"method(s) did not quantise {len(missing)} planned layer(s): {', '.join(missing[:8])}")
+    rows = [{"name": p.name, "shape": list(p.shape), "action": p.action, "format": p.format, "method": p.method,
+             "note": p.note, "bytes_before": before[p.name], "bytes_after": after.get(p.name, before[p.name])}
+            for p in plans]
+    return QuantizeReport(size_before, model_nbytes(model), rows, time.perf_counter() - t0, recipe.to_dict(), info)
+
+
+def _weight_bytes(mod: nn.Module) -> int:
+    w = getattr(mod, "weight", None)
+    return w.numel() * w.element_size() if w is not None else model_nbytes(mod)
+
+
+# ---------------------------------------------------------------------- saving and loading
+SAVED_FORMAT = "fewbits-quantized-model"
+SAVED_VERSION = 1
+WEIGHTS_FILE = "model.safetensors"
+META_FILE = "fewbits.json"
+
+
+class SavedModelError(ValueError):
+    """A saved quantised model directory that cannot be read (missing or corrupt files)."""
+
+
+def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.PathLike[str], tokenizer: Any = None,
+                         report: QuantizeReport | None = None, source: str | None = None,
+                         overwrite: bool = False) -> Path:
+    """Write `model` (after `quantize`) to `out_dir`: config.json, tokenizer files, model.safetensors
+    (every parameter and packed buffer, tied weights once) and fewbits.json (versioned: recipe,
+    per-layer format metadata, sizes).  Written in a temporary directory beside `out_dir`, then
+    renamed into place; an existing `out_dir` is replaced only with `overwrite=True`."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    tensors, aliases = _dedup_state(model)
+    layers = {n: m.qweight_meta for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    dtypes = {str(t.dtype) for n, t in model.named_parameters()}
+    meta = {"format": SAVED_FORMAT, "version": SAVED_VERSION, "model_class": type(model).__name__,
+            "dtype": str(next(iter(model.parameters())).dtype).removeprefix("torch.") if dtypes else "float32",
+            "source": source, "recipe": recipe.to_dict(), "quantized_layers": layers, "tied": aliases,
+            "size_bytes": model_nbytes(model), "report": report.to_dict() if report is not None else None}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
+    try:
+        model.config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE,
+                  metadata={"fewbits": json.dumps({"format": SAVED_FORMAT, "version": SAVED_VERSION})})
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """state_dict with each storage once; aliases maps a dropped name to the name kept."""
+    kept: dict[str, torch.Tensor] = {}
+    first: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    aliases: dict[str, str] = {}
+    for k, v in model.state_dict().items():
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else (id(v), 0, ())
+        if key in first:
+            aliases[k] = first[key]
+        else:
+            first[key] = k
+            kept[k] = v
+    return kept, aliases
+
+
+def read_saved_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """fewbits.json of a saved model directory, checked for format and version."""
+    d = Path(path)
+    if not d.is_dir():
+        raise SavedModelError(f"{d}: no such directory")
+    mf = d / META_FILE
+    if not mf.is_file():
+        raise SavedModelError(f"{d}: {META_FILE} is missing; not a model saved by fewbits")
+    try:
+        meta = json.loads(mf.read_text())
+    except json.JSONDecodeError as e:
+        raise SavedModelError(f"{mf}: corrupt metadata ({e})") from None
+    if meta.get("format") != SAVED_FORMAT or meta.get("version") != SAVED_VERSION:
+        raise SavedModelError(f"{mf}: format {meta.get('format')!r} version {meta.get('version')!r} is not "
+                              f"{SAVED_FORMAT!r} version {SAVED_VERSION}")
+    return meta
+
+
+def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | None = None
+                         ) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Read a directory written by `save_quantized_model` -> (model in eval mode, tokenizer or None, meta)."""
+    import transformers
+    from safetensors import safe_open
+    from transformers.initialization import no_init_weights
+
+    d = Path(path)
+    meta = read_saved_meta(d)
+    wf = d / WEIGHTS_FILE
+    if not wf.is_file():
+        raise SavedModelError(f"{d}: weight file {WEIGHTS_FILE} is missing")
+    try:
+        with safe_open(str(wf), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own types for truncated or garbled files
+        raise SavedModelError(f"{wf}: corrupt weight file ({e})") from e
+    config = transformers.AutoConfig.from_pretrained(d)
+    cls = getattr(transformers, meta["model_class"], None)
+    if cls is None:
+        raise SavedModelError(f"{d}: model class {meta['model_class']!r} is not known to transformers")
+    with no_init_weights():
+        model = cls._from_config(config, dtype=getattr(torch, meta["dtype"]))
+    for name, qmeta in meta["quantized_layers"].items():
+        try:
+            qt = QuantizedTensor.from_state_dict(tensors, f"{name}.{QPREFIX}", qmeta)
+        except (FormatError, KeyError) as e:
+            raise SavedModelError(f"{wf}: layer {name}: {e}") from e
+        swap_in(model, name, qt, chooser)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if k not in meta.get("tied", {})]
+    if missing or unexpected:
+        raise SavedModelError(f"{wf}: does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if meta.get("tied"):
+        state = model.state_dict()
+        for alias, name in meta["tied"].items():
+            if state[alias].data_ptr() != state[name].data_ptr():
+                state[alias].copy_(state[name])  # the architecture did not tie them itself
+    tokenizer = None
+    if any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(d)
+    return model.eval(), tokenizer, meta

@@ -1,0 +1,112 @@
+"""Results as a plain-text table, JSON, a plot (KL against bits per weight) and a markdown report.
+
+A result row is a plain dict:
+    {"method": "rtn", "format": "int4-g64", "bits_per_weight": 4.25, "size_bytes": ..., "ref_size_bytes": ...,
+     "overall": {ppl, ref_ppl, delta_ppl, kl_mean, kl_p99, top1, tokens, windows}, "categories": {cat: {...}}}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPORT_VERSION = 1
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table_text(rows: Sequence[Mapping[str, Any]], ref_row: Mapping[str, Any] | None = None) -> str:
+    """One line per result: size, perplexity, KL mean / p99, top-1, and KL per category."""
+    cats = sorted({c for r in rows for c in r.get("categories", {})})
+    head = (f"{'method':<8} {'format':<11} {'bits/w':>6} {'size MB':>8} {'ppl':>8} {'d ppl':>7} "
+            f"{'KL mean':>8} {'KL p99':>7} {'top-1':>6}" + "".join(f" {'KL ' + c[:9]:>12}" for c in cats))
+    lines = [head, "-" * len(head)]
+    if ref_row is not None:
+        o = ref_row["overall"]
+        lines.append(f"{'ref':<8} {ref_row['format']:<11} {_fmt(ref_row.get('bits_per_weight'), '6.2f')} "
+                     f"{ref_row['size_bytes'] / 1e6:8.1f} {o['ppl']:8.3f} {'':>7} {'0':>8} {'0':>7} {'100%':>6}"
+                     + "".join(f" {'0':>12}" for _ in cats))
+    for r in rows:
+        o = r["overall"]
+        per = "".join(f" {_fmt(r['categories'].get(c, {}).get('kl_mean'), '12.5f')}" for c in cats)
+        lines.append(
+            f"{r['method']:<8} {r['format']:<11} {_fmt(r.get('bits_per_weight'), '6.2f')} "
+            f"{r['size_bytes'] / 1e6:8.1f} {o['ppl']:8.3f} {_fmt(o.get('delta_ppl'), '+7.3f')} "
+            f"{_fmt(o.get('kl_mean'), '8.5f')} {_fmt(o.get('kl_p99'), '7.4f')} "
+            f"{_fmt(100 * o['top1'] if 'top1' in o else None, '5.1f')}%" + per)
+    return "\n".join(lines)
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
+    """Write to a temporary file beside `path`, then rename it over `path`."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: str | os.PathLike[str], results: Mapping[str, Any]) -> None:
+    write_atomic(path, json.dumps({"version": REPORT_VERSION, **results}, indent=2, default=float))
+
+
+def plot_kl_vs_bits(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str], title: str = "") -> None:
+    """Mean KL(ref || quant) against bits per weight, log scale, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.4, 4.2))
+    ax = fig.add_subplot()
+    methods: dict[str, list[Mapping[str, Any]]] = {}
+    for r in rows:
+        methods.setdefault(r["method"], []).append(r)
+    for m, rs in methods.items():
+        rs = sorted(rs, key=lambda r: r["bits_per_weight"])
+        xs = [r["bits_per_weight"] for r in rs]
+        ys = [max(r["overall"]["kl_mean"], 1e-6) for r in rs]
+        ax.plot(xs, ys, marker="o", label=m)
+        for r, x, y in zip(rs, xs, ys, strict=True):
+            ax.annotate(r["format"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight (quantised linear layers, scales included)")
+    ax.set_ylabel("mean KL(ref || quant) per token [nats]")
+    ax.set_title(title or "Quality against size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=p.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def markdown_report(title: str, sections: Sequence[tuple[str, str]], table: str, plot_name: str | None,
+                    protocol: str, notes: Sequence[str] = ()) -> str:
+    """A markdown document: free sections (heading, body), the result table, the plot and notes."""
+    out = [f"# {title}", ""]
+    for head, body in sections:
+        out += [f"## {head}", "", "```", body.rstrip(), "```", ""]
+    out += ["## Quality against the unquantised model", "", protocol, "", "```", table, "```", ""]
+    if plot_name:
+        out += [f"![KL against bits per weight]({plot_name})", ""]
+    if notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(out)

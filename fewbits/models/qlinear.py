@@ -1,0 +1,103 @@
+"""QuantLinear: a linear layer whose weight is stored as a packed `QuantizedTensor`.
+
+The packed tensors (codes, scales, zero points, tensor scale) are registered as buffers named
+``qweight_codes``, ``qweight_scales``, ... so `state_dict()` / `load_state_dict()` see exactly what is
+stored; the format and shape live in `qweight_meta` (JSON-able, the QuantizedTensor's `meta()`).
+
+The matmul runs through `self.kernel`, a callable ``kernel(x, bias) -> y`` prepared once per layer by a
+*chooser* ``chooser(qt) -> kernel``.  The default chooser gives the reference path, dequantise then
+matmul (`reference_linear`); a faster kernel dispatcher is injected by passing another chooser.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fewbits.tensor import QuantizedTensor
+
+PREFIX = "qweight_"
+#: a prepared matmul for one weight: kernel(x, bias) -> y
+LinearKernel = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+#: picks a kernel for a weight (by format, shape, device)
+KernelChooser = Callable[[QuantizedTensor], LinearKernel]
+
+
+def reference_linear(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequantize(qt)^T + bias, computed in the dtype of `x`. x (..., in), qt (out, in) -> (..., out)."""
+    if x.shape[-1] != qt.shape[-1]:
+        raise ValueError(f"input last dimension {x.shape[-1]} does not match weight shape {qt.shape} "
+                         f"(format {qt.fmt.spec})")
+    w = qt.dequantize(torch.float32).to(device=x.device, dtype=x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def reference_chooser(qt: QuantizedTensor) -> LinearKernel:
+    """The default chooser: always the reference path."""
+    return partial(_call_reference, qt)
+
+
+def _call_reference(qt: QuantizedTensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return reference_linear(x, qt, bias)
+
+
+class QuantLinear(nn.Module):
+    """Drop-in replacement for `nn.Linear` holding only the packed weight (and the bias)."""
+
+    def __init__(self, qweight: QuantizedTensor, bias: torch.Tensor | None = None,
+                 chooser: KernelChooser | None = None) -> None:
+        super().__init__()
+        if len(qweight.shape) != 2:
+            raise ValueError(f"QuantLinear needs a 2-D weight (out, in), got shape {qweight.shape}")
+        self.out_features, self.in_features = (int(d) for d in qweight.shape)
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias shape {tuple(bias.shape)} does not match weight shape {qweight.shape}")
+        self.qweight_meta: dict[str, Any] = qweight.meta()
+        for key, t in qweight.state_dict(PREFIX).items():
+            self.register_buffer(key, t)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.chooser: KernelChooser = chooser or reference_chooser
+        self.kernel: LinearKernel = self.chooser(self.qweight)
+
+    @property
+    def qweight(self) -> QuantizedTensor:
+        """The packed weight, built over the current buffers (no copy)."""
+        bufs = {k: b for k, b in self._buffers.items() if b is not None}
+        return QuantizedTensor.from_state_dict(bufs, PREFIX, self.qweight_meta)
+
+    @property
+    def fmt_spec(self) -> str:
+        return self.qweight.fmt.spec
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.qweight.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> QuantLinear:
+        """Moving between devices moves the packed buffers; a dtype cast (model.to(bf16)) never touches them
+        (scales keep their stored dtype, so the stored values stay exact).  The kernel is prepared again."""
+        orig = {k: b for k, b in self._buffers.items() if b is not None}
+        super()._apply(fn, recurse)
+        for k, t in orig.items():
+            new = self._buffers[k]
+            if new is not None and new.dtype != t.dtype:
+                self._buffers[k] = t.to(new.device)
+        if "kernel" in self.__dict__:
+            self.kernel = self.chooser(self.qweight)
+        return self
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.kernel = self.chooser(self.qweight)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.qweight_meta['format']['spec']}, bias={self.bias is not None}")

@@ -1,0 +1,252 @@
+"""Recipes: which layers get which format and which method.
+
+A `Recipe` is a frozen value: an ordered list of rules (a regular expression over module names ->
+format spec + method name), an ignore list (by default the LM head and the embeddings stay 16-bit),
+and a policy for layers whose shape the format does not fit (``misfit``):
+
+    error    refuse, naming every layer that does not fit (the default)
+    keep     leave those layers unquantised
+    regroup  use the largest group size <= the requested one that divides the layer's input width
+
+`Recipe.plan(named_shapes)` turns a recipe and the model's linear layers into a list of
+`LayerPlan`s *before* anything is changed, so a recipe that cannot work fails without side effects.
+Recipes round-trip through dicts, JSON and TOML (`save` / `load` pick by file suffix).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fewbits.formats.format import Format, FormatError, parse_format
+
+RECIPE_VERSION = 1
+Misfit = Literal["error", "keep", "regroup"]
+MISFIT_POLICIES: tuple[str, ...] = ("error", "keep", "regroup")
+#: module-name patterns left in 16-bit unless the recipe says otherwise
+DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"(^|\.)embed[^.]*$", r"(^|\.)(wte|wpe|word_embeddings)$")
+#: formats whose block size is part of the format itself (cannot be regrouped)
+FIXED_BLOCK_KINDS = frozenset({"mxfp4", "mxfp8", "nvfp4"})
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be read or cannot be applied to a model."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Layers whose full module name matches `pattern` (``re.search``) get `format` by `method`."""
+
+    pattern: str
+    format: str
+    method: str = "rtn"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise RecipeError(f"rule pattern {self.pattern!r} is not a regular expression: {e}") from None
+        object.__setattr__(self, "format", parse_format(self.format).spec)  # canonical spelling
+        object.__setattr__(self, "options", dict(self.options))
+
+    @property
+    def fmt(self) -> Format:
+        return parse_format(self.format)
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"pattern": self.pattern, "format": self.format, "method": self.method}
+        if self.options:
+            d["options"] = dict(self.options)
+        return d
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What happens to one linear layer: action is "quantize", "keep" (misfit kept 16-bit) or "ignore"."""
+
+    name: str
+    shape: tuple[int, int]
+    action: Literal["quantize", "keep", "ignore"]
+    format: str | None = None
+    method: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def fmt(self) -> Format | None:
+        return parse_format(self.format) if self.format else None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """An ordered list of rules (first match wins), an ignore list and a misfit policy."""
+
+    rules: tuple[Rule, ...]
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    misfit: Misfit = "error"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rules", tuple(r if isinstance(r, Rule) else Rule(**r) for r in self.rules))
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        if self.misfit not in MISFIT_POLICIES:
+            raise RecipeError(f"misfit policy {self.misfit!r} is not one of {', '.join(MISFIT_POLICIES)}")
+        for p in self.ignore:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise RecipeError(f"ignore pattern {p!r} is not a regular expression: {e}") from None
+        if not self.rules:
+            raise RecipeError("a recipe needs at least one rule")
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_format(cls, spec: str, method: str = "rtn", misfit: Misfit = "error",
+                    ignore: Iterable[str] = DEFAULT_IGNORE) -> Recipe:
+        """The common case: every linear layer (except the ignore list) in one format."""
+        return cls(rules=(Rule(r".*", spec, method),), ignore=tuple(ignore), misfit=misfit)
+
+    def with_misfit(self, misfit: Misfit) -> Recipe:
+        return Recipe(self.rules, self.ignore, misfit)
+
+    # ------------------------------------------------------------------ matching
+    def rule_for(self, name: str) -> Rule | None:
+        """The first rule whose pattern matches `name`, or None when the name is ignored/unmatched."""
+        if any(re.search(p, name) for p in self.ignore):
+            return None
+        return next((r for r in self.rules if re.search(r.pattern, name)), None)
+
+    def plan(self, named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> list[LayerPlan]:
+        """Decide every layer's fate; raise RecipeError naming all misfits when the policy is "error"."""
+        out: list[LayerPlan] = []
+        misfits: list[str] = []
+        for name, shape in named_shapes:
+            shape2 = (int(shape[0]), int(shape[-1]))
+            rule = self.rule_for(name)
+            if rule is None:
+                why = "ignore list" if any(re.search(p, name) for p in self.ignore) else "no rule matches"
+                out.append(LayerPlan(name, shape2, "ignore", note=why))
+                continue
+            fmt = rule.fmt
+            if not fmt.is_quantized:
+                out.append(LayerPlan(name, shape2, "ignore", note=f"rule asks for {fmt.spec}"))
+                continue
+            try:
+                fmt.check_shape(shape2, name)
+            except FormatError as e:
+                misfits.append(str(e))
+                out.append(self._misfit_plan(name, shape2, rule, fmt))
+                continue
+            out.append(LayerPlan(name, shape2, "quantize", fmt.spec, rule.method, rule.options))
+        if misfits and self.misfit == "error":
+            head = f"{len(misfits)} layer(s) do not fit their format (use --misfit keep or --misfit regroup):\n  "
+            raise RecipeError(head + "\n  ".join(misfits))
+        return out
+
+    def _misfit_plan(self, name: str, shape: tuple[int, int], rule: Rule, fmt: Format) -> LayerPlan:
+        cols = shape[1]
+        if self.misfit == "regroup" and fmt.kind not in FIXED_BLOCK_KINDS:
+            g = largest_dividing_group(cols, fmt.group_size)
+            new = fmt.with_group(g)
+            note = f"regrouped: {cols} columns not divisible by {fmt.group_size}, group {g} used ({new.spec})"
+            return LayerPlan(name, shape, "quantize", new.spec, rule.method, rule.options, note)
+        why = f"kept 16-bit: {cols} columns not divisible by the group size {fmt.group_size} of {fmt.spec}"
+        if self.misfit == "regroup":
+            why += f" (the block size of {fmt.kind} is fixed)"
+        return LayerPlan(name, shape, "keep", note=why)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": RECIPE_VERSION, "misfit": self.misfit, "ignore": list(self.ignore),
+                "rules": [r.to_dict() for r in self.rules]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Recipe:
+        if not isinstance(d, Mapping):
+            raise RecipeError(f"a recipe is a mapping, got {type(d).__name__}")
+        version = d.get("version", RECIPE_VERSION)
+        if version != RECIPE_VERSION:
+            raise RecipeError(f"recipe version {version!r} is not supported (this fewbits reads {RECIPE_VERSION})")
+        unknown = set(d) - {"version", "misfit", "ignore", "rules"}
+        if unknown:
+            raise RecipeError(f"recipe has unknown keys {sorted(unknown)}")
+        rules = []
+        for i, r in enumerate(d.get("rules", [])):
+            extra = set(r) - {"pattern", "format", "method", "options"}
+            if extra or "pattern" not in r or "format" not in r:
+                raise RecipeError(f"recipe rule {i} needs 'pattern' and 'format' (and optional 'method', "
+                                  f"'options'); got keys {sorted(r)}")
+            rules.append(Rule(r["pattern"], r["format"], r.get("method", "rtn"), r.get("options", {})))
+        return cls(tuple(rules), tuple(d.get("ignore", DEFAULT_IGNORE)), d.get("misfit", "error"))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Recipe:
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise RecipeError(f"recipe is not valid JSON: {e}") from None
+
+    def to_toml(self) -> str:
+        lines = [f"version = {RECIPE_VERSION}", f"misfit = {_toml(self.misfit)}",
+                 f"ignore = [{', '.join(_toml(p) for p in self.ignore)}]"]
+        for r in self.rules:
+            lines += ["", "[[rules]]", f"pattern = {_toml(r.pattern)}", f"format = {_toml(r.format)}",
+                      f"method = {_toml(r.method)}"]
+            if r.options:
+                lines.append("options = {" + ", ".join(f"{k} = {_toml(v)}" for k, v in r.options.items()) + "}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def from_toml(cls, text: str) -> Recipe:
+        import tomllib
+
+        try:
+            return cls.from_dict(tomllib.loads(text))
+        except tomllib.TOMLDecodeError as e:
+            raise RecipeError(f"recipe is not valid TOML: {e}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write as TOML (``.toml``) or JSON (anything else), atomically."""
+        p = Path(path)
+        text = self.to_toml() if p.suffix == ".toml" else self.to_json()
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, p)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Recipe:
+        p = Path(path)
+        if not p.is_file():
+            raise RecipeError(f"recipe file {p} does not exist")
+        text = p.read_text()
+        return cls.from_toml(text) if p.suffix == ".toml" else cls.from_json(text)
+
+
+def largest_dividing_group(cols: int, requested: int) -> int:
+    """The largest group size <= `requested` that divides `cols` (576 columns, 128 asked -> 96)."""
+    return next(g for g in range(min(requested, cols), 0, -1) if cols % g == 0)
+
+
+def _toml(v: Any) -> str:
+    """A TOML literal for a str/bool/int/float (JSON string escapes are valid TOML basic strings)."""
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    raise RecipeError(f"recipe option value {v!r} cannot be written to TOML (str, bool, int or float only)")
