@@ -1,0 +1,195 @@
+"""CPU fast paths for quantised linear layers, built on torch's own packed-weight operators.
+
+* W8A16 (`Int8PackKernel`): ``aten._weight_int8pack_mm`` multiplies bf16 activations by int8 weights with
+  one scale per output channel.  Asymmetric 8-bit codes c with zero point z are run as (c - 128) and the
+  rank-1 correction  sum_k(x_k) * s * (128 - z)  is added (exact algebra, one extra vector op).
+* W4A16 (`Int4PackKernel`): ``aten._weight_int4pack_mm_for_cpu`` computes  w = (c - 8) * s + m  per group
+  of 32/64/128/256 input columns from 4-bit codes c and a (K/g, N, 2) table of (s, m) pairs.  Any integer
+  format of <= 4 bits maps onto it exactly: with the numeric core's codes (w = s * (c - o), o = 2^(b-1)
+  or the zero point) the pair is (s, (8 - o) * s).  Per-channel scales are repeated over the groups.
+* W8A8 (`W8A8IntMMKernel`): dynamic per-token int8 activations (LLM.int8()/SmoothQuant style absmax,
+  Dettmers et al. 2022 eq. 1) times int8 weights through ``torch._int_mm`` (int32 accumulation), used
+  when there are enough rows for the integer GEMM to beat the W8A16 path; fewer rows go to W8A16.
+
+The operators need bf16 activations to be fast (fp32 activations fall into a slow generic loop), so
+inputs are cast to bf16 and the result back to the input dtype.  Each kernel's `supports(fmt, shape)`
+returns None or the reason it cannot run; the operators crash the process (not raise) on shapes they
+do not handle, so these checks are strict.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbits.formats.format import Format
+from fewbits.tensor import QuantizedTensor
+
+INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 CPU operator accepts, largest first
+W8A8_MIN_ROWS = 16  # below this many rows of x, W8A16 is faster than quantising the activations
+
+
+def _has(op: str) -> bool:
+    return hasattr(torch.ops.aten, op)
+
+
+def _int_offset(qt: QuantizedTensor) -> torch.Tensor:
+    """Offset o of the codes (w = s * (c - o)): the zero points, or 2^(bits-1) for symmetric codes."""
+    z = qt.zero_values()
+    if z is None:
+        return torch.full((qt.rows, 1), float(2 ** (qt.fmt.bits - 1)))
+    return z
+
+
+def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """(rows, 1) or (1, 1) per-channel/per-tensor values -> (rows,)."""
+    return t.reshape(-1).expand(rows).contiguous() if t.numel() == 1 else t.reshape(rows)
+
+
+class Int8PackKernel:
+    """int8 weights (per channel or per tensor, symmetric or asymmetric) x bf16 activations."""
+
+    name = "cpu_int8pack"
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        if not _has("_weight_int8pack_mm"):
+            return "torch has no aten._weight_int8pack_mm"
+        if fmt.kind != "int" or fmt.bits != 8:
+            return f"needs 8-bit integer codes, format is {fmt.spec}"
+        if fmt.granularity not in ("channel", "tensor"):
+            return f"needs one scale per channel or tensor, {fmt.spec} has groups"
+        if len(shape) != 2 or shape[1] % 16:
+            return f"needs in_features divisible by 16, weight shape is {tuple(shape)}"
+        return None
+
+    def __init__(self, qt: QuantizedTensor) -> None:
+        rows, _ = qt.shape
+        codes = qt.unpacked_codes().to(torch.int16)
+        self.q = (codes - 128).to(torch.int8).contiguous()  # (N, K), w = s * (q + 128 - o)
+        s = _per_row(qt.scale_values(), rows)  # (N,) fp32
+        self.scales = s.to(torch.bfloat16)
+        off = _per_row(_int_offset(qt), rows)
+        self.corr = None if bool((off == 128).all()) else ((128 - off) * s).float()  # (N,)
+        self.shape = qt.shape
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.corr is None else self.corr.numel() * 4
+        return self.q.numel() + self.scales.numel() * 2 + extra
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
+        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales).to(x.dtype)  # (M, N)
+        if self.corr is not None:
+            y = y + x2.float().sum(-1, keepdim=True).to(x.dtype) * self.corr.to(x.dtype)
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def int4_op_group(fmt: Format, in_features: int) -> int | None:
+    """The operator group size that represents `fmt` exactly on `in_features` columns, or None."""
+    if fmt.granularity == "group":
+        g = fmt.group_size
+        return g if g in INT4_GROUPS and in_features % g == 0 else next(
+            (h for h in INT4_GROUPS if g % h == 0 and in_features % h == 0 and g > 256), None)
+    return next((h for h in INT4_GROUPS if in_features % h == 0), None)
+
+
+class Int4PackKernel:
+    """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations."""
+
+    name = "cpu_int4pack"
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        if not (_has("_weight_int4pack_mm_for_cpu") and _has("_convert_weight_to_int4pack_for_cpu")):
+            return "torch has no aten._weight_int4pack_mm_for_cpu"
+        if fmt.kind != "int" or fmt.bits > 4:
+            return f"needs integer codes of at most 4 bits, format is {fmt.spec}"
+        if len(shape) != 2:
+            return f"needs a 2-D weight, shape is {tuple(shape)}"
+        if shape[0] % 16:
+            return f"needs out_features divisible by 16, weight shape is {tuple(shape)}"
+        if int4_op_group(fmt, shape[1]) is None:
+            return (f"group size of {fmt.spec} on in_features {shape[1]} is not one of the operator's "
+                    f"{INT4_GROUPS} (nor a multiple of one that divides in_features)")
+        return None
+
+    def __init__(self, qt: QuantizedTensor) -> None:
+        rows, cols = qt.shape
+        g = int4_op_group(qt.fmt, cols)
+        assert g is not None
+        codes = qt.unpacked_codes().to(torch.int32)  # (N, K) in [0, 2^bits)
+        s = qt.scale_values().float()  # (N, n_groups) or (1, 1)
+        o = _int_offset(qt).float()
+        if s.numel() == 1:
+            s = s.expand(rows, 1)
+            o = o.expand(rows, 1)
+        if qt.fmt.bits <= 3:
+            # c - o lies in [-7, 7]: shift the codes so that the operator's offset 8 is exact (m = 0),
+            # instead of carrying (8 - o) * s through a bf16 table (2^-9 relative error per group)
+            o_full = o.repeat_interleave(cols // o.shape[1], dim=1)  # (N, K)
+            codes = (codes - o_full.to(torch.int32) + 8).contiguous()
+            o = torch.full_like(s, 8.0)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+        m = (8 - o) * s  # (N, n_groups): w = (c - 8) * s + m
+        rep = cols // g // s.shape[1]  # operator groups per format group
+        s = s.repeat_interleave(rep, dim=1)  # (N, K/g)
+        m = m.repeat_interleave(rep, dim=1)
+        self.scales_zeros = torch.stack([s, m], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.group = g
+        self.shape = qt.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
+        y = y.to(x.dtype)
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y.reshape(*lead, y.shape[-1])
+
+
+class W8A8IntMMKernel:
+    """Symmetric per-channel int8 weights x dynamically quantised per-token int8 activations."""
+
+    name = "cpu_w8a8_int_mm"
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        if not hasattr(torch, "_int_mm"):
+            return "torch has no _int_mm"
+        if fmt.kind != "int" or fmt.bits != 8 or not fmt.symmetric or fmt.granularity == "group":
+            return f"needs symmetric per-channel int8 weights, format is {fmt.spec}"
+        return Int8PackKernel.supports(fmt, shape)
+
+    def __init__(self, qt: QuantizedTensor, min_rows: int = W8A8_MIN_ROWS) -> None:
+        self.small = Int8PackKernel(qt)  # decode-sized inputs
+        self.qT = self.small.q.t()  # (K, N) view, column-major as _int_mm prefers
+        self.scales = _per_row(qt.scale_values(), qt.shape[0]).float()  # (N,)
+        self.min_rows = min_rows
+        self.shape = qt.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.small.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] < self.min_rows:
+            return self.small(x, bias)
+        xf = x2.float()
+        sx = (xf.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-12)  # (M, 1) per-token scale
+        xq = torch.round(xf / sx).clamp_(-127, 127).to(torch.int8)
+        acc = torch._int_mm(xq, self.qT)  # (M, N) int32
+        y = (acc.float() * sx * self.scales).to(x.dtype)
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y.reshape(*lead, y.shape[-1])
