@@ -118,7 +118,9 @@ def prepare_linear(
 _PREPARED: dict[tuple[int, str, str], Any] = {}
 
 
-def linear(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None, activations: str = "16") -> torch.Tensor:
+def linear(
+    x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None, activations: str = "16",
+) -> torch.Tensor:
     """y = x @ W.T + bias for a quantised W, on the fastest correct path for x's device.
 
     The packed weight is cached per QuantizedTensor object (dropped when the tensor is collected);
