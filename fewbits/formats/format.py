@@ -187,7 +187,8 @@ class Format:
     def from_dict(cls, d: dict[str, Any]) -> Format:
         version = d.get("version")
         if version != FORMAT_VERSION:
-            raise FormatError(f"format metadata version {version!r} is not supported (this fewbits reads {FORMAT_VERSION})")
+            raise FormatError(
+                f"format metadata version {version!r} is not supported (this fewbits reads {FORMAT_VERSION})")
         fields = {k: d[k] for k in ("kind", "bits", "granularity", "group_size", "symmetric",
                                     "scale_dtype", "element", "tensor_scale") if k in d}
         fmt = cls(**fields)

@@ -81,7 +81,8 @@ def encode_minifloat(v: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
     e = torch.floor(torch.log2(a.clamp_min(2.0 ** fmt.min_normal_exp)))
     normal = a >= 2.0 ** fmt.min_normal_exp
     exp_field = torch.where(normal, e + fmt.bias, torch.zeros_like(e))
-    mant = torch.where(normal, a / torch.exp2(e - fmt.mbits) - 2 ** fmt.mbits, a / 2.0 ** (fmt.min_normal_exp - fmt.mbits))
+    sub_step = 2.0 ** (fmt.min_normal_exp - fmt.mbits)
+    mant = torch.where(normal, a / torch.exp2(e - fmt.mbits) - 2**fmt.mbits, a / sub_step)
     bits = (exp_field.to(torch.int32) << fmt.mbits) | mant.to(torch.int32)
     all_ones = (1 << (fmt.ebits + fmt.mbits)) - 1
     if fmt.has_inf:
