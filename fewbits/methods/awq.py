@@ -72,7 +72,7 @@ def awq_search_scales(
         s = awq_scales_for(x_mean, i / n_grid)
         xs = x / s
         loss = 0.0
-        for w, ref in zip(ws, refs):
+        for w, ref in zip(ws, refs, strict=True):
             wq = fake_quantize(w * s, fmt)  # quantise the scaled weight; X / s undoes the scale
             loss += float(((xs @ wq.T - ref) ** 2).mean())
         losses.append(loss)

@@ -26,7 +26,7 @@ METHOD_FORMATS: dict[str, tuple[frozenset[str], str]] = {
     "llm-int8": (frozenset({"int"}), "8-bit per-channel integer weights (int8)"),
 }
 #: methods that need calibration text
-CALIBRATED = frozenset({"gptq", "awq", "awq+gptq", "smoothquant", "llm-int8"})
+CALIBRATED = frozenset({"gptq", "awq", "awq+gptq", "smoothquant"})
 
 
 class MethodError(FormatError):

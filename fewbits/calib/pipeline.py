@@ -1,0 +1,232 @@
+"""Method runners for `fewbits.api.METHODS`: the glue between the block-by-block calibration loop,
+the declared architecture mappings and the pure maths of `fewbits.methods`.
+
+Each runner has the api's signature ``runner(model, layers, data, commit, progress) -> info`` and
+quantises every planned layer exactly once.  Formats are checked for the method before anything
+changes.  Layers the calibration never reaches (outside the decoder blocks, or an expert no token was
+routed to) fall back to round-to-nearest with a log line; the returned info lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fewbits.calib.runner import BlockRun, check_calibration_data, decoder_blocks, iterate_blocks
+from fewbits.calib.stats import InputStats
+from fewbits.formats.format import parse_format
+from fewbits.methods.awq import apply_clip, awq_search_scales, fold_scales, search_clip
+from fewbits.methods.common import QuantResult, check_method_format
+from fewbits.methods.gptq import gptq_quantize
+from fewbits.methods.rtn import rtn_quantize
+from fewbits.models.mappings import ArchMapping
+
+log = logging.getLogger("fewbits.calib")
+Commit = Callable[[str, Any], None]
+
+#: AWQ search budget on CPU: tokens for the scale search and for the clipping search
+AWQ_SEARCH_TOKENS = 1024
+AWQ_CLIP_TOKENS = 128
+#: linears whose clipping AWQ does not search (their outputs meet in a softmax; as in the paper's code)
+AWQ_NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
+
+
+def _split_by_block(model: nn.Module, layers: Sequence[Any]) -> tuple[str, ArchMapping, dict[int, dict[str, Any]],
+                                                                        list[Any]]:
+    """Planned layers grouped per block index as {path inside block: plan}, plus those outside blocks."""
+    prefix, _, arch = decoder_blocks(model)
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.+)$")
+    by_block: dict[int, dict[str, Any]] = {}
+    outside = []
+    for p in layers:
+        m = pat.match(p.name)
+        if m:
+            by_block.setdefault(int(m.group(1)), {})[m.group(2)] = p
+        else:
+            outside.append(p)
+    return prefix, arch, by_block, outside
+
+
+def _groups(arch: ArchMapping, planned: dict[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
+    """Sequential groups of planned paths; (group, declared) - undeclared paths come last, together."""
+    out = [(tuple(p for p in g if p in planned), True) for g in arch.sequential]
+    out = [(g, d) for g, d in out if g]
+    rest = tuple(p for p in planned if p not in arch.linears)
+    return out + ([(rest, False)] if rest else [])
+
+
+def _rtn_commit(model: nn.Module, plan: Any, commit: Commit, reason: str, info: dict[str, Any]) -> None:
+    log.warning("%s: %s; using round-to-nearest", plan.name, reason)
+    w = model.get_submodule(plan.name).weight
+    commit(plan.name, rtn_quantize(w, plan.format, plan.name).to_tensor(tuple(w.shape)))
+    info.setdefault("rtn_fallback", {})[plan.name] = reason
+
+
+def _check(layers: Sequence[Any], method: str) -> None:
+    for p in layers:
+        check_method_format(method, p.format)
+
+
+# ---------------------------------------------------------------------- AWQ
+def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: bool,
+              info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Search and fold AWQ scales for one block (all mappings from one pass over the float block);
+    with `clip`, also search clipping.  Returns {path: weight to quantise} (clipped when searched)."""
+    seq = int(run.hidden[0].shape[-2]) if run.hidden else 1
+    keep = max(1, -(-AWQ_SEARCH_TOKENS // seq))
+    mods = {p: run.module(p) for p in planned}
+    stats = run.collect(mods, want_hessian=False, keep_samples=keep, stop_early=False)
+    for m in arch.smooth:
+        cons = [p for p in m.linears if p in planned]
+        if not cons or any(not stats[p].reached for p in cons):
+            continue
+        try:
+            prev = run.module(m.prev)
+            consumers = [run.module(p) for p in m.linears]
+        except AttributeError:
+            continue
+        if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
+            continue  # e.g. v_proj -> o_proj with grouped-query attention: shapes do not line up
+        x = _subsample(stats[cons[0]].inputs(), AWQ_SEARCH_TOKENS)
+        res = awq_search_scales(x, [c.weight for c in consumers], planned[cons[0]].format,
+                                x_mean=stats[cons[0]].mean_abs, name=f"{run.prefix}.{m.prev}")
+        info.setdefault("awq_alpha", {})[f"{run.prefix}.{m.prev}"] = res.alpha
+        if res.alpha == 0:
+            continue
+        fold_scales(prev.weight.data, getattr(prev, "bias", None), [c.weight.data for c in consumers], res.scales,
+                    m.prev_kind, arch.norm_plus_one)
+        for p in m.linears:
+            if p in stats:
+                stats[p].scale_inputs(res.scales)
+    out = {}
+    for p, plan in planned.items():
+        w = run.module(p).weight.detach()
+        if clip and stats[p].reached and not AWQ_NO_CLIP.search(p):
+            x = _subsample(stats[p].inputs(), AWQ_CLIP_TOKENS)
+            w = apply_clip(w, search_clip(w, x, plan.format), plan.format)
+        out[p] = w
+    return out
+
+
+def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
+    """At most n rows of x, evenly strided (deterministic)."""
+    if x.shape[0] <= n:
+        return x
+    return x[:: -(-x.shape[0] // n)][:n]
+
+
+def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
+            progress: bool = True) -> dict[str, Any]:
+    """AWQ: scale search + folding + clipping search, then round-to-nearest, block by block."""
+    _check(layers, "awq")
+    data = check_calibration_data(data, "awq")
+    _, arch, by_block, outside = _split_by_block(model, layers)
+    info: dict[str, Any] = {}
+    for run in iterate_blocks(model, data, progress, "awq"):
+        planned = by_block.get(run.index, {})
+        if not planned:
+            continue
+        weights = awq_block(run, planned, arch, clip=True, info=info)
+        for p, plan in planned.items():
+            w = weights[p]
+            commit(plan.name, rtn_quantize(w, plan.format, plan.name).to_tensor(tuple(w.shape)))
+    for plan in outside:
+        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+    return info
+
+
+# ---------------------------------------------------------------------- GPTQ
+def _gptq_opts(plan: Any) -> dict[str, Any]:
+    o = dict(plan.options or {})
+    return {"damp": float(o.get("damp", 0.01)), "act_order": bool(o.get("act_order", True)),
+            "block_size": int(o.get("block_size", 128)), "static_groups": bool(o.get("static_groups", False))}
+
+
+def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], plans: dict[str, Any]
+               ) -> dict[str, QuantResult | None]:
+    """GPTQ for linears that share one input.  Linears with the same format and options are stacked
+    along the output dimension (rows are independent given H), so one pass serves q, k and v.
+    None for a linear whose input the calibration never reached."""
+    out: dict[str, QuantResult | None] = {}
+    batches: dict[tuple, list[str]] = {}
+    for p in weights:
+        if not stats[p].reached:
+            out[p] = None
+            continue
+        fmt = parse_format(plans[p].format)
+        key = (fmt.spec, tuple(sorted(_gptq_opts(plans[p]).items()))) if fmt.granularity != "tensor" else (p,)
+        batches.setdefault(key, []).append(p)
+    for paths in batches.values():
+        plan = plans[paths[0]]
+        w = torch.cat([weights[p].float() for p in paths])
+        res = gptq_quantize(w, stats[paths[0]].hessian_mean(), plan.format, name=plan.name, **_gptq_opts(plan))
+        r0 = 0
+        for p in paths:
+            r1 = r0 + weights[p].shape[0]
+            out[p] = QuantResult(res.codes[r0:r1], res.scale[r0:r1], None if res.zero is None else res.zero[r0:r1],
+                                 res.fmt, dict(res.info))
+            r0 = r1
+    return out
+
+
+def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
+             progress: bool = True, awq: bool = False) -> dict[str, Any]:
+    """GPTQ with true-sequential order inside each block (statistics of a group of linears are taken
+    after the groups before it were quantised); with `awq`, AWQ scales are folded first."""
+    method = "awq+gptq" if awq else "gptq"
+    _check(layers, method)
+    data = check_calibration_data(data, method)
+    _, arch, by_block, outside = _split_by_block(model, layers)
+    info: dict[str, Any] = {"damp": {}}
+    for run in iterate_blocks(model, data, progress, method):
+        planned = by_block.get(run.index, {})
+        if not planned:
+            continue
+        if awq:
+            awq_block(run, planned, arch, clip=False, info=info)
+        for group, declared in _groups(arch, planned):
+            mods = {p: run.module(p) for p in group}
+            stats = run.collect(mods, want_hessian=True, stop_early=declared)
+            results = gptq_group({p: m.weight.detach() for p, m in mods.items()}, stats,
+                                 {p: planned[p] for p in group})
+            for p in group:
+                plan, res = planned[p], results[p]
+                if res is None:
+                    _rtn_commit(model, plan, commit, "calibration never reached this layer", info)
+                    continue
+                if res.info.get("fallback"):
+                    info.setdefault("rtn_fallback", {})[plan.name] = res.info["fallback"]
+                elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
+                    info["damp"][plan.name] = res.info["damp"]
+                commit(plan.name, res.to_tensor(tuple(mods[p].weight.shape)))
+    for plan in outside:
+        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+    return info
+
+
+def run_hqq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
+            progress: bool = True) -> dict[str, Any]:
+    """HQQ, layer by layer (no calibration data)."""
+    from tqdm.auto import tqdm
+
+    from fewbits.methods.hqq import hqq_quantize
+
+    _check(layers, "hqq")
+    for plan in tqdm(layers, desc="hqq", unit="layer", disable=not progress, leave=False):
+        w = model.get_submodule(plan.name).weight
+        o = dict(plan.options or {})
+        kw = {k: o[k] for k in ("iters", "p", "beta", "kappa") if k in o}
+        res = hqq_quantize(w, plan.format, name=plan.name, **kw)
+        commit(plan.name, res.to_tensor(tuple(w.shape)))
+    return {}
+
+
+def run_awq_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
+                 progress: bool = True) -> dict[str, Any]:
+    """AWQ scales folded into the model, then GPTQ on the scaled weights."""
+    return run_gptq(model, layers, data, commit, progress, awq=True)

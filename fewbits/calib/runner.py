@@ -1,0 +1,172 @@
+"""Layer-by-layer calibration: run the calibration text through the model one decoder block at a time.
+
+1. `capture_block_inputs`: one pass with every block replaced by a recorder that passes its input
+   through unchanged; this records block 0's input hidden states and the keyword arguments each block
+   receives (masks, rotary embeddings: Gemma 3 gives sliding and global layers different ones).
+   The pass stops at the last block, so no logits are ever computed.
+2. For each block, a method collects statistics with hooks (`BlockRun.collect`), quantises the block's
+   linears, and `BlockRun.advance` feeds the *quantised* block's outputs to the next block.
+Live memory is one block's activations for the calibration samples (plus the model itself).
+
+Samples run one at a time (batch 1), so the arithmetic for a sample is the same whichever process runs
+it; with torch.distributed each rank runs its share and the statistics are all-reduced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fewbits.calib import distributed as dist_util
+from fewbits.calib.stats import CalibrationError, InputStats, StopForward, reduce, watch_inputs
+from fewbits.models.mappings import ArchMapping, find_blocks_path, mapping_for
+
+log = logging.getLogger("fewbits.calib")
+
+#: fewest calibration tokens a calibrated method accepts
+MIN_CALIB_TOKENS = 128
+
+
+class _Recorder(nn.Module):
+    """Stands in for a decoder block during capture: records its inputs and passes hidden states on."""
+
+    def __init__(self, block: nn.Module, index: int, last: bool, store: Callable[[int, tuple, dict], None]):
+        super().__init__()
+        self.block = block
+        self.index, self.last, self.store = index, last, store
+
+    def __getattr__(self, name: str) -> Any:  # attributes the model loop reads (e.g. attention_type)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["block"], name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.store(self.index, args, kwargs)
+        if self.last:
+            raise StopForward
+        return args[0] if args else kwargs["hidden_states"]
+
+
+def check_calibration_data(data: torch.Tensor | None, method: str) -> torch.Tensor:
+    """(n_samples, seq_len) token ids with at least MIN_CALIB_TOKENS tokens, else CalibrationError."""
+    if data is None:
+        raise CalibrationError(f"method {method} needs calibration text; none was given")
+    if data.dim() == 1:
+        data = data.unsqueeze(0)
+    n = int(data.numel())
+    if n < MIN_CALIB_TOKENS or data.shape[0] < dist_util.world_size():
+        raise CalibrationError(
+            f"method {method}: {n} calibration tokens in {data.shape[0]} sample(s) is too little; it needs at "
+            f"least {MIN_CALIB_TOKENS} tokens and one sample per process ({dist_util.world_size()}), "
+            "e.g. 16 samples x 256 tokens")
+    return data
+
+
+def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, ArchMapping]:
+    """(full name, module list, mapping) of the model's decoder blocks, from the declared mappings."""
+    config = getattr(model, "config", None)
+    model_type = getattr(getattr(config, "text_config", None), "model_type", None) or getattr(config, "model_type", "")
+    arch = mapping_for(model_type)
+    names = [n for n, _ in model.named_modules()]
+    path = find_blocks_path(names, arch)
+    return path, model.get_submodule(path), arch
+
+
+@dataclass
+class BlockRun:
+    """One decoder block and its calibration inputs (this process's share of the samples)."""
+
+    index: int
+    prefix: str  # full name of the block, e.g. "model.layers.3"
+    block: nn.Module
+    samples: list[int]
+    hidden: list[torch.Tensor]
+    kwargs: list[dict[str, Any]]
+    sample_ref: list[int] = field(default_factory=lambda: [0])
+
+    def module(self, path: str) -> nn.Module:
+        return self.block.get_submodule(path)
+
+    def forward_all(self) -> None:
+        """Run every sample through the block, ignoring outputs (hooks collect what they need)."""
+        for i, s in enumerate(self.samples):
+            self.sample_ref[0] = s
+            try:
+                self.block(self.hidden[i], **self.kwargs[i])
+            except StopForward:
+                pass
+
+    def collect(self, modules: dict[str, nn.Module], want_hessian: bool = True, keep_samples: int = 0,
+                stop_early: bool = True) -> dict[str, InputStats]:
+        """Statistics of the inputs of `modules` (name -> linear) over all samples of all processes."""
+        with watch_inputs(modules, self.sample_ref, want_hessian, keep_samples, stop_early) as stats:
+            self.forward_all()
+        reduce(stats.values())
+        return stats
+
+    def advance(self) -> list[torch.Tensor]:
+        """Outputs of the (now quantised) block for every sample: the next block's inputs."""
+        outs = []
+        for i, s in enumerate(self.samples):
+            self.sample_ref[0] = s
+            out = self.block(self.hidden[i], **self.kwargs[i])
+            out = out[0] if isinstance(out, tuple) else out
+            if not torch.isfinite(out).all():
+                raise CalibrationError(f"{self.prefix}: output is NaN or inf on calibration sample {s} "
+                                       "after quantisation")
+            outs.append(out)
+        return outs
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, data: torch.Tensor, samples: list[int]
+                         ) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
+    """Block 0's input hidden states per sample, and per block the keyword arguments per sample."""
+    n = len(blocks)
+    hidden: list[torch.Tensor] = []
+    kwargs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+
+    def store(i: int, args: tuple, kw: dict) -> None:
+        kw = dict(kw)
+        h = args[0] if args else kw.pop("hidden_states")
+        if i == 0:
+            if not torch.isfinite(h).all():
+                raise CalibrationError("the embeddings of a calibration sample contain NaN or inf")
+            hidden.append(h.detach())
+        kwargs[i].append(kw)
+
+    originals = list(blocks)
+    device = next(model.parameters()).device
+    for i, b in enumerate(originals):
+        blocks[i] = _Recorder(b, i, i == n - 1, store)
+    try:
+        for s in samples:
+            try:
+                model(input_ids=data[s:s + 1].to(device), use_cache=False)
+            except StopForward:
+                pass
+    finally:
+        for i, b in enumerate(originals):
+            blocks[i] = b
+    return hidden, kwargs
+
+
+def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False, desc: str = "calibrate"
+                   ) -> Iterator[BlockRun]:
+    """Yield a `BlockRun` per decoder block; after the caller quantised it, its outputs feed the next."""
+    from tqdm.auto import tqdm
+
+    _, blocks, _ = decoder_blocks(model)
+    samples = dist_util.my_samples(int(data.shape[0]))
+    hidden, kwargs = capture_block_inputs(model, blocks, data, samples)
+    prefix = find_blocks_path([n for n, _ in model.named_modules()], decoder_blocks(model)[2])
+    for b in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress, leave=False):
+        run = BlockRun(b, f"{prefix}.{b}", blocks[b], samples, hidden, kwargs[b])
+        yield run
+        hidden = run.advance()

@@ -1,0 +1,142 @@
+"""Statistics of linear-layer inputs, collected with forward pre-hooks (no graph tracing).
+
+For every watched linear: the Hessian proxy H = sum_t x_t x_t^T (GPTQ), the per-channel abs-max
+(SmoothQuant, outlier detection) and mean |x| (AWQ), the token count, and optionally a bounded sample
+of the inputs themselves (AWQ searches, layer-error measurements), keyed by calibration-sample index so
+that the same tokens are kept whether samples are split across processes or not.
+
+Sums are accumulated in float64 and all-reduced across processes when torch.distributed is initialised
+(`reduce`), so every rank ends with the statistics of all samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fewbits.calib import distributed as dist_util
+
+
+class CalibrationError(ValueError):
+    """Calibration data that cannot be used (NaN activations, too little text)."""
+
+
+class StopForward(Exception):
+    """Raised by a hook to cut a forward pass short once everything wanted has been seen."""
+
+
+@dataclass
+class InputStats:
+    """Statistics of one linear's input over the calibration tokens."""
+
+    name: str
+    in_features: int
+    want_hessian: bool = True
+    keep_samples: int = 0  # keep the inputs of calibration samples with index < keep_samples
+    hessian: torch.Tensor | None = None  # (in, in) float64 sum of x x^T
+    absmax: torch.Tensor | None = None  # (in,)
+    abssum: torch.Tensor | None = None  # (in,) float64
+    tokens: int = 0
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)  # sample index -> (tokens, in)
+
+    def add(self, x: torch.Tensor, sample: int) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])
+        if not torch.isfinite(x2).all():
+            raise CalibrationError(f"{self.name}: its input contains NaN or inf on calibration sample {sample} "
+                                   f"(shape {tuple(x.shape)}); the model overflows or the data is bad")
+        xd = x2.double()
+        if self.want_hessian:
+            h = xd.T @ xd
+            self.hessian = h if self.hessian is None else self.hessian + h
+        am = x2.abs().amax(0).float()
+        self.absmax = am if self.absmax is None else torch.maximum(self.absmax, am)
+        s = xd.abs().sum(0)
+        self.abssum = s if self.abssum is None else self.abssum + s
+        self.tokens += x2.shape[0]
+        if sample < self.keep_samples:
+            self.kept[sample] = x2.float().clone()
+
+    @property
+    def reached(self) -> bool:
+        return self.tokens > 0
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abssum / max(self.tokens, 1)).float()
+
+    def hessian_mean(self) -> torch.Tensor:
+        """H / tokens in float32 (scale does not matter to GPTQ; this keeps the numbers moderate)."""
+        return (self.hessian / max(self.tokens, 1)).float()
+
+    def inputs(self) -> torch.Tensor:
+        """Kept inputs of all processes, in sample order: (tokens, in)."""
+        return torch.cat([self.kept[k] for k in sorted(self.kept)]) if self.kept else torch.zeros(0, self.in_features)
+
+    def scale_inputs(self, s: torch.Tensor) -> None:
+        """Record that the input is now x / s (after folding smoothing scales into the producer)."""
+        s = s.float()
+        self.kept = {k: v / s for k, v in self.kept.items()}
+        if self.absmax is not None:
+            self.absmax = self.absmax / s
+        if self.abssum is not None:
+            self.abssum = self.abssum / s.double()
+        if self.hessian is not None:
+            sd = s.double()
+            self.hessian = self.hessian / sd[:, None] / sd[None, :]
+
+
+def reduce(stats: Iterable[InputStats]) -> None:
+    """Sum (max for abs-max) every statistic over all processes; gather kept inputs.  No-op alone."""
+    if not dist_util.active():
+        return
+    for st in stats:
+        st.tokens = int(dist_util.all_reduce_sum(torch.tensor([st.tokens], dtype=torch.float64)).item())
+        if st.hessian is None and st.want_hessian:
+            st.hessian = torch.zeros(st.in_features, st.in_features, dtype=torch.float64)
+        if st.hessian is not None:
+            st.hessian = dist_util.all_reduce_sum(st.hessian)
+        st.absmax = dist_util.all_reduce_max(st.absmax if st.absmax is not None else torch.zeros(st.in_features))
+        st.abssum = dist_util.all_reduce_sum(
+            st.abssum if st.abssum is not None else torch.zeros(st.in_features, dtype=torch.float64))
+        if st.keep_samples:
+            st.kept = dist_util.gather_dict(st.kept)
+
+
+@contextmanager
+def watch_inputs(
+    modules: dict[str, nn.Module], sample_ref: list[int], want_hessian: bool = True, keep_samples: int = 0,
+    stop_when_all_seen: bool = False,
+):
+    """Hooks on `modules` (name -> linear) that feed `InputStats`; yields {name: InputStats}.
+
+    `sample_ref[0]` is read by the hooks as the index of the calibration sample being run.  With
+    `stop_when_all_seen`, the forward pass is cut short (StopForward) once every module has seen
+    its input for the current sample: statistics of the first linears of a block need not run the rest.
+    """
+    stats = {n: InputStats(n, int(m.in_features), want_hessian, keep_samples) for n, m in modules.items()}
+    seen: set[str] = set()
+    current = [-1]
+
+    def make_hook(name: str) -> Callable:
+        def hook(mod: nn.Module, args: tuple) -> None:
+            stats[name].add(args[0], sample_ref[0])
+            if stop_when_all_seen:
+                if current[0] != sample_ref[0]:  # a new sample: start counting again
+                    seen.clear()
+                    current[0] = sample_ref[0]
+                seen.add(name)
+                if len(seen) == len(stats):
+                    seen.clear()
+                    raise StopForward
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(n)) for n, m in modules.items()]
+    try:
+        yield stats
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,86 @@
+"""Runners for the weight-and-activation methods: SmoothQuant W8A8 and LLM.int8().
+
+SmoothQuant: one statistics pass per block (per-channel activation abs-max of every linear input),
+smoothing scales folded through the declared mappings, then int8 per-channel weights (round-to-nearest)
+wrapped so that activations are rounded to int8 per token in the forward pass.  With option
+``smooth: false`` the same W8A8 runs without smoothing (the baseline it must beat).
+
+LLM.int8(): no calibration; every linear becomes an `Int8OutlierLinear`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fewbits.calib.pipeline import Commit, _check, _rtn_commit, _split_by_block
+from fewbits.calib.runner import check_calibration_data, iterate_blocks
+from fewbits.methods.awq import fold_scales
+from fewbits.methods.llm_int8 import Int8OutlierLinear
+from fewbits.methods.rtn import rtn_quantize
+from fewbits.methods.smoothquant import ActQuantLinear, smooth_scales
+
+log = logging.getLogger("fewbits.calib")
+
+
+def _w8a8_module(w: torch.Tensor, bias: torch.Tensor | None, fmt: str, act_bits: int) -> nn.Module:
+    from fewbits.models.qlinear import QuantLinear
+
+    qt = rtn_quantize(w, fmt).to_tensor(tuple(w.shape))
+    return ActQuantLinear(QuantLinear(qt, bias), act_bits)
+
+
+def run_smoothquant(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
+                    progress: bool = True) -> dict[str, Any]:
+    """SmoothQuant (alpha from the layer options, default 0.5) then simulated W8A8."""
+    _check(layers, "smoothquant")
+    opts = dict(layers[0].options or {}) if layers else {}
+    alpha = float(opts.get("alpha", 0.5))
+    smooth = bool(opts.get("smooth", True))
+    act_bits = int(opts.get("act_bits", 8))
+    data = check_calibration_data(data, "smoothquant")
+    _, arch, by_block, outside = _split_by_block(model, layers)
+    info: dict[str, Any] = {"alpha": alpha, "smoothed": []}
+    for run in iterate_blocks(model, data, progress, "smoothquant"):
+        planned = by_block.get(run.index, {})
+        if not planned:
+            continue
+        if smooth:
+            stats = run.collect({p: run.module(p) for p in planned}, want_hessian=False, stop_early=False)
+            for m in arch.smooth:
+                cons = [p for p in m.linears if p in planned]
+                if not cons or any(not stats[p].reached for p in cons):
+                    continue
+                try:
+                    prev = run.module(m.prev)
+                    consumers = [run.module(p) for p in m.linears]
+                except AttributeError:
+                    continue
+                if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
+                    continue
+                s = smooth_scales(stats[cons[0]].absmax, [c.weight for c in consumers], alpha,
+                                  f"{run.prefix}.{m.prev}")
+                fold_scales(prev.weight.data, getattr(prev, "bias", None), [c.weight.data for c in consumers], s,
+                            m.prev_kind, arch.norm_plus_one)
+                info["smoothed"].append(f"{run.prefix}.{m.prev}")
+        for p, plan in planned.items():
+            mod = run.module(p)
+            commit(plan.name, _w8a8_module(mod.weight.detach(), getattr(mod, "bias", None), plan.format, act_bits))
+    for plan in outside:
+        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+    return info
+
+
+def run_llm_int8(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
+                 progress: bool = True) -> dict[str, Any]:
+    """LLM.int8(): int8 vector-wise weights, outlier activation dimensions (|x| >= threshold) in 16-bit."""
+    _check(layers, "llm-int8")
+    for plan in layers:
+        mod = model.get_submodule(plan.name)
+        thr = float(dict(plan.options or {}).get("threshold", 6.0))
+        commit(plan.name, Int8OutlierLinear(mod.weight.detach(), getattr(mod, "bias", None), thr))
+    return {"threshold": float(dict(layers[0].options or {}).get("threshold", 6.0)) if layers else 6.0}
