@@ -14,6 +14,7 @@ import click
 COMMANDS: dict[str, str] = {
     "formats": "fewbits.cli.formats:formats",
     "layer-error": "fewbits.cli.layer_error:layer_error",
+    "plan": "fewbits.cli.plan:plan_cmd",
     "try": "fewbits.cli.try_:try_cmd",
 }
 

@@ -1,0 +1,212 @@
+"""The step model: bytes, FLOPs and time of a decode or prefill step, and the memory it needs.
+
+A decode step over batch b with c cached tokens in total (c = b x context per sequence) reads
+
+    B = W_linear(w) + b d w_emb + (c + b) kappa,     kappa = 2 L n_kv d_h b_kv  (bytes per token, GQA)
+
+(linear weights incl. the LM head; one embedding row per sequence; the cache read, c kappa, and the new
+keys/values written, b kappa) and does F = 2 b P_lin + 4 L n_h d_h (c + b) FLOPs.  With n-way tensor
+parallelism weights, heads and KV heads split over the devices and each layer adds two ring
+all-reduces of the b x d activations, each 2 (n-1)/n * bytes / link + latency.  The step takes
+
+    t = max(B / (beta eta_bw), F / (peak eta_c)) + t_comm + t_0          (roofline + overhead)
+
+with eta from the `Profile` per format family.  Mixture-of-experts layers read the experts the batch
+touches: E (1 - (1 - k/E)^b) per layer in expectation under uniform routing.
+
+Everything is numpy and broadcasts: b and context may be arrays, and so may the per-format terms
+(`WeightTerms`/`KVTerms` fields), which is what `fewbits.cost.sweep` uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fewbits.cost.devices import DeviceSpec
+from fewbits.cost.profile import Profile, format_family
+from fewbits.formats.format import Format, FormatError, parse_format
+from fewbits.models.spec import ModelSpec
+
+ACT_BYTES = 2  # activations exchanged by all-reduces stay 16-bit
+ACTIVATIONS = ("auto", "bf16", "fp16", "fp8", "int8", "fp4")
+
+
+@dataclass(frozen=True)
+class WeightTerms:
+    """Per-device byte and FLOP figures of a model in one weight format (see `weight_terms`)."""
+
+    spec: str
+    family: str
+    dense_q: float  # bytes per step of the quantised non-expert linears
+    dense_f: float  # bytes per step kept at 16 bits (unquantised LM head, router, norms, biases)
+    expert_layer: float  # bytes of one expert in one layer (all experts: L * E of these)
+    emb_row: float  # bytes of one embedding row
+    stored: float  # bytes of all weights held in memory (embeddings and norms included)
+    linear_flops: float  # 2 x linear weights one token multiplies by (LM head incl.)
+    precision: str  # the precision the matrix multiplies run in
+    peak: float  # dense FLOP/s of that precision on the device
+    eta_w: float  # bandwidth efficiency of the quantised weights
+    eta_f: float  # bandwidth efficiency of the 16-bit parts
+    eta_c: float  # compute efficiency
+
+
+@dataclass(frozen=True)
+class KVTerms:
+    spec: str
+    family: str
+    bits: float  # stored bits per cached value (ideal: scales of a large cache)
+    per_token: float  # bytes per token over all layers, per device
+    eta: float
+
+
+def compute_precision(fmt: Format, activations: str, device: DeviceSpec, profile: Profile) -> str:
+    """Which units the matrix multiplies use.  Weight-only formats dequantise and multiply in BF16; W8A8
+    (fp8 weights with fp8 activations, int8 with int8) and W4A4 use 8-/4-bit units where the device has them.
+    "auto" means fp8 activations for fp8 weights, fp4 for nvfp4/mxfp4, BF16 otherwise."""
+    if activations not in ACTIVATIONS:
+        raise FormatError(f"activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+    if activations == "auto":
+        activations = {"fp8": "fp8", "mxfp8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4"}.get(fmt.kind, "bf16")
+    if fmt.kind == "float":
+        return fmt.spec if fmt.spec in device.peak_flops else "bf16"
+    if not profile.low_precision_compute or not device.has(activations):
+        return "bf16"
+    return activations
+
+
+def _linear_bytes(fmt: Format, shape: tuple[int, int], count: int, profile: Profile, name: str) -> float:
+    fmt.check_shape(shape, name)
+    if profile.weight_bytes == "ideal":
+        return count * shape[0] * shape[1] * fmt.bits_per_weight() / 8
+    return float(count * fmt.nbytes(shape))
+
+
+def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, profile: Profile,
+                 devices: int = 1, activations: str = "auto") -> WeightTerms:
+    """Bytes and FLOPs of `model` with its linear layers in `weights`, per device of `devices`."""
+    fmt = parse_format(weights)
+    base = fmt if fmt.kind == "float" else parse_format("bf16")
+    n = devices
+    dense_q = dense_f = expert = 0.0
+    for s in model.linear_shapes():
+        if s.role == "router" or (s.role == "lm_head" and not profile.quantize_lm_head):
+            dense_f += _linear_bytes(base, s.shape, s.count, profile, f"{model.name}.{s.name}")
+        elif s.role == "expert":
+            expert += _linear_bytes(fmt, s.shape, s.count, profile, f"{model.name}.{s.name}")
+        else:
+            dense_q += _linear_bytes(fmt, s.shape, s.count, profile, f"{model.name}.{s.name}")
+    small = (model.n_norm_params + model.n_bias_params) * base.bits / 8
+    if profile.count_norms_and_biases:
+        dense_f += small
+    emb_fmt = fmt if profile.quantize_embeddings else base
+    emb_bpv = emb_fmt.bits_per_weight() / 8 if profile.weight_bytes == "ideal" else (
+        emb_fmt.nbytes((model.vocab_size, model.hidden_size)) / model.n_embedding_params)
+    lm = next(s for s in model.linear_shapes() if s.role == "lm_head")
+    lm_bytes = 0.0
+    if lm.tied:  # the stored embedding is the LM head; count it once in memory
+        lm_fmt = fmt if profile.quantize_lm_head else base
+        lm_bytes = _linear_bytes(lm_fmt, lm.shape, 1, profile, f"{model.name}.lm_head")
+    stored = dense_q + dense_f + expert - lm_bytes + model.n_embedding_params * emb_bpv
+    if not profile.count_norms_and_biases:
+        stored += small
+    active_lin = model.n_linear_params() - (
+        model.n_linear_params(("expert",)) * (model.n_experts - model.experts_per_token) // max(model.n_experts, 1))
+    prec = compute_precision(fmt, activations, device, profile)
+    fam = format_family(fmt)
+    per_expert_layer = expert / (model.n_layers * model.n_experts) if model.is_moe else 0.0
+    return WeightTerms(fmt.spec, fam, dense_q / n, dense_f / n, per_expert_layer / n,
+                       model.hidden_size * emb_bpv / n, stored / n, 2.0 * active_lin / n, prec, device.peak_flops[prec],
+                       profile.bw_eff(fam), profile.bw_eff("float"), profile.compute_eff(fam))
+
+
+def kv_terms(model: ModelSpec, kv: str | Format, profile: Profile, devices: int = 1) -> KVTerms:
+    """Bytes per cached token per device.  Bits per value are the format's asymptotic figure
+    (`Format.bits_per_weight()` without a shape): per-tensor/per-channel scales of a large cache are
+    negligible, group scales (KIVI-style int4/int2 groups) are included."""
+    fmt = parse_format(kv)
+    bits = fmt.bits_per_weight()
+    kv_heads_per_device = math.ceil(model.n_kv_heads / devices)  # heads are replicated when n > n_kv
+    per_token = 2 * model.n_layers * kv_heads_per_device * model.head_dim * bits / 8
+    fam = format_family(fmt)
+    return KVTerms(fmt.spec, fam, bits, per_token, profile.kv_eff(fam))
+
+
+def _allreduce(device: DeviceSpec, devices: int, nbytes: np.ndarray) -> np.ndarray:
+    """Ring all-reduce of `nbytes` over `devices`: 2 (n-1)/n * bytes / link bandwidth + latency."""
+    if devices <= 1:
+        return np.zeros_like(nbytes, dtype=float)
+    if device.link_bandwidth <= 0:
+        raise ValueError(f"device {device.key!r} has no link bandwidth for {devices}-way tensor parallelism")
+    return 2 * (devices - 1) / devices * nbytes / device.link_bandwidth + device.link_latency
+
+
+def experts_touched(model: ModelSpec, tokens: np.ndarray) -> np.ndarray:
+    """Expected experts a layer reads for `tokens` tokens under uniform routing: E (1 - (1 - k/E)^tokens)."""
+    if not model.is_moe:
+        return np.zeros_like(tokens, dtype=float)
+    e, k = model.n_experts, model.experts_per_token
+    return e * (1.0 - (1.0 - k / e) ** tokens)
+
+
+def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
+           batch: np.ndarray | int, context: np.ndarray | int, devices: int = 1) -> dict[str, np.ndarray]:
+    """One decode step: b sequences, each with `context` cached tokens (arrays broadcast)."""
+    b = np.asarray(batch, dtype=float)
+    c = b * np.asarray(context, dtype=float)  # total cached tokens in the batch
+    expert_q = model.n_layers * experts_touched(model, b) * w.expert_layer
+    weight_q = w.dense_q + expert_q
+    emb = b * w.emb_row
+    kv_read, kv_write = c * kv.per_token, b * kv.per_token
+    weight_bytes = weight_q + w.dense_f + emb
+    t_mem = (weight_q / w.eta_w + (w.dense_f + emb) / w.eta_f + (kv_read + kv_write) / kv.eta) / device.bandwidth
+    flops = b * w.linear_flops + model.attention_flops_per_pair * (c + b) / devices
+    t_compute = flops / (w.peak * w.eta_c)
+    t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
+    time = np.maximum(t_mem, t_compute) + t_comm + profile.overhead_s
+    return {"weight_bytes": weight_bytes, "kv_read_bytes": kv_read, "kv_write_bytes": kv_write,
+            "kv_bytes": kv_read + kv_write, "bytes": weight_bytes + kv_read + kv_write, "flops": flops,
+            "t_memory": t_mem, "t_compute": t_compute, "t_comm": t_comm, "time": time,
+            "compute_bound": t_compute > t_mem, "tokens_per_s": b / time}
+
+
+def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
+            batch: np.ndarray | int, prompt: np.ndarray | int, devices: int = 1) -> dict[str, np.ndarray]:
+    """Prefill of `batch` prompts of `prompt` tokens (time to first token when batch is 1).
+
+    Causal attention does p (p + 1) / 2 query-key pairs per prompt.  Usually compute-bound, so W8A8
+    formats (fp8/int8 maths) shorten it where the device has the units and weight-only formats do not."""
+    b = np.asarray(batch, dtype=float)
+    p = np.asarray(prompt, dtype=float)
+    tokens = b * p
+    weight_q = w.dense_q + model.n_layers * experts_touched(model, tokens) * w.expert_layer
+    emb = tokens * w.emb_row
+    kv_write = tokens * kv.per_token
+    t_mem = (weight_q / w.eta_w + (w.dense_f + emb) / w.eta_f + kv_write / kv.eta) / device.bandwidth
+    flops = tokens * w.linear_flops + model.attention_flops_per_pair * b * p * (p + 1) / 2 / devices
+    t_compute = flops / (w.peak * w.eta_c)
+    t_comm = 2 * model.n_layers * _allreduce(device, devices, tokens * model.hidden_size * ACT_BYTES)
+    time = np.maximum(t_mem, t_compute) + t_comm + profile.overhead_s
+    return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": flops, "t_memory": t_mem,
+            "t_compute": t_compute, "t_comm": t_comm, "time": time, "compute_bound": t_compute > t_mem}
+
+
+def memory(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
+           batch: np.ndarray | int, context: np.ndarray | int) -> dict[str, np.ndarray]:
+    """Per-device memory: weights + b x context x kappa of cache against (1 - headroom) x memory.
+
+    max_batch is for the given context, max_context for the given batch (0 when even the weights
+    do not fit)."""
+    b = np.asarray(batch, dtype=float)
+    ctx = np.asarray(context, dtype=float)
+    kv_bytes = b * ctx * kv.per_token
+    usable = device.memory_bytes * (1 - profile.memory_headroom)
+    free = np.maximum(usable - w.stored, 0.0)
+    weights = w.stored + np.zeros_like(kv_bytes)
+    return {"weights": weights, "kv": kv_bytes, "need": weights + kv_bytes,
+            "usable": usable, "headroom": device.memory_bytes * profile.memory_headroom,
+            "fits": w.stored + kv_bytes <= usable,
+            "max_batch": np.floor(free / (ctx * kv.per_token)),
+            "max_context": np.floor(free / (b * kv.per_token))}
