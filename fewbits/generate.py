@@ -1,0 +1,135 @@
+"""Decode loop over a (quantised) causal LM with a preallocated, quantised KV cache.
+
+    res = generate(model, input_ids, max_new_tokens=32, kv="int4")              # greedy
+    res = generate(model, ids, 32, do_sample=True, temperature=0.8, top_p=0.9, seed=0)
+    res.tokens (B, n), res.decode_step_s (per step), res.tokens_per_s, res.kv_nbytes
+
+Works with Hugging Face Llama/Gemma/Qwen-style models (any model whose forward takes a transformers
+`Cache`): the cache is a `QuantizedKVCache` sized for prompt + new tokens, allocated once.  A batch of
+prompts of different lengths is passed left-padded with an attention mask (1 = real token); positions
+are counted from each sequence's first real token.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from fewbits.kvcache.format import KVFormat
+from fewbits.kvcache.hf import QuantizedKVCache, cache_for
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # (B, n_new) generated ids (eos-padded after a sequence finishes)
+    prompt_len: int
+    prefill_s: float
+    decode_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
+    kv_nbytes: int = 0  # exact bytes of the cache after the last step
+    kv_format: str = "bf16"
+
+    @property
+    def batch(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def mean_step_s(self) -> float:
+        steps = self.decode_step_s
+        return sum(steps) / len(steps) if steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput: batch tokens per mean step time."""
+        return self.batch / self.mean_step_s if self.decode_step_s else float("nan")
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
+                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next token ids (B,) from last-position logits (B, V): argmax, or sampling with temperature,
+    top-k and nucleus (top-p, Holtzman et al. 2020) filtering."""
+    if not do_sample:
+        return logits.argmax(-1)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+    z = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(z, min(top_k, z.shape[-1]), dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, idx = torch.sort(z, descending=True, dim=-1)
+        probs = torch.softmax(sorted_z, -1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix with mass >= top_p
+        sorted_z = sorted_z.masked_fill(drop, float("-inf"))
+        z = torch.full_like(z, float("-inf")).scatter(-1, idx, sorted_z)
+    probs = torch.softmax(z, -1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    kv: KVFormat | str = "bf16",
+    attention_mask: torch.Tensor | None = None,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | None = None,
+    seed: int | None = None,
+    cache: QuantizedKVCache | None = None,
+) -> GenerationResult:
+    """Generate `max_new_tokens` tokens for each row of `input_ids` (B, T) with a KV cache in format `kv`."""
+    if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    B, T = input_ids.shape
+    device = next(model.parameters()).device if any(True for _ in model.parameters()) else input_ids.device
+    ids = input_ids.to(device)
+    mask = (attention_mask if attention_mask is not None else torch.ones_like(ids)).to(device).long()
+    if mask.shape != ids.shape:
+        raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+    cache = cache if cache is not None else cache_for(model, kv, T + max_new_tokens)
+    key = _cache_kwarg(model)
+    gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T) positions from each first real token
+
+    t0 = time.perf_counter()
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **{key: cache})
+    nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+    prefill_s = time.perf_counter() - t0
+
+    tokens = [nxt]
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    if eos_token_id is not None:
+        done |= nxt == eos_token_id
+    last_pos = pos[:, -1:]
+    steps: list[float] = []
+    for _ in range(max_new_tokens - 1):
+        if bool(done.all()):
+            break
+        t1 = time.perf_counter()
+        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
+        last_pos = last_pos + 1
+        out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
+                    logits_to_keep=1, **{key: cache})
+        nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+        if eos_token_id is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        steps.append(time.perf_counter() - t1)
+        tokens.append(nxt)
+    fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
+    nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
+    return GenerationResult(torch.stack(tokens, 1), T, prefill_s, steps, nbytes, fmt)

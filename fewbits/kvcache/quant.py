@@ -1,0 +1,101 @@
+"""Quantise and dequantise blocks of keys and values (pure functions over tensors).
+
+Shapes: x is (B, H, T, D) = (batch, KV heads, tokens, head dim).  Scales are stored as fp16.
+
+- per token (fp8-e4m3, int8): one absmax scale per (b, h, t):  s = amax_d |x| / q_max,
+  codes = round(x / s) (int8) or E4M3(x / s) (fp8);  x^ = codes * s.
+- KIVI keys, per channel (Liu et al. 2024, eq. 2 applied along tokens): T is a multiple of the group G;
+  for each group of G tokens and each channel d, min-max:  s = (max - min) / (2^b - 1), m = min,
+  codes = round((x - m) / s) in [0, 2^b - 1];  x^ = codes * s + m.
+- KIVI values, per token: the same min-max over groups of G channels of one token.
+Integer codes of 2/4 bits are packed along D (formats/packing.py layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbits.formats.packing import pack_bits, unpack_bits
+
+FP8_MAX = 448.0
+TINY = 2.0**-24  # smallest positive fp16 (subnormal): scales never round to zero
+
+
+def _fp16_scale(s: torch.Tensor) -> torch.Tensor:
+    """Scales as fp16, never zero (an all-zero block gets scale 1)."""
+    s16 = s.to(torch.float16)
+    return torch.where(s16 > 0, s16, torch.ones_like(s16))
+
+
+def quant_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., D) -> codes int8 (..., D), scale fp16 (..., 1)."""
+    xf = x.float()
+    s = _fp16_scale(xf.abs().amax(-1, keepdim=True) / 127)
+    codes = torch.round(xf / s.float()).clamp_(-127, 127).to(torch.int8)
+    return codes, s
+
+
+def dequant_int8_per_token(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scale.float()).to(dtype)
+
+
+def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., D) -> E4M3 bit patterns uint8 (..., D), scale fp16 (..., 1)."""
+    xf = x.float()
+    s = _fp16_scale((xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(TINY))
+    y = (xf / s.float()).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return y.view(torch.uint8), s
+
+
+def dequant_fp8_per_token(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.view(torch.float8_e4m3fn).float() * scale.float()).to(dtype)
+
+
+def _minmax_codes(x: torch.Tensor, dim: int, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Min-max codes of x along `dim`: codes uint8 (shape of x), scale and min fp16 (dim kept as 1)."""
+    qmax = 2**bits - 1
+    lo = x.amin(dim, keepdim=True)
+    hi = x.amax(dim, keepdim=True)
+    s = _fp16_scale((hi - lo) / qmax)
+    m = lo.to(torch.float16)
+    codes = torch.round((x - m.float()) / s.float()).clamp_(0, qmax).to(torch.uint8)
+    return codes, s, m
+
+
+def quant_kivi_keys(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys (B, H, T, D), T a multiple of `group` -> packed codes (B, H, T, D*bits/8) uint8,
+    scale and min (B, H, T/group, D) fp16 (one per channel per group of tokens)."""
+    B, H, T, D = x.shape
+    g = x.float().reshape(B, H, T // group, group, D)  # (B, H, groups, G, D)
+    codes, s, m = _minmax_codes(g, 3, bits)
+    packed = pack_bits(codes.reshape(B, H, T, D), bits)
+    return packed, s.squeeze(3), m.squeeze(3)
+
+
+def dequant_kivi_keys(packed: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bits: int, group: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    B, H, T, _ = packed.shape
+    D = scale.shape[-1]
+    c = unpack_bits(packed, bits, D).reshape(B, H, T // group, group, D).float()
+    x = c * scale.float().unsqueeze(3) + minv.float().unsqueeze(3)
+    return x.reshape(B, H, T, D).to(dtype)
+
+
+def quant_kivi_values(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values (B, H, T, D), D a multiple of `group` -> packed codes (B, H, T, D*bits/8) uint8,
+    scale and min (B, H, T, D/group) fp16 (one per token per group of channels)."""
+    B, H, T, D = x.shape
+    g = x.float().reshape(B, H, T, D // group, group)  # (B, H, T, groups, G)
+    codes, s, m = _minmax_codes(g, 4, bits)
+    packed = pack_bits(codes.reshape(B, H, T, D), bits)
+    return packed, s.squeeze(4), m.squeeze(4)
+
+
+def dequant_kivi_values(packed: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor, bits: int, group: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    B, H, T, _ = packed.shape
+    n_groups = scale.shape[-1]
+    D = n_groups * group
+    c = unpack_bits(packed, bits, D).reshape(B, H, T, n_groups, group).float()
+    x = c * scale.float().unsqueeze(-1) + minv.float().unsqueeze(-1)
+    return x.reshape(B, H, T, D).to(dtype)
