@@ -111,12 +111,12 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
 
 def _sweep(r: PlanResult, model: str, device: str | None, profile: str, activations: str, devices: int,
            axes: dict[str, tuple[int, ...]]) -> tuple[list[str], dict]:
-    from fewbits.cost.plan import _pick_device
+    from fewbits.cost.plan import pick_device
     from fewbits.cost.profile import load_profile
     from fewbits.cost.sweep import format_sweep_table, summarize, sweep
 
     try:
-        dev = _pick_device(device, load_profile(profile))
+        dev = pick_device(device, load_profile(profile))
         res = sweep(model, dev, axes["batch"], axes["context"], (r.weights,), (r.kv,), devices, profile, activations)
         lines = summarize(res, model, dev, devices, profile, activations)
     except (ModelSpecError, DeviceError, ProfileError, FormatError, ValueError) as e:

@@ -104,7 +104,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
     """
     prof = load_profile(profile)
     spec = resolve_model(model)
-    dev = _pick_device(device, prof)
+    dev = pick_device(device, prof)
     for what, v in (("batch", batch), ("context", context), ("devices", devices)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise PlanError(f"{what} must be a positive integer, got {v!r}")
@@ -151,7 +151,9 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         kv_bits_per_value=k.bits, notes=tuple(notes), table=tuple(rows))
 
 
-def _pick_device(device: str | DeviceSpec | None, prof: Profile) -> DeviceSpec:
+def pick_device(device: str | DeviceSpec | None, prof: Profile) -> DeviceSpec:
+    """The device to cost: a DeviceSpec as given; the profile's measured device when `device` is None,
+    'profile' or its key; else the table entry (default h100)."""
     if isinstance(device, DeviceSpec):
         return device
     if prof.device is not None and (device is None or device.lower() in ("profile", prof.device.key)):
@@ -202,7 +204,7 @@ def format_plan_text(r: PlanResult) -> str:
         f"  bytes/step: weights {_gb(r.weight_bytes)} + KV {_gb(r.kv_bytes)} = {_gb(r.bytes)}",
         f"  memory: {_gb(r.memory_weights)} of weights + {_gb(r.memory_kv)} of cache = "
         f"{_gb(r.memory_weights + r.memory_kv)} of {r.memory_capacity / 1e9:.0f} GB "
-        f"(+{_gb(r.memory_headroom)} headroom): {fit}",
+        f"({_gb(r.memory_headroom)} kept free): {fit}",
         f"  time to first token ({r.context}-token prompt): {_ms(r.ttft_s)}",
     ])
 

@@ -67,6 +67,7 @@ def test_clear_errors() -> None:
         (("--batch", "0"), "--batch"),
         (("--context", "-5"), "--context"),
         (("--weights", "int9"), "integer formats take 2..8 bits"),
+        (("--weights", "int4-g100"), "not divisible by the group size 100"),
         (("--kv", "fp7"), "unknown format 'fp7'"),
         (("--device", "h1000"), "did you mean"),
         (("--profile", "nope.json"), "neither built in"),

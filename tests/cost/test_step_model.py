@@ -112,3 +112,18 @@ def test_bad_sizes_are_errors() -> None:
     for kw in ({"batch": 0}, {"context": -1}, {"devices": 0}):
         with pytest.raises(ValueError, match="must be a positive integer"):
             plan("llama-3-8b", "h100", **{"batch": 1, "context": 16, **kw})
+
+
+def test_kv_bits_per_value_come_from_the_format() -> None:
+    m = get_preset("llama-3-8b")
+    bits = {k: kv_terms(m, k, DEFAULT).bits for k in ("bf16", "fp16", "fp8-e4m3", "fp8-e5m2", "int8", "int4",
+                                                       "int2", "int4-g32-asym", "int2-g32-asym")}
+    assert bits == {"bf16": 16, "fp16": 16, "fp8-e4m3": 8, "fp8-e5m2": 8, "int8": 8, "int4": 4, "int2": 2,
+                    "int4-g32-asym": 4 + (16 + 4) / 32, "int2-g32-asym": 2 + (16 + 2) / 32}
+    assert kv_terms(m, "int2", DEFAULT).per_token == 2 * 32 * 8 * 128 * 2 / 8
+
+
+def test_tied_embeddings_stored_once() -> None:
+    m, dev = get_preset("smollm2-135m"), get_device("l4")
+    assert weight_terms(m, "bf16", dev, DEFAULT).stored == 2 * 134_515_008
+    assert weight_terms(m, "bf16", dev, SEED).stored == 2 * 134_515_008
