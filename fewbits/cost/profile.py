@@ -193,6 +193,7 @@ DEFAULT = Profile(
     # float: good GEMV kernels reach ~80% of HBM peak.  fp8 and int4 are fitted to the measured
     # 1.26x / 1.53x; int8 weight-only and fp4 are interpolated estimates (no measurement behind them).
     bandwidth_efficiency={"float": 0.80, "fp8": 0.52, "int8": 0.50, "int4": 0.34, "fp4": 0.34},
+    # KV caches: estimates (no measurement behind them); quantised caches dequantise inside attention.
     kv_bandwidth_efficiency={"float": 0.80, "fp8": 0.75, "int8": 0.70, "int4": 0.55, "fp4": 0.55},
     # dense GEMMs reach ~65% of peak in prefill; weight-only formats pay for dequantisation in the loop.
     compute_efficiency={"float": 0.65, "fp8": 0.60, "int8": 0.55, "int4": 0.50, "fp4": 0.50},
