@@ -43,7 +43,8 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple
 
 
 @click.command("plan")
-@click.option("--model", "-m", required=True, help="Preset name (e.g. llama-3-8b) or path to a config.json.")
+@click.option("--model", "-m", default="llama-3-8b", show_default=True,
+              help="Preset name (e.g. llama-3-70b, smollm2-135m) or a path to a config.json.")
 @click.option("--device", "-d", default=None, help="Device (h100, h200, a100, b200, mi300x, l40s, l4, rtx4090, "
               "cpu, ...); default: the profile's device, else h100.")
 @click.option("--batch", "-b", type=int, default=1, show_default=True, help="Sequences decoded together.")
