@@ -67,6 +67,23 @@ METHODS: dict[str, MethodEntry] = {
 }
 
 
+#: how QuantLinear layers run their matmul: "reference" dequantises on every call; "cached" dequantises
+#: once and keeps the dense weight (same numbers, fast evaluation on CPU); "auto" is the kernel dispatcher
+KERNELS: dict[str, str] = {
+    "reference": "fewbits.models.qlinear:reference_chooser",
+    "cached": "fewbits.models.qlinear:dequantized_once_chooser",
+    "auto": "fewbits.kernels.dispatch:prepare_linear",
+}
+
+
+def kernel_chooser(name: str) -> KernelChooser:
+    """The chooser called `name` in KERNELS."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel choice {name!r}; one of {', '.join(KERNELS)}")
+    module, attr = KERNELS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 class QuantizeError(RecipeError):
     """A model and recipe that cannot be quantised together (nothing has been changed)."""
 

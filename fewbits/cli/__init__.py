@@ -16,6 +16,9 @@ COMMANDS: dict[str, str] = {
     "layer-error": "fewbits.cli.layer_error:layer_error",
     "plan": "fewbits.cli.plan:plan_cmd",
     "try": "fewbits.cli.try_:try_cmd",
+    "quantize": "fewbits.cli.quantize:quantize_cmd",
+    "eval": "fewbits.cli.eval:eval_cmd",
+    "demo": "fewbits.cli.demo:demo_cmd",
 }
 
 

@@ -46,6 +46,31 @@ def _call_reference(qt: QuantizedTensor, x: torch.Tensor, bias: torch.Tensor | N
     return reference_linear(x, qt, bias)
 
 
+class DequantizedOnce:
+    """The reference path with the dequantised weight kept after the first call (one per dtype/device).
+
+    Gives exactly the numbers of `reference_linear` (same dequantisation, same cast, same matmul), but
+    holds a dense copy of the weight: use it for evaluation runs on the CPU, where dequantising every
+    layer on every forward costs more than the matmul; never for measuring memory or kernel speed.
+    """
+
+    def __init__(self, qt: QuantizedTensor) -> None:
+        self.qt = qt
+        self.dense: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        key = (x.dtype, x.device)
+        w = self.dense.get(key)
+        if w is None:
+            w = self.dense[key] = self.qt.dequantize(torch.float32).to(device=x.device, dtype=x.dtype)
+        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def dequantized_once_chooser(qt: QuantizedTensor) -> LinearKernel:
+    """Chooser for evaluation on the CPU: `DequantizedOnce` for every layer."""
+    return DequantizedOnce(qt)
+
+
 class QuantLinear(nn.Module):
     """Drop-in replacement for `nn.Linear` holding only the packed weight (and the bias)."""
 

@@ -1,0 +1,84 @@
+"""`fewbits eval OUT --ref MODEL`: quality of a saved quantised model against the unquantised one."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from fewbits.cli.quantize import DTYPES
+
+
+@click.command("eval")
+@click.argument("quantized", type=click.Path(file_okay=False))
+@click.option("--ref", default=None,
+              help="reference model (packaged name or directory); default: the model it was made from")
+@click.option("--text", "text_files", multiple=True, type=click.Path(dir_okay=False),
+              help="text file to evaluate on (repeatable); default: the packaged evaluation texts")
+@click.option("--name", "names", multiple=True, help="category name for each --text (default: the file stem)")
+@click.option("--seq-len", default=512, show_default=True, help="tokens per window")
+@click.option("--windows", default=4, show_default=True, help="windows per text category (0 = all)")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+              help="dtype of the reference run")
+@click.option("--kernel", type=click.Choice(["cached", "reference", "auto"]), default="cached", show_default=True,
+              help="matmul of the quantised layers: reference numbers with the weight dequantised once "
+                   "(cached) or on every call (reference), or the fast kernel dispatcher (auto)")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write results as JSON")
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
+              help="write KL vs bits/weight plot (PNG)")
+@click.option("--quiet", is_flag=True, help="no progress bars")
+def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names: tuple[str, ...], seq_len: int,
+             windows: int, dtype: str, kernel: str, json_out: str | None, plot_out: str | None, quiet: bool) -> None:
+    """Perplexity, KL(ref || quant) mean and 99th percentile, top-1 agreement, per text category
+    (causal models), or sentence-embedding cosine (encoders), against the reference model."""
+    from fewbits import api
+    from fewbits.eval import report as R
+    from fewbits.eval import run
+    from fewbits.models.loading import load_model
+    from fewbits.models.swap import model_nbytes
+
+    t0 = time.perf_counter()
+    try:
+        if names and len(names) != len(text_files):
+            raise ValueError(f"{len(names)} --name given for {len(text_files)} --text files")
+        texts = run.eval_texts(text_files, names)
+        model, tok, meta = api.load_quantized_model(quantized, chooser=api.kernel_chooser(kernel))
+        ref_name = ref or meta.get("source")
+        if not ref_name:
+            raise ValueError(f"{quantized} does not record the model it was made from; pass --ref MODEL")
+        ref_model, ref_tok = load_model(ref_name, dtype=dtype)
+        rep = meta.get("report") or {}
+        fmt = ", ".join(sorted({r.format for r in _rules(meta)}))
+        method = ", ".join(sorted({r.method for r in _rules(meta)}))
+        if run.is_causal_lm(model):
+            wins, protocol = run.causal_windows(ref_tok, texts, seq_len, windows or None)
+            cmp = run.compare_causal(model.to(ref_model.dtype), ref_model, wins, progress=not quiet)
+            row = run.result_row(method, fmt, rep.get("bits_per_weight"), model_nbytes(model),
+                                 model_nbytes(ref_model), cmp)
+            click.echo(protocol.text())
+            click.echo(f"reference: {ref_name} ({dtype}); quantised: {quantized}")
+            click.echo(R.table_text([row], {"format": dtype, "size_bytes": model_nbytes(ref_model),
+                                            "overall": {"ppl": cmp["overall"]["ref_ppl"]}}))
+            results = {"protocol": protocol.to_dict(), "reference": ref_name, "rows": [row]}
+        else:
+            cmp = run.compare_encoder(model.to(ref_model.dtype), ref_model, ref_tok, texts)
+            row = run.result_row(method, fmt, rep.get("bits_per_weight"), model_nbytes(model),
+                                 model_nbytes(ref_model), cmp)
+            click.echo(f"encoder: cosine of mean-pooled sentence embeddings to {ref_name} ({dtype})")
+            click.echo(run.encoder_table([row]))
+            results = {"protocol": {"encoder_cosine": True}, "reference": ref_name, "rows": [row]}
+        if json_out:
+            R.write_json(json_out, results)
+        if plot_out:
+            if not run.is_causal_lm(model):
+                raise ValueError("--plot draws KL against bits per weight; an encoder has no KL")
+            R.plot_kl_vs_bits([row], plot_out, title=f"{ref_name}: KL against bits per weight")
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"done in {time.perf_counter() - t0:.1f} s")
+
+
+def _rules(meta: dict):  # noqa: ANN202
+    from fewbits.models.recipe import Recipe
+
+    return Recipe.from_dict(meta["recipe"]).rules

@@ -1,0 +1,81 @@
+"""`fewbits quantize MODEL --format SPEC -o OUT`: quantise every linear layer and save the model."""
+
+from __future__ import annotations
+
+import time
+
+import click
+
+from fewbits.models.recipe import MISFIT_POLICIES
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, ANN201
+    """Calibration token ids (n, seq_len) from the packaged calibration texts (never the eval passages)."""
+    import torch
+
+    from fewbits.data.texts import load_texts, token_windows
+
+    rows = []
+    texts = load_texts(split="calib")
+    per = max(1, -(-n_windows // len(texts)))
+    for text in texts.values():
+        rows.append(torch.as_tensor(token_windows(tokenizer, text, seq_len, n_windows=per)))
+    return torch.cat(rows)[:n_windows]
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("--format", "fmt", default=None, help="format spec for every linear layer, e.g. int4-g64, int8, nf4-g64")
+@click.option("--method", default="rtn", show_default=True, help="how codes are chosen (see fewbits.api.METHODS)")
+@click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False), default=None,
+              help="recipe file (.toml or .json): per-layer formats/methods, ignore list, misfit policy")
+@click.option("--misfit", type=click.Choice(MISFIT_POLICIES), default=None,
+              help="layers the format does not fit: error (default), keep them 16-bit, or regroup")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+              help="dtype the model is loaded and run in")
+@click.option("--calib-windows", default=16, show_default=True, help="calibration windows (calibrated methods)")
+@click.option("--calib-seq-len", default=512, show_default=True, help="tokens per calibration window")
+@click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="output directory")
+@click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
+@click.option("--quiet", is_flag=True, help="no progress bars")
+def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, misfit: str | None,
+                 dtype: str, calib_windows: int, calib_seq_len: int, out: str, overwrite: bool, quiet: bool) -> None:
+    """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT."""
+    from pathlib import Path
+
+    from fewbits import api
+    from fewbits.models.loading import load_model
+    from fewbits.models.recipe import Recipe
+
+    t0 = time.perf_counter()
+    try:
+        if recipe_file:
+            recipe = Recipe.load(recipe_file)
+            if fmt:
+                raise click.UsageError("give either --format or --recipe, not both")
+        elif fmt:
+            recipe = Recipe.from_format(fmt, method)
+        else:
+            raise click.UsageError("give --format SPEC (e.g. int4-g64) or --recipe FILE")
+        if misfit:
+            recipe = recipe.with_misfit(misfit)
+        if Path(out).exists() and not overwrite and (not Path(out).is_dir() or any(Path(out).iterdir())):
+            raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+        m, tok = load_model(model, dtype=dtype)
+        api.plan_model(m, recipe)  # fails here, before any work, on misfits and unknown methods
+        methods = {r.method for r in recipe.rules}
+        data = None
+        if any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
+            data = calibration_ids(tok, calib_seq_len, calib_windows)
+        report = api.quantize(m, recipe, data=data, progress=not quiet)
+        click.echo(report.text())
+        path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
+                                        overwrite=overwrite)
+    except click.UsageError:
+        raise
+    except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    disk = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+    click.echo(f"saved to {path} ({disk:,} bytes on disk) in {time.perf_counter() - t0:.1f} s")
