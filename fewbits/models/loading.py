@@ -1,0 +1,217 @@
+"""Load a model and its tokenizer: a packaged name, a local Hugging Face directory, or a hub id.
+
+    model, tokenizer = load_model("smollm2-135m")            # packaged, converted once and cached
+    model, tokenizer = load_model("/path/to/hf_dir", dtype="bf16")
+    model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M")  # needs the hub (not reachable offline)
+
+Weights are read from safetensors only.  A directory holding only pickle checkpoints (``*.bin``, ``*.pt``,
+``*.pth``, ``*.ckpt``) is refused: unpickling a model file can run arbitrary code, and nothing here ever
+calls ``torch.load``.  Every safetensors file is checked (header readable, every shard the index names
+present and complete) before transformers touches it, so a missing or truncated file is an error that
+names the file.
+
+Caveat (see `fewbits.models.packaged`): the packaged causal models were published already quantised
+(SmolLM2's linears are GGUF Q4_1, i.e. a 4-bit affine grid per group of 32 weights; Gemma-3-270M's are
+mostly Q5_0), so group-32 4-bit results on them are flattering.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fewbits.models.packaged import ensure_converted, packaged_entry
+
+#: architecture name pattern (config.json "architectures") -> transformers Auto class
+AUTO_CLASSES: tuple[tuple[str, str], ...] = (
+    (r"ForCausalLM$|LMHeadModel$", "AutoModelForCausalLM"),
+    (r"ForConditionalGeneration$", "AutoModelForImageTextToText"),
+    (r".*", "AutoModel"),
+)
+#: pickle-based checkpoint file suffixes that are refused
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: accepted dtype spellings
+DTYPES: dict[str, str] = {"fp32": "float32", "float32": "float32", "float": "float32",
+                          "bf16": "bfloat16", "bfloat16": "bfloat16",
+                          "fp16": "float16", "float16": "float16", "half": "float16"}
+
+
+class ModelLoadError(ValueError):
+    """A model cannot be found or loaded; the message names the model or file at fault."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from: kind in {"packaged", "local", "hub"}; `path` for the first two."""
+
+    kind: str
+    name: str
+    path: Path | None = None
+
+
+def resolve_model(name_or_path: str | Path) -> ModelSource:
+    """Decide whether `name_or_path` is a packaged model, a local directory, or a hub id."""
+    text = str(name_or_path)
+    entry = packaged_entry(text)
+    if entry is not None and not Path(text).exists():
+        return ModelSource("packaged", entry.name)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"model path {path} is a file; pass the model directory (with config.json)")
+        return ModelSource("local", text, path)
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
+        raise ModelLoadError(f"model directory {path} does not exist")
+    return ModelSource("hub", text)
+
+
+def _read_safetensors_header(path: Path) -> dict[str, Any]:
+    """Parse and check a safetensors header: 8-byte length, JSON, every tensor inside the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ModelLoadError(f"weight file {path} is corrupt: {size} bytes, too short for safetensors")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8 or n > 100_000_000:
+                raise ModelLoadError(f"weight file {path} is corrupt: header length {n} exceeds file size {size}")
+            header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"weight file {path} is corrupt: unreadable safetensors header ({exc})") from None
+    except OSError as exc:
+        raise ModelLoadError(f"weight file {path} cannot be read: {exc}") from None
+    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end != size:
+        raise ModelLoadError(f"weight file {path} is corrupt or truncated: header describes "
+                             f"{8 + n + end} bytes, file has {size}")
+    return header
+
+
+def check_model_dir(path: Path) -> list[Path]:
+    """The safetensors files of a local model directory, each checked; clear errors otherwise."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {path} has no config.json")
+    index = sorted(path.glob("*.safetensors.index.json"))
+    if index:
+        try:
+            weight_map = json.loads(index[0].read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"weight index {index[0]} is corrupt: {exc}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelLoadError(f"model directory {path} holds only pickle checkpoints ({', '.join(pickles)}); "
+                                 "fewbits loads safetensors only, never pickles (convert with "
+                                 "safetensors' convert tool where you trust the file)")
+        raise ModelLoadError(f"model directory {path} has no weight file (expected model.safetensors)")
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"weight file {f} is missing (listed in {index[0].name})" if index
+                                 else f"weight file {f} is missing")
+        _read_safetensors_header(f)
+    return files
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use one of {', '.join(sorted(DTYPES))}")
+    return getattr(torch, DTYPES[key])
+
+
+def _auto_class(architectures: list[str] | None) -> Any:
+    import transformers
+
+    arch = (architectures or [""])[0]
+    for pattern, cls in AUTO_CLASSES:
+        if re.search(pattern, arch):
+            return getattr(transformers, cls)
+    raise AssertionError("the last AUTO_CLASSES pattern matches everything")
+
+
+def load_model(name_or_path: str | Path, dtype: Any = "float32", device: str = "cpu",
+               offline: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) in eval mode for a packaged name, a local directory, or a hub id.
+
+    dtype: torch dtype or one of fp32/bf16/fp16 (default float32, the fastest on CPU and lossless for
+    the packaged models); device: where to put the model; offline: for hub ids, use the local hub
+    cache only (fail fast instead of retrying the network)."""
+    torch_dtype = _torch_dtype(dtype)
+    source = resolve_model(name_or_path)
+    if source.kind == "packaged":
+        path = ensure_converted(source.name)
+        return _load_dir(path, torch_dtype, device, label=f"packaged model {source.name!r} ({path})")
+    if source.kind == "local":
+        assert source.path is not None
+        check_model_dir(source.path)
+        return _load_dir(source.path, torch_dtype, device, label=f"model directory {source.path}")
+    return _load_hub(source.name, torch_dtype, device, offline)
+
+
+def _load_dir(path: Path, dtype: Any, device: str, label: str) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{label}: config.json cannot be read: {exc}") from None
+    cls = _auto_class(getattr(config, "architectures", None))
+    try:
+        model = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, local_files_only=True)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"{label}: weights cannot be loaded: {exc}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{label}: tokenizer cannot be loaded: {exc}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def _load_hub(repo_id: str, dtype: Any, device: str, offline: bool) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        config = AutoConfig.from_pretrained(repo_id, local_files_only=offline)
+        cls = _auto_class(getattr(config, "architectures", None))
+        model = cls.from_pretrained(repo_id, dtype=dtype, use_safetensors=True, local_files_only=offline)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, local_files_only=offline)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{repo_id!r} is not a packaged model ({', '.join(_packaged_names())}) nor a "
+                             f"local directory, and the model hub could not provide it: {first}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def _packaged_names() -> list[str]:
+    from fewbits.models.packaged import PACKAGED
+
+    return list(PACKAGED)
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of a module's parameters and buffers, each shared tensor counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.numel() * t.element_size()
+    return total
+
+
+__all__ = ["load_model", "resolve_model", "check_model_dir", "model_bytes", "ModelLoadError", "ModelSource",
+           "AUTO_CLASSES", "PICKLE_SUFFIXES"]
