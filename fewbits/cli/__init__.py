@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "quantize": "fewbits.cli.quantize:quantize_cmd",
     "eval": "fewbits.cli.eval:eval_cmd",
     "demo": "fewbits.cli.demo:demo_cmd",
+    "models": "fewbits.cli.models:models",
 }
 
 

