@@ -314,6 +314,7 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
     if missing or unexpected:
         raise SavedModelError(f"{wf}: does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
     if meta.get("tied"):
+        model.tie_weights()  # the architecture's own tying, as from_pretrained does
         state = model.state_dict()
         for alias, name in meta["tied"].items():
             if state[alias].data_ptr() != state[name].data_ptr():

@@ -1,0 +1,177 @@
+"""quantize / save_quantized_model / load_quantized_model on a tiny random Llama: plans, reports,
+the method plug-in contract, exact reloads, and failures that change and write nothing."""
+
+from __future__ import annotations
+
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+
+from fewbits import api
+from fewbits.models.qlinear import QuantLinear
+from fewbits.models.recipe import Recipe, RecipeError
+from fewbits.models.swap import linear_layers, model_nbytes
+
+IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def logits(m):
+    with torch.inference_mode():
+        return m(input_ids=IDS).logits
+
+
+def test_quantize_report_sizes_and_layers(tiny):
+    before = model_nbytes(tiny)
+    rep = api.quantize(tiny, "int4-g32", progress=False)
+    q = [n for n, m in tiny.named_modules() if isinstance(m, QuantLinear)]
+    assert len(q) == 14 and not [n for n, _ in linear_layers(tiny) if n != "lm_head"]
+    assert rep.size_before == before and rep.size_after == model_nbytes(tiny)
+    # 4 bits + one fp16 scale per 32 weights = 4.5 bits/weight exactly
+    assert rep.bits_per_weight == pytest.approx(4.5)
+    linear_bytes = sum(r["bytes_before"] for r in rep.quantized_layers)
+    assert rep.size_before - rep.size_after == linear_bytes - linear_bytes * 4.5 / 32
+    assert "model size" in rep.text() and "14 quantize int4-g32 (rtn)" in rep.text()
+    assert json.loads(json.dumps(rep.to_dict()))["layers"][0]["format"] == "int4-g32"
+
+
+def test_misfit_error_changes_nothing_keep_and_regroup_are_reported(tiny_factory):
+    m = tiny_factory(hidden=48)  # 48 columns: groups of 32 do not divide; 96 (mlp in) does
+    ref = logits(m)
+    with pytest.raises(RecipeError, match=r"(?s)12 layer\(s\) do not fit.*model.layers.0.self_attn.q_proj.*48"):
+        api.quantize(m, Recipe.from_format("int4-g32"), progress=False)
+    assert not any(isinstance(x, QuantLinear) for x in m.modules())
+    assert torch.equal(logits(m), ref)
+    rep = api.quantize(m, Recipe.from_format("int4-g32", misfit="regroup"), progress=False)
+    fmts = {r["name"].split(".")[-1]: r["format"] for r in rep.layers if r["action"] == "quantize"}
+    assert fmts["q_proj"] == "int4-g24" and fmts["down_proj"] == "int4-g32"
+    assert "regrouped" in rep.text()
+    m2 = tiny_factory(hidden=48)
+    rep2 = api.quantize(m2, Recipe.from_format("int4-g32", misfit="keep"), progress=False)
+    assert sum(r["action"] == "keep" for r in rep2.layers) == 12
+    assert "kept 16-bit" in rep2.text()
+    assert isinstance(m2.model.layers[0].mlp.down_proj, QuantLinear)
+    assert isinstance(m2.model.layers[0].mlp.up_proj, torch.nn.Linear)
+
+
+def test_unknown_method_and_missing_data_fail_before_any_change(tiny, monkeypatch):
+    with pytest.raises(RecipeError, match="unknown method.*nosuch"):
+        api.quantize(tiny, Recipe.from_format("int8", method="nosuch"), progress=False)
+    monkeypatch.setitem(api.METHODS, "needy", api.MethodEntry("fewbits.api:run_rtn", needs_data=True))
+    with pytest.raises(RecipeError, match="needy needs calibration data"):
+        api.quantize(tiny, Recipe.from_format("int8", method="needy"), progress=False)
+    assert not any(isinstance(x, QuantLinear) for x in tiny.modules())
+
+
+def watching_runner(model, layers, data, commit, progress):
+    """A plug-in method: RTN, checking that every committed layer's float weight is freed at once."""
+    from fewbits.tensor import quantize_tensor
+
+    refs = []
+    for p in layers:
+        w = model.get_submodule(p.name).weight
+        refs.append(weakref.ref(w))
+        qt = quantize_tensor(w.detach(), p.format)
+        del w
+        commit(p.name, qt)
+        gc.collect()
+        assert all(r() is None for r in refs), "a float weight outlived its commit"
+    return {"layers_seen": len(layers), "data_rows": None if data is None else int(data.shape[0])}
+
+
+def test_method_plugin_contract(tiny, monkeypatch):
+    monkeypatch.setitem(api.METHODS, "watch", api.MethodEntry(f"{__name__}:watching_runner"))
+    data = torch.zeros(3, 8, dtype=torch.long)
+    rep = api.quantize(tiny, Recipe.from_format("int8", method="watch"), data=data, progress=False)
+    assert rep.method_info == {"watch": {"layers_seen": 14, "data_rows": 3}}
+
+
+def lazy_runner(model, layers, data, commit, progress):
+    commit(layers[0].name, model.get_submodule(layers[0].name))  # commits one layer as a ready module
+    return None
+
+
+def test_runner_that_skips_layers_is_an_error(tiny, monkeypatch):
+    monkeypatch.setitem(api.METHODS, "lazy", api.MethodEntry(f"{__name__}:lazy_runner"))
+    with pytest.raises(RecipeError, match="did not quantise 13 planned layer"):
+        api.quantize(tiny, Recipe.from_format("int8", method="lazy"), progress=False)
+
+
+@pytest.mark.parametrize("spec", ["int4-g32-asym", "nvfp4", "int8"])
+def test_save_load_identical_logits(tiny, tmp_path, spec):
+    recipe = Recipe.from_format(spec)
+    rep = api.quantize(tiny, recipe, progress=False)
+    want = logits(tiny)
+    out = api.save_quantized_model(tiny, recipe, tmp_path / "q", report=rep, source="tiny")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "fewbits.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no temporary directory left
+    m2, tok, meta = api.load_quantized_model(out)
+    assert tok is None and meta["source"] == "tiny" and meta["recipe"] == recipe.to_dict()
+    assert torch.equal(logits(m2), want)
+    assert m2.lm_head.weight is m2.model.embed_tokens.weight  # still tied
+    assert model_nbytes(m2) == model_nbytes(tiny)
+    # the file holds the tied embedding once: about the model's true size
+    size = (out / "model.safetensors").stat().st_size
+    assert model_nbytes(tiny) < size < model_nbytes(tiny) + 64_000
+
+
+def test_save_refuses_existing_and_failed_save_writes_nothing(tiny, tmp_path, monkeypatch):
+    recipe = Recipe.from_format("int8")
+    api.quantize(tiny, recipe, progress=False)
+    (tmp_path / "q").mkdir()
+    (tmp_path / "q" / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="overwrite"):
+        api.save_quantized_model(tiny, recipe, tmp_path / "q")
+    import safetensors.torch
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):
+        api.save_quantized_model(tiny, recipe, tmp_path / "new")
+    with pytest.raises(OSError, match="disk full"):
+        api.save_quantized_model(tiny, recipe, tmp_path / "q", overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+    assert (tmp_path / "q" / "keep.txt").read_text() == "mine"  # the old directory is untouched
+
+
+def test_missing_and_corrupt_files_are_clear_errors(tiny, tmp_path):
+    recipe = Recipe.from_format("int4-g32")
+    api.quantize(tiny, recipe, progress=False)
+    out = api.save_quantized_model(tiny, recipe, tmp_path / "q")
+    wf = out / "model.safetensors"
+    data = wf.read_bytes()
+    wf.write_bytes(data[: len(data) // 2])
+    with pytest.raises(api.SavedModelError, match="corrupt weight file"):
+        api.load_quantized_model(out)
+    wf.unlink()
+    with pytest.raises(api.SavedModelError, match="model.safetensors is missing"):
+        api.load_quantized_model(out)
+    with pytest.raises(api.SavedModelError, match="no such directory"):
+        api.load_quantized_model(tmp_path / "nothing")
+    (out / "fewbits.json").write_text("{")
+    with pytest.raises(api.SavedModelError, match="corrupt metadata"):
+        api.load_quantized_model(out)
+
+
+def test_load_detects_tampered_codes(tiny, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    recipe = Recipe.from_format("int4-g32")
+    api.quantize(tiny, recipe, progress=False)
+    out = api.save_quantized_model(tiny, recipe, tmp_path / "q")
+    t = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.qweight_codes"
+    t[name] = t[name][:, :-1].contiguous()
+    save_file(t, out / "model.safetensors")
+    with pytest.raises(api.SavedModelError, match="up_proj.*codes"):
+        api.load_quantized_model(out)
+
+
+def test_kernel_choosers():
+    assert api.kernel_chooser("reference").__name__ == "reference_chooser"
+    with pytest.raises(ValueError, match="unknown kernel choice 'fast'"):
+        api.kernel_chooser("fast")
