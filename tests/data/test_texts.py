@@ -123,3 +123,7 @@ def test_windows_real_tokenizers(smollm2_dir: Path, gemma3_dir: Path) -> None:
     g = token_windows(gemma_tok, text, 64, n_windows=4)
     assert wants_bos(gemma_tok) and g.shape == (4, 64) and (g[:, 0] == gemma_tok.bos_token_id).all()
     assert (g[:, 1:] != gemma_tok.bos_token_id).all()
+    sample = load_texts("eval", max_chars=5000)  # the GGUF-built tokenizers round-trip every kind of text
+    for tok in (smol_tok, gemma_tok):
+        for cat, t in sample.items():
+            assert tok.decode(tok.encode(t, add_special_tokens=False)) == t, (type(tok).__name__, cat)
