@@ -18,11 +18,14 @@ temporary name and renamed, so a crash never leaves a half-converted model.  The
 float32: a Q4_1 value is ``d * q + m`` with fp16 ``d`` and ``m``, whose product is in general not
 representable in fp16 or bf16 (measured: every quantised linear of both models changes if cast to either).
 
-Caveat: the causal models were *published already quantised*.  SmolLM2's linear weights are Q4_1: each
-run of 32 consecutive weights in a row holds at most 16 distinct values on an affine grid.  Gemma's are
-mostly Q5_0 (32 values per group of 32).  Quantising them again to 4 bits in groups of 32 aligned with
-the published blocks recovers that grid almost exactly, so group-32 4-bit results on these models are
-flattering; `grid_report` measures this.
+Caveat: the causal models were *published already quantised*, so group-32 4-bit results on them are
+flattering.  Measured on the dequantised GGUF tensors (`grid_report` does it for one weight):
+SmolLM2's 210 linear weights are Q4_1, and all 3,317,760 aligned groups of 32 hold at most 16 distinct
+values lying exactly (to 1e-3 of a step) on the affine grid min + k (max - min) / 15; the same rows cut
+16 columns later, or in groups of 64, do not (up to 25 and 32 distinct values).  Gemma's linears are 81
+Q5_0 (5 bits per group of 32; 21% of groups happen to hold <= 16 values), 27 Q4_K (4-bit sub-blocks of
+32: every group <= 16 values), 9 Q6_K and 9 Q8_0.  Quantising again to 4 bits in groups of 32 aligned
+with the published blocks recovers much of that grid; prefer other groupings when judging a method.
 """
 
 from __future__ import annotations
