@@ -219,7 +219,12 @@ def ensure_converted(name: str, log: Callable[[str], None] | None = None) -> Pat
                 shutil.rmtree(tmp, ignore_errors=True)
                 return target
             shutil.rmtree(target)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process renamed its copy into place in between
+            if not is_converted(entry.name):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
