@@ -22,11 +22,17 @@ NOTES = (
 )
 
 
-def cost_plan_text(model: str) -> str:
-    """The cost model's prediction for `model` (decode step, memory, formats compared)."""
+def cost_plan_text(model: str, formats: tuple[str, ...] | list[str]) -> str:
+    """The cost model's prediction for `model`: a decode step in 16-bit, then each format's step time,
+    speed-up and weight bytes (on the cost model's default device)."""
     from fewbits.cost.plan import format_plan_text, plan
 
-    return format_plan_text(plan(model))
+    r = plan(model, table_weights=("bf16", *formats), table_kv=("bf16",))
+    lines = [format_plan_text(r), "", f"{'weights':<12}{'step':>11}{'tok/s':>9}{'speed-up':>10}{'weights GB':>12}"]
+    for t in r.table:
+        lines.append(f"{t.weights:<12}{t.time_s * 1e3:>8.3f} ms{t.tokens_per_s:>9.0f}{t.speedup:>9.2f}x"
+                     f"{t.weight_bytes / 1e9:>12.3f}")
+    return "\n".join(lines)
 
 
 @click.command("demo")
@@ -56,8 +62,8 @@ def demo_cmd(model: str, formats: str, seq_len: int, windows: int, dtype: str, o
     try:
         recipes = {s: Recipe.from_format(s) for s in specs}  # bad specs fail before any work
         try:
-            plan_text = cost_plan_text(model)
-        except (ValueError, KeyError) as e:
+            plan_text = cost_plan_text(model, specs)
+        except (ValueError, KeyError, ImportError) as e:
             plan_text = f"(no cost-model plan for {model}: {e})"
         click.echo("== cost model: what the formats should buy ==\n" + plan_text + "\n")
         ref, tok = load_model(model, dtype=dtype)

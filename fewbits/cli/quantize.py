@@ -15,7 +15,8 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
     """Calibration token ids (n, seq_len) from the packaged calibration texts (never the eval passages)."""
     import torch
 
-    from fewbits.data.texts import load_texts, token_windows
+    from fewbits.data.texts import load_texts
+    from fewbits.data.tokens import token_windows
 
     rows = []
     texts = load_texts(split="calib")

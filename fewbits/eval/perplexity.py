@@ -56,21 +56,20 @@ class Protocol:
 
 def make_windows(tokenizer: Any, texts: Mapping[str, str], seq_len: int = 512, n_windows: int | None = None,
                  add_bos: bool | None = None) -> tuple[list[Window], Protocol]:
-    """Cut each category's text into windows with `fewbits.data.texts.token_windows`."""
-    from fewbits.data.texts import token_windows
+    """Cut each category's text into windows with `fewbits.data.tokens.token_windows` (BOS first in each
+    window when the tokenizer puts one before text, unless `add_bos` says otherwise)."""
+    from fewbits.data.tokens import token_windows, wants_bos
 
+    bos = wants_bos(tokenizer) if add_bos is None else add_bos
     windows: list[Window] = []
     counts: dict[str, int] = {}
-    bos = False
     for cat, text in texts.items():
         if not text or not text.strip():
             raise ValueError(f"text category {cat!r} is empty; nothing to evaluate")
-        kw = {} if add_bos is None else {"add_bos": add_bos}
-        ids = token_windows(tokenizer, text, seq_len, n_windows=n_windows, **kw)  # (n, seq_len)
-        ids = torch.as_tensor(ids)
-        if ids.ndim != 2 or ids.shape[0] == 0:
-            raise ValueError(f"text category {cat!r} is shorter than one window of {seq_len} tokens")
-        bos = bos or (tokenizer.bos_token_id is not None and bool((ids[:, 0] == tokenizer.bos_token_id).all()))
+        try:
+            ids = token_windows(tokenizer, text, seq_len, n_windows=n_windows, add_bos=bos)  # (n, seq_len)
+        except ValueError as e:
+            raise ValueError(f"text category {cat!r}: {e}") from None
         counts[cat] = int(ids.shape[0])
         windows += [Window(cat, i, row.clone()) for i, row in enumerate(ids)]
     return windows, Protocol(seq_len, bos, counts)

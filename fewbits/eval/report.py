@@ -74,12 +74,12 @@ def plot_kl_vs_bits(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
     for r in rows:
         methods.setdefault(r["method"], []).append(r)
     for m, rs in methods.items():
-        rs = sorted(rs, key=lambda r: r["bits_per_weight"])
-        xs = [r["bits_per_weight"] for r in rs]
-        ys = [max(r["overall"]["kl_mean"], 1e-6) for r in rs]
-        ax.plot(xs, ys, marker="o", label=m)
-        for r, x, y in zip(rs, xs, ys, strict=True):
-            ax.annotate(r["format"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        pts = sorted((r["bits_per_weight"], max(r["overall"]["kl_mean"], 1e-6), r["format"]) for r in rs)
+        line = ax.scatter([p[0] for p in pts], [p[1] for p in pts], zorder=3)
+        front = _lower_front(pts)  # the best this method reaches at each size
+        ax.plot([p[0] for p in front], [p[1] for p in front], color=line.get_facecolor()[0], label=m)
+        for x, y, name in pts:
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_yscale("log")
     ax.set_xlabel("bits per weight (quantised linear layers, scales included)")
     ax.set_ylabel("mean KL(ref || quant) per token [nats]")
@@ -96,6 +96,19 @@ def plot_kl_vs_bits(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _lower_front(pts: Sequence[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """Points (bits, kl, name) sorted by bits where no point with fewer or equal bits has lower KL."""
+    front: list[tuple[float, float, str]] = []
+    for p in sorted(pts):
+        if front and p[0] == front[-1][0]:
+            if p[1] < front[-1][1]:
+                front[-1] = p
+            continue
+        if not front or p[1] < front[-1][1]:
+            front.append(p)
+    return front
 
 
 def markdown_report(title: str, sections: Sequence[tuple[str, str]], table: str, plot_name: str | None,
