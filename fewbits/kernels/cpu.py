@@ -11,6 +11,10 @@
   Dettmers et al. 2022 eq. 1) times int8 weights through ``torch._int_mm`` (int32 accumulation), used
   when there are enough rows for the integer GEMM to beat the W8A16 path; fewer rows go to W8A16.
 
+* FP8 weights (`Fp8DequantKernel`): E4M3/E5M2 codes are kept one byte each as torch's float8 dtypes;
+  each call converts them natively to bf16, applies the per-channel/group scales and runs a bf16 matmul
+  (a dequantise-then-multiply path, but with the conversion in torch's vectorised cast).
+
 The operators need bf16 activations to be fast (fp32 activations fall into a slow generic loop), so
 inputs are cast to bf16 and the result back to the input dtype.  Each kernel's `supports(fmt, shape)`
 returns None or the reason it cannot run; the operators crash the process (not raise) on shapes they
@@ -193,3 +197,44 @@ class W8A8IntMMKernel:
         if bias is not None:
             y = y + bias.to(x.dtype)
         return y.reshape(*lead, y.shape[-1])
+
+
+_FP8_DTYPES = {"e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2"}
+
+
+class Fp8DequantKernel:
+    """FP8 (E4M3/E5M2) weights: native float8 -> bf16 conversion and scaling per call, then a bf16 matmul."""
+
+    name = "cpu_fp8_dequant"
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        if fmt.kind != "fp8" or fmt.element not in _FP8_DTYPES:
+            return f"needs fp8 codes, format is {fmt.spec}"
+        if not hasattr(torch, _FP8_DTYPES[fmt.element]):
+            return f"torch has no {_FP8_DTYPES[fmt.element]}"
+        if len(shape) != 2:
+            return f"needs a 2-D weight, shape is {tuple(shape)}"
+        return None
+
+    def __init__(self, qt: QuantizedTensor) -> None:
+        rows, cols = qt.shape
+        dt = getattr(torch, _FP8_DTYPES[qt.fmt.element])
+        self.w8 = qt.unpacked_codes().view(dt)  # (N, K) one byte per weight
+        s = qt.scale_values().float()  # (N, n_groups) or (1, 1)
+        self.groups = 1 if s.numel() == 1 else s.shape[1]
+        self.scales = s.to(torch.bfloat16).unsqueeze(-1)  # (N or 1, groups, 1)
+        self.shape = qt.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.w8.numel() + self.scales.numel() * 2
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        N, K = self.shape
+        w = self.w8.to(torch.bfloat16).reshape(N, self.groups, K // self.groups)  # (N, groups, group)
+        w = (w * self.scales).reshape(N, K)
+        y = torch.nn.functional.linear(x.to(torch.bfloat16), w).to(x.dtype)
+        if bias is not None:
+            y = y + bias.to(x.dtype)
+        return y

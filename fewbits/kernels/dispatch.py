@@ -32,9 +32,9 @@ ACTIVATIONS = ("16", "int8", "fp8")
 #: device type -> activation mode -> candidate kernel classes, fastest first
 CANDIDATES: dict[str, dict[str, tuple[Any, ...]]] = {
     "cpu": {
-        "16": (cpu.Int4PackKernel, cpu.Int8PackKernel),
-        "int8": (cpu.W8A8IntMMKernel, cpu.Int4PackKernel, cpu.Int8PackKernel),
-        "fp8": (cpu.Int4PackKernel, cpu.Int8PackKernel),
+        "16": (cpu.Int4PackKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
+        "int8": (cpu.W8A8IntMMKernel, cpu.Int4PackKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
+        "fp8": (cpu.Int4PackKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
     },
     "cuda": {
         "16": (gpu.TritonWeightOnlyKernel,),

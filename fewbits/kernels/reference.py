@@ -31,6 +31,7 @@ class ReferenceKernel:
     def __init__(self, qt: QuantizedTensor, reason: str = "") -> None:
         self.qt = qt
         self.reason = reason
+        self.shape = qt.shape
 
     @property
     def nbytes(self) -> int:

@@ -57,16 +57,21 @@ class KVFormat:
     def is_quantized(self) -> bool:
         return self.kind != "float"
 
-    @property
-    def weight_format(self) -> Format:
-        """The nearest weight `Format` (bytes per cached value for the cost model, scales included)."""
+    def cost_format(self, head_dim: int) -> Format:
+        """A weight `Format` with the same asymptotic bits per cached value, for the cost model.
+
+        fp8/int8: head_dim values share one fp16 scale -> ``int8-g{head_dim}`` / ``fp8-e4m3-g{head_dim}-sfp16``.
+        KIVI: every G values carry an fp16 scale and an fp16 minimum (32 bits) -> ``int{b}-g{G}-sfp32``,
+        which has exactly b + 32/G bits per value (keys group over tokens, values over channels: the
+        count is the same).  The 16-bit residual window is not included (it is amortised away).
+        """
         if self.kind == "float":
             return parse_format(self.element)
         if self.kind == "fp8":
-            return parse_format("fp8-e4m3-sfp16")
+            return parse_format(f"fp8-e4m3-g{head_dim}-sfp16")
         if self.kind == "int8":
-            return parse_format("int8")
-        return parse_format(f"int{self.bits}-g{self.group}-asym")
+            return parse_format(f"int8-g{head_dim}")
+        return parse_format(f"int{self.bits}-g{self.value_group(head_dim)}-sfp32")
 
     # ------------------------------------------------------------------ sizes
     def _flushed(self, tokens: int) -> int:

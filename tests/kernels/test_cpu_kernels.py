@@ -1,7 +1,7 @@
 """Every CPU fast path against the reference dequantise-then-matmul path, on random shapes and inputs.
 
 Error bounds (relative Frobenius norm of y - y_ref, y_ref computed in fp32 from the same codes):
-  W8A16 / W4A16 (bf16 activations, bf16 scale tables, bf16 output): 1e-2  (measured ~3e-3)
+  W8A16 / W4A16 / FP8 dequant (bf16 activations, bf16 scales, bf16 output): 1e-2  (measured ~3e-3)
   W8A8 int8 activations (per-token absmax, 127 levels):             3e-2  (measured ~1e-2)
 """
 
@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fewbits.kernels import choose_kernel, linear, prepare_linear, reference_linear
-from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel, W8A8IntMMKernel
+from fewbits.kernels.cpu import Fp8DequantKernel, Int4PackKernel, Int8PackKernel, W8A8IntMMKernel
 from fewbits.tensor import quantize_tensor
 
 W16_BOUND = 1e-2
@@ -60,6 +60,14 @@ def test_int4pack_matches_reference(spec, n, kg, m, seed):
     assert rel_err(kern(x, b), reference_linear(x, qt, b)) < W16_BOUND
 
 
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "fp8-e5m2", "fp8-e4m3-t", "fp8-e4m3-g64"])
+def test_fp8_dequant_matches_reference(spec):
+    qt, x, b = _case(spec, 48, 192, 5, 3)
+    kern = prepare_linear(qt)
+    assert kern.name == Fp8DequantKernel.name
+    assert rel_err(kern(x, b), reference_linear(x, qt, b)) < W16_BOUND
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fast_paths_keep_input_dtype_and_leading_dims(dtype):
     for spec in ("int8", "int4-g64"):
@@ -93,7 +101,7 @@ def test_exactness_on_integer_data():
 
 @pytest.mark.parametrize("spec,shape,why", [
     ("nf4-g64", (64, 128), "integer codes"),
-    ("fp8-e4m3", (64, 128), "integer codes"),
+    ("fp4-g32", (64, 128), "integer codes"),
     ("int4-g16", (64, 128), "group size"),
     ("int4-g64", (40, 128), "out_features divisible by 16"),
     ("int8", (64, 72), "in_features divisible by 16"),

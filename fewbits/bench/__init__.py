@@ -1,0 +1,1 @@
+"""Measuring this machine (`probe`) and real decode speed against the cost model (`decode`)."""

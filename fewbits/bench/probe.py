@@ -1,0 +1,229 @@
+"""`fewbits probe`: measure this machine and write a device profile the cost model loads.
+
+What is measured (all medians of interleaved samples, see `timing.py`):
+
+1. memory bandwidth: a read-only reduction over a buffer larger than the last-level cache
+   (best of several trials, the roofline's beta);
+2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
+3. GEMV per weight format at the model's decode shapes: every linear layer of the model (LM head
+   included, in bf16 as fewbits keeps it) once per pass, replicated beyond the cache, through the
+   kernel dispatcher, at 1 and at 8 rows.  Bandwidth efficiency of a family = bytes / time / beta;
+   where 8 rows take longer than 1 row the pass is compute-limited, and compute efficiency
+   = FLOPs / (time x peak) (the step model's max(memory, compute) then reproduces both);
+4. KV-cache read efficiency per KV format: the slope of attention time (store read + SDPA over all
+   layers) between two context lengths, against the cache bytes;
+5. per-step overhead: a decode step of a model with the same depth and attention layout but tiny
+   matrices (framework dispatch, norms, rotary, sampling), which the byte model cannot see.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fewbits.bench.gemv import build_set, inputs_for
+from fewbits.bench.timing import time_call, time_interleaved
+from fewbits.cost.devices import DeviceSpec
+from fewbits.cost.profile import DEFAULT, Profile, format_family
+from fewbits.formats.format import parse_format
+from fewbits.kvcache.format import parse_kv_format
+from fewbits.kvcache.store import KVStore
+from fewbits.models.spec import ModelSpec
+
+WEIGHT_SPECS = ("bf16", "int8", "int4-g64", "fp8-e4m3")
+KV_SPECS = ("bf16", "fp8-e4m3", "int8", "int4", "int2")
+
+
+def _clamp(x: float) -> float:
+    return float(min(1.0, max(1e-3, x)))
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5) -> float:
+    """Bytes/s of a read-only sum over `nbytes` (best of `trials`)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def matmul_rates(n: int = 1024) -> dict[str, float]:
+    """FLOP/s of an n x n x n GEMM per precision ("int8" only where torch._int_mm runs)."""
+    out: dict[str, float] = {}
+    g = torch.Generator().manual_seed(0)
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(n, n, generator=g).to(dt)
+        b = torch.randn(n, n, generator=g).to(dt)
+        out[name] = 2 * n**3 / time_call(lambda a=a, b=b: a @ b, min_time=0.2, rounds=3)
+    if hasattr(torch, "_int_mm"):
+        a = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g)
+        b = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g)
+        try:
+            out["int8"] = 2 * n**3 / time_call(lambda: torch._int_mm(a, b), min_time=0.2, rounds=3)
+        except RuntimeError:
+            pass
+    return out
+
+
+def layer_shapes(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
+    """(out, in) of the linears of one decoder layer (dense models; experts of MoE models are not timed)."""
+    shapes = []
+    for s in spec.linear_shapes():
+        if s.role in ("attention", "mlp"):
+            shapes += [s.shape] * (s.count // spec.n_layers)
+    return tuple(shapes)
+
+
+def head_shape(spec: ModelSpec) -> tuple[int, int]:
+    return next(s.shape for s in spec.linear_shapes() if s.role == "lm_head")
+
+
+TINY = (16, 64)  # a shape every CPU kernel accepts: the per-call cost of a kernel without the bytes
+
+
+def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows: tuple[int, ...] = (1, 8),
+                rounds: int = 5) -> dict[str, dict[str, Any]]:
+    """Per format: time of the linears of one decode step (n_layers x one layer's shapes) at 1 and 8 rows,
+    with the per-call cost (the same number of calls on a tiny shape) measured separately."""
+    shapes = layer_shapes(spec)
+    results: dict[str, dict[str, Any]] = {}
+    for f in formats:
+        body = build_set(f, shapes, min_bytes)
+        tiny = build_set(f, (TINY,) * len(shapes), 0)
+        res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers}
+        for m in rows:
+            xs = inputs_for(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16)
+            t = time_interleaved({"body": lambda xs=xs, b=body: b.run(xs), "tiny": lambda xs=xs, b=tiny: b.run(xs)},
+                                 rounds=rounds)
+            t_body = t["body"] / body.copies * spec.n_layers
+            t_calls = t["tiny"] * spec.n_layers
+            res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": max(t_body - t_calls, 1e-9),
+                               "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
+        results[f] = res
+    head = build_set("bf16", (head_shape(spec),), min_bytes)
+    for m in rows:
+        xs = inputs_for((head_shape(spec),), m)
+        t = time_call(lambda xs=xs: head.run(xs), min_time=0.1, rounds=rounds) / head.copies
+        results.setdefault("lm_head_bf16", {"bytes": head.nbytes})[f"rows{m}"] = {"t_s": t}
+    return results
+
+
+def kv_read_efficiency(spec: ModelSpec, kv_specs: tuple[str, ...], bandwidth: float,
+                       contexts: tuple[int, int] = (256, 2048)) -> dict[str, dict[str, float]]:
+    """Per KV format: attention time over all layers at two contexts; eta = d(bytes) / d(time) / beta."""
+    out: dict[str, dict[str, float]] = {}
+    hq, hk, d, L = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_layers
+    q = torch.randn(1, hq, 1, d, dtype=torch.bfloat16)
+    for s in kv_specs:
+        f = parse_kv_format(s)
+        times, nbytes = [], []
+        for c in contexts:
+            stores = [KVStore(f, 1, hk, d, c + 64, dtype=torch.bfloat16) for _ in range(L)]
+            kv = torch.randn(1, hk, c, d, dtype=torch.bfloat16)
+            for st in stores:
+                st.append(kv, kv)
+            one = torch.randn(1, hk, 1, d, dtype=torch.bfloat16)
+
+            def step(stores=stores, one=one) -> None:
+                for st in stores:
+                    st.append(one, one)
+                    k, v = st.read()
+                    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    st.length -= 1  # undo the write so that every sample sees the same context
+                    if st.n_res:
+                        st.n_res -= 1
+                    else:
+                        st.n_quant -= 1
+
+            times.append(time_call(step, min_time=0.1, rounds=5))
+            nbytes.append(f.nbytes(c, L, hk, d))
+        dt, db = times[1] - times[0], nbytes[1] - nbytes[0]
+        eta = _clamp(db / dt / bandwidth) if dt > 0 else 1.0
+        out[s] = {"t_short_s": times[0], "t_long_s": times[1], "bytes_short": nbytes[0], "bytes_long": nbytes[1],
+                  "eta": eta}
+    return out
+
+
+def step_overhead(spec: ModelSpec, steps: int = 16) -> float:
+    """Seconds of a decode step of a same-depth model whose matrices are tiny (dispatch, not bytes)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fewbits.generate import generate
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=spec.n_heads * 8, intermediate_size=64,
+                      num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+                      num_key_value_heads=spec.n_kv_heads, head_dim=8, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, 256, (1, 16))
+    generate(model, ids, 4)
+    res = [generate(model, ids, steps).mean_step_s for _ in range(3)]
+    return sorted(res)[1]
+
+
+def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
+                  kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
+                  log: Any = print) -> Profile:
+    """Run every measurement and assemble a `Profile` carrying this machine as its DeviceSpec."""
+    t_start = time.perf_counter()
+    log("memory bandwidth ...")
+    bw = memory_bandwidth()
+    log(f"  {bw / 1e9:.1f} GB/s")
+    log("matmul rates ...")
+    rates = matmul_rates()
+    log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
+    log(f"GEMV passes over {spec.name}'s linears ...")
+    passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes)
+    bw_eff: dict[str, float] = {}
+    comp_eff: dict[str, float] = {}
+    peak_bf16 = rates["bf16"]
+    for f, r in passes.items():
+        if f == "lm_head_bf16":
+            continue
+        fam = format_family(parse_format(f))
+        t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
+        bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
+        if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
+            comp_eff.setdefault(fam, _clamp(r["rows8"]["flops"] / (t8 * peak_bf16)))
+        log(f"  {f:>9}: {r['bytes'] / 1e6:6.1f} MB of linears per step: 1 row {t1 * 1e3:7.2f} ms "
+            f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
+    h = passes["lm_head_bf16"]
+    log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
+        f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
+    comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
+    log("KV-cache read efficiency ...")
+    kv = kv_read_efficiency(spec, kv_specs, bw)
+    kv_eff: dict[str, float] = {}
+    for s, r in kv.items():
+        fam = format_family(parse_kv_format(s).cost_format(spec.head_dim))
+        kv_eff.setdefault(fam, r["eta"])
+    kv_eff.setdefault("float", 1.0)
+    log("  " + ", ".join(f"{s} eta {r['eta']:.3f}" for s, r in kv.items()))
+    log("per-step overhead ...")
+    overhead = step_overhead(spec)
+    log(f"  {overhead * 1e3:.2f} ms per decode step")
+    mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
+    if rates.get("int8", 0) > rates["bf16"]:
+        peak["int8"] = rates["int8"]
+    dev = DeviceSpec(key=name, name=f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
+                     memory_bytes=float(mem_total), bandwidth=bw, peak_flops=peak,
+                     source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "bandwidth": bw, "matmul_flops": rates,
+                "gemv_passes": passes, "kv": kv, "overhead_s": overhead,
+                "probe_seconds": time.perf_counter() - t_start}
+    return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
+                   bandwidth_efficiency=bw_eff, kv_bandwidth_efficiency=kv_eff, compute_efficiency=comp_eff,
+                   overhead_s=overhead, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
+                   quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
+                   low_precision_compute="int8" in peak, device=dev, measured=measured)

@@ -1,0 +1,49 @@
+"""Wall-clock timing that holds up on a busy machine: warm-up, enough calls per sample, medians.
+
+Side-by-side comparisons interleave the candidates round by round, so a burst of load from another
+process hits all of them alike instead of one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def time_call(fn: Callable[[], object], min_time: float = 0.05, rounds: int = 5, warmup: int = 2) -> float:
+    """Median seconds per call of `fn` over `rounds` samples of at least `min_time` seconds each."""
+    for _ in range(warmup):
+        fn()
+    t0 = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - t0, 1e-7)
+    n = max(1, int(min_time / once))
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples)
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], min_time: float = 0.03, rounds: int = 7,
+                     warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call for each of `fns`, sampled in alternation (one sample of each per round)."""
+    counts: dict[str, int] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        t0 = time.perf_counter()
+        fn()
+        counts[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            n = counts[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {name: statistics.median(s) for name, s in samples.items()}
