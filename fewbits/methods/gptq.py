@@ -54,9 +54,10 @@ def inverse_hessian_factor(
             U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
             if int(info2) == 0 and torch.isfinite(U).all():
                 return U.float(), ratio
+        nxt = ratio * 10 if ratio > 0 else 1e-3
         log.warning("%s: Hessian is not positive definite with damping %.3g of its mean diagonal; "
-                    "retrying with %.3g", name, ratio, ratio * 10)
-        ratio *= 10
+                    "retrying with %.3g", name, ratio, nxt)
+        ratio = nxt
     return None
 
 

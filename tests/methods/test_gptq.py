@@ -1,0 +1,107 @@
+"""GPTQ: beats round-to-nearest on correlated inputs, reduces to it when inputs are uncorrelated, and
+stays safe on bad Hessians."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fewbits.methods.common import MethodError
+from fewbits.methods.gptq import gptq_quantize, inverse_hessian_factor, layer_output_error
+from fewbits.methods.rtn import rtn_quantize
+
+
+def _problem(rows: int = 96, cols: int = 256, tokens: int = 1024, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, cols, generator=g) * 0.02
+    mix = torch.eye(cols) + torch.randn(cols, cols, generator=g) / cols**0.5
+    x = torch.randn(tokens, cols, generator=g) @ mix  # correlated input features
+    x[:, 5] *= 8  # one salient channel
+    return w, x
+
+
+@pytest.mark.parametrize("spec", ["int4-g64", "int3-g64", "int4-g64-asym", "int4", "int8", "int3-g32-asym", "int4-t"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_beats_rtn_on_held_out_inputs(spec: str, act_order: bool) -> None:
+    w, x = _problem()
+    h = x[:768].T @ x[:768]
+    held_out = x[768:]
+    rtn = layer_output_error(w, rtn_quantize(w, spec).dequantize(), held_out)
+    res = gptq_quantize(w, h, spec, act_order=act_order)
+    gptq = layer_output_error(w, res.dequantize(), held_out)
+    assert gptq < 0.9 * rtn, (spec, act_order, gptq, rtn)
+    assert res.codes.dtype == torch.uint8 and res.codes.shape == w.shape
+
+
+def test_codes_are_what_the_stored_tensor_holds() -> None:
+    w, x = _problem()
+    for spec in ("int4-g64", "int3-g64-asym", "int2-g64"):
+        res = gptq_quantize(w, x.T @ x, spec, act_order=True)
+        qt = res.to_tensor()
+        assert torch.equal(qt.dequantize(), res.dequantize())
+        assert qt.fmt.spec == spec
+
+
+def test_identity_hessian_gives_round_to_nearest() -> None:
+    """With uncorrelated unit inputs there is nothing to compensate: GPTQ's codes are RTN's."""
+    w, _ = _problem()
+    for spec in ("int4", "int4-g64", "int3-g32-asym"):
+        res = gptq_quantize(w, torch.eye(w.shape[1]), spec, static_groups=True)
+        ref = rtn_quantize(w, spec)
+        assert torch.equal(res.codes, ref.codes), spec
+        assert torch.equal(res.scale, ref.scale)
+
+
+def test_singular_hessian_raises_damping_with_a_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    w, x = _problem()
+    h = x[:16].T @ x[:16]  # rank 16 of 256: singular without damping
+    with caplog.at_level(logging.WARNING, logger="fewbits.gptq"):
+        res = gptq_quantize(w, h, "int4-g64", damp=0.0)
+    assert "not positive definite" in caplog.text
+    assert res.info["damp"] > 0
+    assert torch.isfinite(res.dequantize()).all()
+
+
+def test_indefinite_hessian_is_damped_until_it_factorises(caplog: pytest.LogCaptureFixture) -> None:
+    w, x = _problem()
+    h = x.T @ x
+    h -= 0.3 * torch.diag(h).mean() * torch.eye(h.shape[0])  # negative eigenvalues
+    with caplog.at_level(logging.WARNING, logger="fewbits.gptq"):
+        res = gptq_quantize(w, h, "int4-g64")
+    assert caplog.text.count("not positive definite") >= 1
+    assert res.info["damp"] >= 0.1
+    assert torch.isfinite(res.dequantize()).all()
+    fac = inverse_hessian_factor(-torch.eye(8), max_tries=2)
+    assert fac is None
+
+
+def test_dead_columns_keep_their_weights_and_zero_hessian_falls_back(caplog: pytest.LogCaptureFixture) -> None:
+    w, x = _problem()
+    x[:, 10:20] = 0  # inputs the calibration never excites
+    res = gptq_quantize(w, x.T @ x, "int4-g64", static_groups=True)
+    ref = rtn_quantize(w, "int4-g64")
+    assert res.info["dead_columns"] == 10
+    assert torch.equal(res.codes[:, 10:20], ref.codes[:, 10:20])  # rounded, not zeroed
+    with caplog.at_level(logging.WARNING, logger="fewbits.gptq"):
+        res0 = gptq_quantize(w, torch.zeros(256, 256), "int4-g64", name="experts.3.up")
+    assert "experts.3.up" in caplog.text and res0.info["fallback"].startswith("rtn")
+    assert torch.equal(res0.codes, ref.codes)
+
+
+def test_bad_inputs_get_clear_errors() -> None:
+    w, x = _problem()
+    h = x.T @ x
+    with pytest.raises(MethodError, match="gptq.*nf4-g64"):
+        gptq_quantize(w, h, "nf4-g64")
+    with pytest.raises(MethodError, match="gptq.*fp8-e4m3"):
+        gptq_quantize(w, h, "fp8-e4m3")
+    with pytest.raises(MethodError, match="Hessian shape"):
+        gptq_quantize(w, h[:10, :10], "int4-g64")
+    bad = h.clone()
+    bad[0, 0] = float("nan")
+    with pytest.raises(MethodError, match="NaN"):
+        gptq_quantize(w, bad, "int4-g64", name="layers.0.q_proj")
+    with pytest.raises(Exception, match="not divisible"):
+        gptq_quantize(w[:, :200], h[:200, :200], "int4-g64")
