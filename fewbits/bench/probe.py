@@ -186,6 +186,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     bw_eff: dict[str, float] = {}
     comp_eff: dict[str, float] = {}
     peak_bf16 = rates["bf16"]
+    h = passes["lm_head_bf16"]
+    head_flops8 = 2 * 8 * head_shape(spec)[0] * head_shape(spec)[1]
     for f, r in passes.items():
         if f == "lm_head_bf16":
             continue
@@ -193,10 +195,11 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
         bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
         if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
-            comp_eff.setdefault(fam, _clamp(r["rows8"]["flops"] / (t8 * peak_bf16)))
+            # the step model divides all linear FLOPs (LM head included) by one compute rate per family
+            flops = r["rows8"]["flops"] + head_flops8
+            comp_eff.setdefault(fam, _clamp(flops / ((t8 + h["rows8"]["t_s"]) * peak_bf16)))
         log(f"  {f:>9}: {r['bytes'] / 1e6:6.1f} MB of linears per step: 1 row {t1 * 1e3:7.2f} ms "
             f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
-    h = passes["lm_head_bf16"]
     log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
         f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))

@@ -1,0 +1,135 @@
+"""`fewbits bench`: measured decode step time and tokens/s per weight format and KV format, beside the
+cost model's prediction from a measured device profile.
+
+For each weight format the model is loaded in bf16 and its linear layers quantised (RTN, LM head and
+embeddings kept 16-bit, layers whose shape a group size does not divide regrouped), with the kernel
+dispatcher as the QuantLinear's kernel chooser.  Each row prefills `batch` random prompts of `prompt`
+tokens, then times `steps` decode steps (median) with the KV cache in the row's format.  The prediction
+is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format's byte-equivalent
+weight format (`KVFormat.cost_format`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fewbits.cost.plan import plan
+from fewbits.cost.profile import Profile
+from fewbits.generate import generate
+from fewbits.kvcache.format import parse_kv_format
+from fewbits.models.spec import ModelSpec
+
+
+@dataclass
+class BenchRow:
+    weights: str
+    kv: str
+    batch: int
+    prompt: int
+    steps: int
+    measured_ms: float
+    tokens_per_s: float
+    predicted_ms: float
+    error_pct: float  # (predicted - measured) / measured
+    speedup_vs_16bit: float
+    kernels: str
+    kv_bytes: int
+    bound: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_spec(name_or_path: str, model: torch.nn.Module) -> ModelSpec:
+    """The cost model's description of the loaded model (preset when the name is one, else its config)."""
+    from fewbits.models.presets import get_preset
+
+    try:
+        return get_preset(name_or_path)
+    except Exception:  # noqa: BLE001 - not a preset: read the loaded model's own config
+        cfg = model.config.to_dict()
+        return ModelSpec.from_config_dict(cfg, source=str(name_or_path), name=Path(str(name_or_path)).name)
+
+
+def load_quantized(name: str, weights: str, dtype: str = "bf16") -> tuple[torch.nn.Module, str]:
+    """Load `name` and quantise its linears to `weights` with the fast kernels; (model, kernel names)."""
+    from fewbits.api import quantize
+    from fewbits.kernels import prepare_linear
+    from fewbits.models.loading import load_model
+    from fewbits.models.recipe import Recipe
+
+    model, _ = load_model(name, dtype=dtype)
+    if weights not in ("bf16", "fp16", "fp32"):
+        quantize(model, Recipe.from_format(weights, misfit="regroup"), progress=False, chooser=prepare_linear)
+    names = sorted({type(m.kernel).__name__ if not hasattr(m.kernel, "name") else m.kernel.name
+                    for m in model.modules() if hasattr(m, "kernel")})
+    return model, ",".join(names) or "dense"
+
+
+def _config_rows(weights: Iterable[str], kvs: Iterable[str], full: bool) -> list[tuple[str, str]]:
+    weights, kvs = list(weights), list(kvs)
+    rows = [(w, kvs[0]) for w in weights]
+    rows += [(w, k) for w in weights for k in kvs[1:] if full or w == weights[0]]
+    return rows
+
+
+def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "int8", "int4-g64", "fp8-e4m3"),
+              kvs: tuple[str, ...] = ("bf16", "fp8-e4m3", "int8", "int4", "int2"),
+              batches: tuple[int, ...] = (1, 8), prompts: tuple[int, ...] = (128, 512), steps: int = 8,
+              full: bool = False, seed: int = 0, log: Callable[[str], None] = print) -> list[BenchRow]:
+    """Measure every (weights, kv, batch, prompt) row; `full` crosses all weight and KV formats (else
+    the quantised weights run with the first KV format, and the other KV formats with the first weights)."""
+    rows: list[BenchRow] = []
+    base: dict[tuple[str, int, int], float] = {}
+    by_weights: dict[str, list[str]] = {}
+    for w, k in _config_rows(weights, kvs, full):
+        by_weights.setdefault(w, []).append(k)
+    for w, kv_list in by_weights.items():
+        model, kernels = load_quantized(name, w)
+        spec = model_spec(name, model)
+        vocab = int(model.config.get_text_config().vocab_size)
+        for kv in kv_list:
+            kvf = parse_kv_format(kv)
+            for b in batches:
+                for p in prompts:
+                    g = torch.Generator().manual_seed(seed + b * 1000 + p)
+                    ids = torch.randint(0, vocab, (b, p), generator=g)
+                    res = generate(model, ids, steps + 1, kv=kvf)
+                    t = statistics.median(res.decode_step_s)
+                    ctx = p + (steps + 1) // 2
+                    pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.cost_format(spec.head_dim).spec,
+                              profile=profile, table_weights=None, table_kv=None)
+                    if w == weights[0] and kv == kvs[0]:
+                        base[(kv, b, p)] = t
+                    t16 = base.get((kvs[0], b, p), float("nan"))
+                    row = BenchRow(w, kvf.spec, b, p, steps, t * 1e3, b / t, pr.time_s * 1e3,
+                                   100.0 * (pr.time_s - t) / t, t16 / t, kernels, res.kv_nbytes, pr.bound)
+                    rows.append(row)
+                    log(format_row(row))
+        del model
+    return rows
+
+
+HEADER = (f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'measured ms':>11} {'tok/s':>8} "
+          f"{'vs 16-bit':>9} {'predicted ms':>12} {'error':>7}  {'KV MB':>6}  kernels")
+
+
+def format_row(r: BenchRow) -> str:
+    return (f"{r.weights:>10} {r.kv:>9} {r.batch:>5} {r.prompt:>6} {r.measured_ms:11.1f} {r.tokens_per_s:8.1f} "
+            f"{r.speedup_vs_16bit:8.2f}x {r.predicted_ms:12.1f} {r.error_pct:+6.1f}%  {r.kv_bytes / 1e6:6.2f}  "
+            f"{r.kernels}")
+
+
+def summary(rows: list[BenchRow], goal_pct: float = 15.0) -> str:
+    if not rows:
+        return "no rows"
+    errs = [abs(r.error_pct) for r in rows]
+    within = sum(e <= goal_pct for e in errs)
+    return (f"{within}/{len(rows)} rows within {goal_pct:.0f}% of the measurement; "
+            f"median |error| {statistics.median(errs):.1f}%, worst {max(errs):.1f}%")

@@ -1,0 +1,80 @@
+"""`fewbits bench MODEL`: measured decode speed per weight and KV format beside the cost model's prediction."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import click
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in s.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {s!r}") from None
+    if not vals or any(v <= 0 for v in vals):
+        raise click.BadParameter(f"expected positive integers, got {s!r}")
+    return vals
+
+
+def _strs(s: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in s.split(",") if v.strip())
+
+
+@click.command("bench")
+@click.argument("model")
+@click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
+              help="device profile JSON from `fewbits probe` (measured now when not given)")
+@click.option("--weights", default="bf16,int8,int4-g64,fp8-e4m3", show_default=True)
+@click.option("--kv", default="bf16,fp8-e4m3,int8,int4,int2", show_default=True)
+@click.option("--batch", default="1,8", show_default=True)
+@click.option("--prompt", default="128,512", show_default=True)
+@click.option("--steps", type=int, default=8, show_default=True, help="timed decode steps per row")
+@click.option("--full", is_flag=True, help="every weight format with every KV format (default: each axis alone)")
+@click.option("--threads", type=int, default=0, help="torch threads (use the probe's)")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
+def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
+              full: bool, threads: int, json_out: str | None) -> None:
+    """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
+    weight format and KV-cache format, with the cost model's prediction and its error."""
+    import torch
+
+    from fewbits.bench.decode import HEADER, run_bench, summary
+    from fewbits.cost.profile import load_profile
+    from fewbits.formats.format import parse_format
+    from fewbits.kvcache.format import parse_kv_format
+
+    if threads:
+        torch.set_num_threads(threads)
+    wl, kl = _strs(weights), _strs(kv)
+    for w in wl:
+        parse_format(w)
+    for k in kl:
+        parse_kv_format(k)
+    if steps < 1:
+        raise click.BadParameter("--steps must be >= 1")
+    if profile_path is None:
+        from fewbits.bench.decode import load_quantized, model_spec
+        from fewbits.bench.probe import build_profile
+
+        click.echo("no --profile: probing this machine first (fewbits probe writes one to reuse)")
+        m, _ = load_quantized(model, "bf16")
+        prof = build_profile(model_spec(model, m), log=click.echo)
+        del m
+    else:
+        prof = load_profile(profile_path)
+    click.echo(f"profile {prof.name}: {prof.device.name if prof.device else 'datasheet device'}; "
+               f"torch threads {torch.get_num_threads()}")
+    click.echo(HEADER)
+    rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo)
+    click.echo(summary(rows))
+    if json_out:
+        data = json.dumps({"model": model, "profile": prof.name, "rows": [r.to_dict() for r in rows]}, indent=1)
+        p = Path(json_out)
+        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent or ".")
+        with os.fdopen(fd, "w") as f:
+            f.write(data)
+        os.replace(tmp, p)

@@ -1,0 +1,31 @@
+"""`fewbits probe`: measure this machine and write a device profile for the cost model."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("probe")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="preset or config.json whose decode shapes and depth are measured")
+@click.option("-o", "--output", default="device-profile.json", show_default=True, type=click.Path(dir_okay=False),
+              help="where to write the profile JSON")
+@click.option("--name", default="this-machine", show_default=True, help="profile and device name")
+@click.option("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+@click.option("--min-mb", type=float, default=600.0, show_default=True,
+              help="replicate weights to at least this many MB per format (more than the last-level cache)")
+def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float) -> None:
+    """Measure memory bandwidth, matmul rates, GEMV per format at decode shapes, KV-cache reads and the
+    per-step overhead; write them as a profile that `fewbits plan --profile FILE` and `fewbits bench` load."""
+    import torch
+
+    from fewbits.bench.probe import build_profile
+    from fewbits.cost.profile import save_profile
+    from fewbits.models.presets import resolve_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    spec = resolve_model(model)
+    prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo)
+    save_profile(prof, output)
+    click.echo(f"wrote {output} ({prof.measured['probe_seconds']:.0f} s of measurement)")
