@@ -20,6 +20,8 @@ COMMANDS: dict[str, str] = {
     "eval": "fewbits.cli.eval:eval_cmd",
     "demo": "fewbits.cli.demo:demo_cmd",
     "models": "fewbits.cli.models:models",
+    "probe": "fewbits.cli.probe:probe_cmd",
+    "bench": "fewbits.cli.bench:bench_cmd",
 }
 
 
