@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fewbits.formats.format import Format
@@ -23,6 +25,9 @@ try:  # pragma: no cover - exercised only where Triton is installed
 except Exception:  # noqa: BLE001 - any import failure means "no Triton"
     triton = None
     tl = None
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (used by the tests)
 
 
 def cuda_ok() -> bool:
@@ -38,7 +43,7 @@ if triton is not None:  # pragma: no cover
     @triton.jit
     def _wq_gemm(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NG,
                  stride_xm, stride_qn, stride_ym,
-                 GROUP: tl.constexpr, PACK: tl.constexpr, FP8: tl.constexpr,
+                 GROUP: tl.constexpr, PACK: tl.constexpr, FP8: tl.constexpr, BF16_DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
@@ -62,8 +67,11 @@ if triton is not None:  # pragma: no cover
             gi = rn[None, :] * NG + rk[:, None] // GROUP
             s = tl.load(s_ptr + gi, mask=wmask, other=0.0)
             m = tl.load(m_ptr + gi, mask=wmask, other=0.0)
-            w = (v * s + m).to(tl.bfloat16)
-            acc += tl.dot(x.to(tl.bfloat16), w)
+            w = v * s + m
+            if BF16_DOT:  # tensor cores; the CPU interpreter (tests) multiplies in fp32 instead
+                acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
+            else:
+                acc += tl.dot(x.to(tl.float32), w)
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc,
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -126,7 +134,7 @@ class TritonWeightOnlyKernel:
         grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
         _wq_gemm[grid](x2, self.q, self.s, self.m, y, M, N, K, self.ng,
                        x2.stride(0), self.q.stride(0), y.stride(0),
-                       GROUP=self.group, PACK=self.pack, FP8=self.fp8,
+                       GROUP=self.group, PACK=self.pack, FP8=self.fp8, BF16_DOT=not _INTERPRET,
                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         y = y.to(x.dtype)
         if bias is not None:
