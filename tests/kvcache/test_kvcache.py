@@ -135,3 +135,26 @@ def test_cache_in_model_matches_full_forward():
         assert rel(inc, full) < tol, spec
         assert cache.get_seq_length() == 48
         assert cache.nbytes == parse_kv_format(spec).nbytes(48, 2, 2, 32, 2)
+
+
+def test_e4m3_bit_move_is_exact_for_every_code():
+    from fewbits.kvcache.quant import e4m3_as_bf16_bits
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    ref = codes.view(torch.float8_e4m3fn).float()
+    ok = ~torch.isnan(ref)
+    got = e4m3_as_bf16_bits(codes).float() * 2.0**120
+    torch.testing.assert_close(got[ok], ref[ok], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "int8", "int4", "int2-r0"])
+def test_bf16_read_path_matches_fp32_path(spec):
+    """The 16-bit dequantisation shortcuts agree with fp32 arithmetic to bf16 rounding."""
+    k, v = _kv(200, 5)
+    a = KVStore(spec, B, H, D, 256, dtype=torch.float32)
+    b = KVStore(spec, B, H, D, 256, dtype=torch.bfloat16)
+    a.append(k.bfloat16().float(), v.bfloat16().float())
+    b.append(k.bfloat16(), v.bfloat16())
+    for x, y in zip(a.read(), b.read(), strict=True):
+        assert y.dtype == torch.bfloat16
+        assert rel(y.float(), x) < 8e-3
