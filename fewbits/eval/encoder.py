@@ -43,11 +43,20 @@ def sentence_embeddings(model: torch.nn.Module, tokenizer: Any, sentences: Seque
     return torch.cat(outs)
 
 
-def encoder_cosine(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any,
-                   sentences: Sequence[str]) -> dict[str, Any]:
-    """Cosine similarity of each sentence's embedding under `model` to that under `ref`."""
+def cosine_per_sentence(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any,
+                        sentences: Sequence[str]) -> torch.Tensor:
+    """Cosine similarity of each sentence's embedding under `model` to that under `ref`. -> (n,) float64."""
     a = sentence_embeddings(model, tokenizer, sentences)
     b = sentence_embeddings(ref, tokenizer, sentences)
-    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1).double()
-    return {"sentences": len(sentences), "cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
+    return torch.nn.functional.cosine_similarity(a, b, dim=-1).double()
+
+
+def cosine_summary(cos: torch.Tensor) -> dict[str, Any]:
+    return {"sentences": int(cos.numel()), "cos_mean": float(cos.mean()), "cos_min": float(cos.min()),
             "cos_p01": float(torch.quantile(cos, 0.01))}
+
+
+def encoder_cosine(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any,
+                   sentences: Sequence[str]) -> dict[str, Any]:
+    """Mean, minimum and 1st percentile of the per-sentence cosine to the reference embeddings."""
+    return cosine_summary(cosine_per_sentence(model, ref, tokenizer, sentences))

@@ -101,6 +101,18 @@ def perplexity(model: torch.nn.Module, windows: Sequence[Window], batch: int = 2
     return {"overall": overall.summary(), "categories": {c: a.summary() for c, a in acc.items()}}
 
 
+def reference_perplexity(windows: Sequence[Window], ref_cache: dict[tuple[str, int], torch.Tensor]
+                         ) -> dict[str, Any]:
+    """`perplexity` of the reference model from its cached log-probs (no forward pass)."""
+    acc: dict[str, Accumulated] = {}
+    overall = Accumulated()
+    for w in windows:
+        nll = token_nll(ref_cache[w.key], w.ids[1:])
+        acc.setdefault(w.category, Accumulated()).add(nll)
+        overall.add(nll)
+    return {"overall": overall.summary(), "categories": {c: a.summary() for c, a in acc.items()}}
+
+
 def compare(model: torch.nn.Module, ref: torch.nn.Module | None, windows: Sequence[Window], batch: int = 2,
             ref_cache: dict[tuple[str, int], torch.Tensor] | None = None, progress: bool = True,
             desc: str = "compare") -> dict[str, Any]:

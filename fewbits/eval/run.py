@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from fewbits.eval.encoder import encoder_cosine, split_sentences
+from fewbits.eval.encoder import cosine_per_sentence, cosine_summary, split_sentences
 from fewbits.eval.perplexity import Protocol, Window, compare, make_windows
 
 #: class-name suffixes of models scored by next-token prediction (others are encoders)
@@ -56,9 +56,13 @@ def compare_encoder(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any
                     per_category: int = 32) -> dict[str, Any]:
     """Cosine of mean-pooled sentence embeddings to the reference, per category and overall."""
     cats = {c: split_sentences(t, per_category) for c, t in texts.items()}
-    out = {c: encoder_cosine(model, ref, tokenizer, s) for c, s in cats.items()}
-    all_sentences = [s for ss in cats.values() for s in ss]
-    return {"overall": encoder_cosine(model, ref, tokenizer, all_sentences), "categories": out}
+    sentences = [s for ss in cats.values() for s in ss]
+    cos = cosine_per_sentence(model, ref, tokenizer, sentences)  # (n,), categories in order
+    out, i = {}, 0
+    for c, ss in cats.items():
+        out[c] = cosine_summary(cos[i:i + len(ss)])
+        i += len(ss)
+    return {"overall": cosine_summary(cos), "categories": out}
 
 
 def encoder_table(rows: Sequence[Mapping[str, Any]]) -> str:

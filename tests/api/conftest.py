@@ -25,3 +25,37 @@ def tiny():
 @pytest.fixture
 def tiny_factory():
     return make_tiny_llama
+
+
+# ---------------------------------------------------------------------- the packaged SmolLM2-135M
+#: evaluation budget of the real-model tests: one window of SEQ tokens per packaged text category
+SEQ = 256
+
+
+@pytest.fixture(scope="session")
+def smol_windows(smollm2):
+    """(windows, reference log-prob cache) of the float32 SmolLM2 on the packaged evaluation texts."""
+    from fewbits.data.texts import load_texts
+    from fewbits.eval.perplexity import fill_reference_cache, make_windows
+
+    model, tok = smollm2
+    wins, protocol = make_windows(tok, load_texts("eval", max_chars=20_000), seq_len=SEQ, n_windows=1)
+    return wins, fill_reference_cache(model, wins, progress=False), protocol
+
+
+@pytest.fixture(scope="session")
+def smol_quantized(smollm2_dir):
+    """spec -> (model, report): SmolLM2 loaded fresh and quantised with RTN, kept for the session."""
+    from fewbits import api
+    from fewbits.models.loading import load_model
+
+    done: dict = {}
+
+    def get(spec: str):
+        if spec not in done:
+            model, _ = load_model(smollm2_dir, dtype="float32")
+            report = api.quantize(model, spec, progress=False, chooser=api.kernel_chooser("cached"))
+            done[spec] = (model, report)
+        return done[spec]
+
+    return get
