@@ -73,3 +73,19 @@ def test_bad_input(tiny):
         generate(tiny, torch.zeros(5, dtype=torch.long), 3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(tiny, torch.zeros(1, 3, dtype=torch.long), 0)
+
+
+def test_gemma3_sliding_window_layers_match_transformers():
+    """Gemma-3 mixes sliding-window and global layers; the full quantised-cache layout must mask alike."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+                           max_position_embeddings=512,
+                           layer_types=["sliding_attention"] * 3 + ["full_attention"])
+    model = Gemma3ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(5))
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                         pad_token_id=0)[:, 30:]
+    assert torch.equal(generate(model, ids, 10, kv="fp32").tokens, ref)
