@@ -1,6 +1,6 @@
 """`fewbits probe`: measure this machine and write a device profile the cost model loads.
 
-What is measured (all medians of interleaved samples, see `timing.py`):
+What is measured (the fastest of interleaved samples, see `timing.py`):
 
 1. memory bandwidth: a read-only reduction over a buffer larger than the last-level cache
    (best of several trials, the roofline's beta);
@@ -166,8 +166,8 @@ def step_overhead(spec: ModelSpec, steps: int = 16) -> float:
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ids = torch.randint(0, 256, (1, 16))
     generate(model, ids, 4)
-    res = [generate(model, ids, steps).mean_step_s for _ in range(3)]
-    return sorted(res)[1]
+    res = generate(model, ids, steps)
+    return min(res.decode_step_s)
 
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
