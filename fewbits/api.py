@@ -64,6 +64,12 @@ def run_rtn(model: nn.Module, layers: Sequence[LayerPlan], data: torch.Tensor | 
 #: method name -> runner; add a method with one line here
 METHODS: dict[str, MethodEntry] = {
     "rtn": MethodEntry("fewbits.api:run_rtn", needs_data=False),
+    "gptq": MethodEntry("fewbits.calib.pipeline:run_gptq", needs_data=True),
+    "awq": MethodEntry("fewbits.calib.pipeline:run_awq", needs_data=True),
+    "awq+gptq": MethodEntry("fewbits.calib.pipeline:run_awq_gptq", needs_data=True),
+    "hqq": MethodEntry("fewbits.calib.pipeline:run_hqq", needs_data=False),
+    "smoothquant": MethodEntry("fewbits.calib.w8a8:run_smoothquant", needs_data=True),
+    "llm-int8": MethodEntry("fewbits.calib.w8a8:run_llm_int8", needs_data=False),  # outliers found at run time
 }
 
 
