@@ -34,6 +34,7 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
     from fewbits import api
     from fewbits.eval import report as R
     from fewbits.eval import run
+    from fewbits.eval.perplexity import compare
     from fewbits.models.loading import load_model
     from fewbits.models.swap import model_nbytes
 
@@ -52,12 +53,13 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
         method = ", ".join(sorted({r.method for r in _rules(meta)}))
         if run.is_causal_lm(model):
             wins, protocol = run.causal_windows(ref_tok, texts, seq_len, windows or None)
-            cmp = run.compare_causal(model.to(ref_model.dtype), ref_model, wins, progress=not quiet)
+            cmp = compare(model.to(ref_model.dtype), ref_model, wins, progress=not quiet)
             row = run.result_row(method, fmt, rep.get("bits_per_weight"), model_nbytes(model),
                                  model_nbytes(ref_model), cmp)
             click.echo(protocol.text())
             click.echo(f"reference: {ref_name} ({dtype}); quantised: {quantized}")
-            click.echo(R.table_text([row], {"format": dtype, "size_bytes": model_nbytes(ref_model),
+            click.echo(R.table_text([row], {"format": dtype, "bits_per_weight": 32.0 if dtype == "fp32" else 16.0,
+                                            "size_bytes": model_nbytes(ref_model),
                                             "overall": {"ppl": cmp["overall"]["ref_ppl"]}}))
             results = {"protocol": protocol.to_dict(), "reference": ref_name, "rows": [row]}
         else:

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from fewbits.eval.encoder import cosine_per_sentence, cosine_summary, split_sentences
-from fewbits.eval.perplexity import Protocol, Window, compare, make_windows
+from fewbits.eval.perplexity import Protocol, Window, make_windows
 
 #: class-name suffixes of models scored by next-token prediction (others are encoders)
 CAUSAL_SUFFIXES = ("ForCausalLM", "ForConditionalGeneration")
@@ -45,11 +45,6 @@ def result_row(method: str, fmt: str, bits_per_weight: float | None, size_bytes:
     return {"method": method, "format": fmt, "bits_per_weight": bits_per_weight, "size_bytes": size_bytes,
             "ref_size_bytes": ref_size_bytes, "overall": dict(cmp["overall"]),
             "categories": {c: dict(v) for c, v in cmp["categories"].items()}, **extra}
-
-
-def compare_causal(model: torch.nn.Module, ref: torch.nn.Module | None, windows: Sequence[Window],
-                   ref_cache: dict | None = None, progress: bool = True, desc: str = "compare") -> dict[str, Any]:
-    return compare(model, ref, windows, ref_cache=ref_cache, progress=progress, desc=desc)
 
 
 def compare_encoder(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any, texts: Mapping[str, str],

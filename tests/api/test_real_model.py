@@ -116,3 +116,17 @@ def test_cli_quantize_regroup_then_eval(smollm2_dir, tmp_path):
     r = CliRunner().invoke(main, ["eval", str(out), "--text", str(empty), "--json", str(j2), "--quiet"])
     assert r.exit_code != 0 and "empty" in r.output and str(empty.name) in r.output, r.output
     assert not j2.exists()
+
+
+def test_cli_demo_small_budget_writes_report(smollm2_dir, tmp_path):
+    out = tmp_path / "demo"
+    r = CliRunner().invoke(main, ["demo", "--model", str(smollm2_dir), "--formats", "int8", "--seq-len", "64",
+                                  "--dtype", "fp32", "-o", str(out), "--quiet"])
+    assert r.exit_code == 0, r.output
+    assert "cost model" in r.output and "quality against the unquantised model" in r.output
+    import json
+
+    d = json.loads((out / "results.json").read_text())
+    assert [row["format"] for row in d["rows"]] == ["int8"] and d["rows"][0]["overall"]["kl_mean"] < 0.05
+    assert "![KL against bits per weight](kl_vs_bits.png)" in (out / "report.md").read_text()
+    assert (out / "kl_vs_bits.png").read_bytes()[:4] == b"\x89PNG"
