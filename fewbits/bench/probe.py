@@ -172,14 +172,17 @@ def step_overhead(spec: ModelSpec, steps: int = 16) -> float:
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
-                  log: Any = print) -> Profile:
-    """Run every measurement and assemble a `Profile` carrying this machine as its DeviceSpec."""
+                  log: Any = print, bandwidth_bytes: int = 1 << 30, matmul_n: int = 1024,
+                  kv_contexts: tuple[int, int] = (256, 2048)) -> Profile:
+    """Run every measurement and assemble a `Profile` carrying this machine as its DeviceSpec.
+
+    The size arguments exist so that tests can run the whole probe on small buffers in seconds."""
     t_start = time.perf_counter()
     log("memory bandwidth ...")
-    bw = memory_bandwidth()
+    bw = memory_bandwidth(bandwidth_bytes)
     log(f"  {bw / 1e9:.1f} GB/s")
     log("matmul rates ...")
-    rates = matmul_rates()
+    rates = matmul_rates(matmul_n)
     log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
     log(f"GEMV passes over {spec.name}'s linears ...")
     passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes)
@@ -204,7 +207,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     log("KV-cache read efficiency ...")
-    kv = kv_read_efficiency(spec, kv_specs, bw)
+    kv = kv_read_efficiency(spec, kv_specs, bw, kv_contexts)
     kv_eff: dict[str, float] = {}
     for s, r in kv.items():
         fam = format_family(parse_kv_format(s).cost_format(spec.head_dim))
