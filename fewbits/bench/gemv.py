@@ -7,6 +7,7 @@ least `min_bytes`, and one "pass" multiplies an input by every weight of every c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,20 @@ class WeightSet:
     def run(self, x_by_in: dict[int, torch.Tensor]) -> None:
         for k in self.kernels:
             k(x_by_in[k.shape[1]])
+
+    def sampler(self, x_by_in: dict[int, torch.Tensor], per_sample: int) -> Callable[[], None]:
+        """A callable that runs the next `per_sample` kernels, cycling through all copies: short samples
+        (many of them, so that some fall between other processes' bursts) that still read cold weights."""
+        ks, n, state = self.kernels, len(self.kernels), [0]
+
+        def run() -> None:
+            i = state[0]
+            for j in range(per_sample):
+                k = ks[(i + j) % n]
+                k(x_by_in[k.shape[1]])
+            state[0] = (i + per_sample) % n
+
+        return run
 
 
 def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:

@@ -90,7 +90,7 @@ TINY = (16, 64)  # a shape every CPU kernel accepts: the per-call cost of a kern
 
 
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 5) -> dict[str, dict[str, Any]]:
+                rounds: int = 60) -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's shapes) at 1 and 8 rows,
     with the per-call cost (the same number of calls on a tiny shape) measured separately."""
     shapes = layer_shapes(spec)
@@ -101,9 +101,10 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
         res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers}
         for m in rows:
             xs = inputs_for(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16)
-            t = time_interleaved({"body": lambda xs=xs, b=body: b.run(xs), "tiny": lambda xs=xs, b=tiny: b.run(xs)},
-                                 rounds=rounds)
-            t_body = t["body"] / body.copies * spec.n_layers
+            # one sample = the linears of one layer (the next copy, cold), or the same calls on tiny shapes
+            t = time_interleaved({"body": body.sampler(xs, len(shapes)), "tiny": tiny.sampler(xs, len(shapes))},
+                                 min_time=0.0, rounds=rounds)
+            t_body = t["body"] * spec.n_layers
             t_calls = t["tiny"] * spec.n_layers
             res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": max(t_body - t_calls, 1e-9),
                                "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
@@ -111,7 +112,7 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
     head = build_set("bf16", (head_shape(spec),), min_bytes)
     for m in rows:
         xs = inputs_for((head_shape(spec),), m)
-        t = time_call(lambda xs=xs: head.run(xs), min_time=0.1, rounds=rounds) / head.copies
+        t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 4))["head"]
         results.setdefault("lm_head_bf16", {"bytes": head.nbytes})[f"rows{m}"] = {"t_s": t}
     return results
 
