@@ -109,7 +109,7 @@ def reduce(stats: Iterable[InputStats]) -> None:
 @contextmanager
 def watch_inputs(
     modules: dict[str, nn.Module], sample_ref: list[int], want_hessian: bool = True, keep_samples: int = 0,
-    stop_when_all_seen: bool = False,
+    stop_when_all_seen: bool = False, prefix: str = "",
 ):
     """Hooks on `modules` (name -> linear) that feed `InputStats`; yields {name: InputStats}.
 
@@ -117,7 +117,8 @@ def watch_inputs(
     `stop_when_all_seen`, the forward pass is cut short (StopForward) once every module has seen
     its input for the current sample: statistics of the first linears of a block need not run the rest.
     """
-    stats = {n: InputStats(n, int(m.in_features), want_hessian, keep_samples) for n, m in modules.items()}
+    stats = {n: InputStats(f"{prefix}.{n}" if prefix else n, int(m.in_features), want_hessian, keep_samples)
+             for n, m in modules.items()}
     seen: set[str] = set()
     current = [-1]
 

@@ -1,0 +1,128 @@
+"""The block-by-block runner on tiny models: exact replay of the float model, every method quantises
+every planned layer, and bad cases get clear messages and safe results."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from fewbits.calib.pipeline import run_awq, run_awq_gptq, run_gptq, run_hqq
+from fewbits.calib.runner import CalibrationError, iterate_blocks
+from fewbits.calib.w8a8 import run_llm_int8, run_smoothquant
+from fewbits.methods.common import MethodError
+from fewbits.models.recipe import Recipe
+from fewbits.models.swap import linear_shapes, swap_in
+
+RUNNERS = {"gptq": run_gptq, "awq": run_awq, "awq+gptq": run_awq_gptq, "hqq": run_hqq,
+           "smoothquant": run_smoothquant, "llm-int8": run_llm_int8}
+
+
+def quantize(model: nn.Module, method: str, spec: str, data: torch.Tensor | None, ignore=None, options=None) -> dict:
+    """Plan with a recipe, run the method's runner with a commit that swaps layers in; returns info."""
+    recipe = Recipe.from_format(spec, method=method) if ignore is None else \
+        Recipe.from_format(spec, method=method, ignore=ignore)
+    plans = [p for p in recipe.plan(linear_shapes(model)) if p.action == "quantize"]
+    if options:
+        from dataclasses import replace
+        plans = [replace(p, options=options) for p in plans]
+    done: list[str] = []
+
+    def commit(name, q):
+        assert name not in done
+        done.append(name)
+        swap_in(model, name, q)
+
+    info = RUNNERS[method](model, plans, data, commit, False) if method != "rtn" else None
+    assert sorted(done) == sorted(p.name for p in plans)
+    return info or {}
+
+
+def _logp(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.float().log_softmax(-1)
+
+
+def _kl(ref: torch.Tensor, got: torch.Tensor) -> float:
+    return float((ref.exp() * (ref - got)).sum(-1).mean())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_replaying_blocks_reproduces_the_model(tiny, calib_ids, family: str) -> None:
+    model = tiny(family)
+    with torch.no_grad():
+        ref = model(calib_ids, output_hidden_states=True)
+        runs = list(iterate_blocks(model, calib_ids))  # each block's outputs feed the next
+        outs = runs[-1].advance()
+    final = model.model.norm(torch.cat(outs))
+    assert torch.allclose(final, ref.hidden_states[-1], atol=1e-5), float((final - ref.hidden_states[-1]).abs().max())
+
+
+@pytest.mark.parametrize("method,spec", [("gptq", "int3-g32"), ("awq", "int3-g32"), ("awq+gptq", "int3-g32"),
+                                         ("hqq", "int3-g32-asym")])
+def test_weight_methods_beat_rtn_on_a_tiny_model(tiny, calib_ids, eval_ids, method: str, spec: str) -> None:
+    ref = _logp(tiny(), eval_ids)
+    rtn_model = tiny()
+    for name, _ in linear_shapes(rtn_model):
+        if "lm_head" not in name:
+            from fewbits.tensor import quantize_tensor
+            swap_in(rtn_model, name, quantize_tensor(rtn_model.get_submodule(name).weight, spec.replace("-asym", "")
+                                                     if method != "hqq" else spec))
+    model = tiny()
+    quantize(model, method, spec, calib_ids)
+    got = _kl(ref, _logp(model, eval_ids))
+    assert torch.isfinite(torch.tensor(got))
+    assert got < _kl(ref, _logp(rtn_model, eval_ids)), method
+
+
+def test_w8a8_methods_run_and_stay_close(tiny, calib_ids, eval_ids) -> None:
+    ref = _logp(tiny(), eval_ids)
+    for method in ("smoothquant", "llm-int8"):
+        model = tiny()
+        quantize(model, method, "int8", calib_ids)
+        assert _kl(ref, _logp(model, eval_ids)) < 1e-3, method
+
+
+def test_gemma_layout_runs_awq_and_gptq(tiny, calib_ids, eval_ids) -> None:
+    ref = _logp(tiny("gemma3"), eval_ids)
+    model = tiny("gemma3")
+    info = quantize(model, "awq+gptq", "int8", calib_ids)
+    assert any(k.endswith("pre_feedforward_layernorm") for k in info["awq_alpha"])
+    assert _kl(ref, _logp(model, eval_ids)) < 1e-3
+
+
+def test_unreached_and_outside_layers_fall_back_to_rtn(tiny, calib_ids, caplog) -> None:
+    model = tiny()
+    model.model.layers[0].mlp.expert_7 = nn.Linear(64, 128)  # an expert no token is routed to
+    with caplog.at_level(logging.WARNING, logger="fewbits.calib"):
+        info = quantize(model, "gptq", "int4-g32", calib_ids, ignore=(r"embed",))
+    fb = info["rtn_fallback"]
+    assert "never reached" in fb["model.layers.0.mlp.expert_7"]
+    assert "outside the decoder blocks" in fb["lm_head"]
+    assert "model.layers.0.mlp.expert_7" in caplog.text and "round-to-nearest" in caplog.text
+
+
+def test_nan_activations_name_the_layer(tiny, calib_ids) -> None:
+    model = tiny()
+    norm = model.model.layers[1].input_layernorm
+    norm.register_forward_hook(lambda m, a, out: out * float("nan"))
+    with pytest.raises(CalibrationError, match=r"model\.layers\.1\.self_attn\.q_proj.*NaN"):
+        quantize(model, "gptq", "int4-g32", calib_ids)
+
+
+def test_too_little_calibration_text(tiny) -> None:
+    with pytest.raises(CalibrationError, match="at least 128 tokens"):
+        quantize(tiny(), "gptq", "int4-g32", torch.randint(0, 256, (2, 16)))
+    with pytest.raises(CalibrationError, match="needs calibration text"):
+        quantize(tiny(), "awq", "int4-g32", None)
+
+
+def test_wrong_format_fails_before_anything_changes(tiny, calib_ids) -> None:
+    model = tiny()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(MethodError, match="gptq.*nf4-g32"):
+        RUNNERS["gptq"](model, Recipe.from_format("nf4-g32", "gptq").plan(linear_shapes(model)), calib_ids,
+                        lambda n, q: None, False)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
