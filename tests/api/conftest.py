@@ -44,16 +44,17 @@ def smol_windows(smollm2):
 
 
 @pytest.fixture(scope="session")
-def smol_quantized(smollm2_dir):
-    """spec -> (model, report): SmolLM2 loaded fresh and quantised with RTN, kept for the session."""
+def smol_quantized(smollm2):
+    """spec -> (model, report): a copy of the float32 SmolLM2 quantised with RTN, kept for the session."""
+    import copy
+
     from fewbits import api
-    from fewbits.models.loading import load_model
 
     done: dict = {}
 
     def get(spec: str):
         if spec not in done:
-            model, _ = load_model(smollm2_dir, dtype="float32")
+            model = copy.deepcopy(smollm2[0])
             report = api.quantize(model, spec, progress=False, chooser=api.kernel_chooser("cached"))
             done[spec] = (model, report)
         return done[spec]

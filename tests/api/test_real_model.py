@@ -94,11 +94,16 @@ def test_cli_broken_model_dir_is_an_error_and_writes_nothing(smollm2_dir, tmp_pa
 
 
 def test_cli_quantize_regroup_then_eval(smollm2_dir, tmp_path):
+    # a recipe file: block 0 in int4-g128 (its 576-wide layers regrouped to 96), block 1's MLP in int8
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('misfit = "error"\n[[rules]]\npattern = "layers\\\\.0\\\\."\nformat = "int4-g128"\n'
+                      '[[rules]]\npattern = "layers\\\\.1\\\\.mlp"\nformat = "int8"\n')
     out = tmp_path / "q"
-    r = CliRunner().invoke(main, ["quantize", str(smollm2_dir), "--format", "int4-g128", "--misfit", "regroup",
+    r = CliRunner().invoke(main, ["quantize", str(smollm2_dir), "--recipe", str(recipe), "--misfit", "regroup",
                                   "-o", str(out), "--quiet"])
     assert r.exit_code == 0, r.output
-    assert "int4-g96" in r.output and "regrouped" in r.output and "bytes ->" in r.output
+    assert "6 quantize int4-g96 (rtn), 1 quantize int4-g128 (rtn)" in r.output, r.output
+    assert "3 quantize int8 (rtn)" in r.output and "regrouped" in r.output and "bytes ->" in r.output
     j, p = tmp_path / "r.json", tmp_path / "kl.png"
     r = CliRunner().invoke(main, ["eval", str(out), "--seq-len", "128", "--windows", "1", "--json", str(j),
                                   "--plot", str(p), "--quiet"])
@@ -107,7 +112,7 @@ def test_cli_quantize_regroup_then_eval(smollm2_dir, tmp_path):
     import json
 
     row = json.loads(j.read_text())["rows"][0]
-    assert 0 < row["overall"]["kl_mean"] < 1 and set(row["categories"]) == {"verse", "prose", "code"}
+    assert 0 < row["overall"]["kl_mean"] < 0.2 and set(row["categories"]) == {"verse", "prose", "code"}
     assert p.read_bytes()[:4] == b"\x89PNG"
     # an empty text file: a clear error, nothing written
     empty = tmp_path / "empty.txt"
