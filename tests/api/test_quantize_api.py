@@ -182,3 +182,14 @@ def test_every_listed_method_plugs_in(tiny, method, spec):
     rep = api.quantize(tiny, Recipe.from_format(spec, method=method), data=data, progress=False)
     assert len(rep.quantized_layers) == 14 and {r["method"] for r in rep.quantized_layers} == {method}
     assert torch.isfinite(logits(tiny)).all()
+
+
+def test_calibration_windows_come_from_the_calibration_texts(tiny_tokenizer):
+    from fewbits.cli.quantize import calibration_ids
+    from fewbits.data.texts import load_texts
+
+    ids = calibration_ids(tiny_tokenizer, 64, 5)
+    assert ids.shape == (5, 64) and ids.dtype == torch.long
+    calib = load_texts("calib")
+    first = tiny_tokenizer.decode(ids[0].tolist())
+    assert first[:20] in calib["verse"] and first[:20] not in load_texts("eval")["verse"]
