@@ -67,6 +67,10 @@ def _rtn_commit(model: nn.Module, plan: Any, commit: Commit, reason: str, info: 
     info.setdefault("rtn_fallback", {})[plan.name] = reason
 
 
+def _committer(commit: Commit, name: str, res: QuantResult) -> Callable[[], None]:
+    return lambda: commit(name, res.to_tensor(tuple(res.codes.shape)))
+
+
 def _check(layers: Sequence[Any], method: str) -> None:
     for p in layers:
         check_method_format(method, p.format)
@@ -133,8 +137,8 @@ def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, 
             continue
         weights = awq_block(run, planned, arch, clip=True, info=info)
         for p, plan in planned.items():
-            w = weights[p]
-            commit(plan.name, rtn_quantize(w, plan.format, plan.name).to_tensor(tuple(w.shape)))
+            res = rtn_quantize(weights[p], plan.format, plan.name)
+            run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
     for plan in outside:
         _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
     return info
@@ -203,7 +207,7 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
                     info.setdefault("rtn_fallback", {})[plan.name] = res.info["fallback"]
                 elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
                     info["damp"][plan.name] = res.info["damp"]
-                commit(plan.name, res.to_tensor(tuple(mods[p].weight.shape)))
+                run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
     for plan in outside:
         _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
     return info

@@ -89,6 +89,14 @@ class BlockRun:
     hidden: list[torch.Tensor]
     kwargs: list[dict[str, Any]]
     sample_ref: list[int] = field(default_factory=lambda: [0])
+    deferred: list[Callable[[], None]] = field(default_factory=list)  # run after `advance`
+
+    def stage(self, path: str, w_hat: torch.Tensor, commit: Callable[[], None]) -> None:
+        """Put the quantised values `w_hat` in the float linear `path` for the rest of this block's
+        passes and its outputs; `commit` (swap in the packed layer) runs once the block is done."""
+        lin = self.module(path)
+        lin.weight.data = w_hat.to(lin.weight.dtype)
+        self.deferred.append(commit)
 
     def module(self, path: str) -> nn.Module:
         return self.block.get_submodule(path)
@@ -170,3 +178,5 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
         run = BlockRun(b, f"{prefix}.{b}", blocks[b], samples, hidden, kwargs[b])
         yield run
         hidden = run.advance()
+        for fn in run.deferred:
+            fn()

@@ -48,13 +48,13 @@ class InputStats:
         if not torch.isfinite(x2).all():
             raise CalibrationError(f"{self.name}: its input contains NaN or inf on calibration sample {sample} "
                                    f"(shape {tuple(x.shape)}); the model overflows or the data is bad")
-        xd = x2.double()
+        xf = x2.float()
         if self.want_hessian:
-            h = xd.T @ xd
+            h = (xf.T @ xf).double()  # float32 products per sample, float64 sums across samples
             self.hessian = h if self.hessian is None else self.hessian + h
         am = x2.abs().amax(0).float()
         self.absmax = am if self.absmax is None else torch.maximum(self.absmax, am)
-        s = xd.abs().sum(0)
+        s = xf.abs().sum(0).double()
         self.abssum = s if self.abssum is None else self.abssum + s
         self.tokens += x2.shape[0]
         if sample < self.keep_samples:

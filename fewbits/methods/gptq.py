@@ -43,7 +43,7 @@ def inverse_hessian_factor(
 
     Damping is raised tenfold after every failed factorisation (logged); None after `max_tries`.
     """
-    H = hessian.double()
+    H = hessian.float()
     n = H.shape[0]
     mean_diag = torch.diag(H).mean().clamp_min(1e-12)
     eye = torch.eye(n, dtype=H.dtype)
@@ -155,6 +155,7 @@ def gptq_quantize(
         else:
             S1 = torch.empty_like(W1)
             Z1 = torch.zeros_like(W1) if zero is not None else None
+        dvals = Hinv1.diagonal().tolist()
         for i in range(i2 - i1):
             j = i1 + i
             if not static and j % g == 0:  # a new group: scales from the current (updated) weights
@@ -169,18 +170,16 @@ def gptq_quantize(
             # the integer grid of fewbits.formats.quant (same float operations, so the same codes)
             if Z1 is None:
                 q = torch.round(col / s).clamp_(qlo, qhi)
-                deq = q * s
+                err = col - q * s
             else:
                 z = Z1[:, i]
                 q = (torch.round(col / s) + z).clamp_(qlo, qhi)
-                deq = (q - z) * s
+                err = col - (q - z) * s
             Q1[:, i] = q
-            d = Hinv1[i, i]
-            diff = col - deq
-            losses += diff**2 / d**2 / 2
-            err = diff / d
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            err.div_(dvals[i])
+            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the columns not yet quantised
             Err1[:, i] = err
+        losses += (Err1**2).sum(1) / 2
         qcodes[:, i1:i2] = Q1
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
     codes = (qcodes + off).to(torch.uint8)

@@ -45,3 +45,13 @@ def calib_ids() -> torch.Tensor:
 @pytest.fixture
 def eval_ids() -> torch.Tensor:
     return torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(2))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """The column loop of GPTQ is many small operations; on a shared 2-core machine a second intra-op
+    thread only adds waiting.  Restored after each test."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
