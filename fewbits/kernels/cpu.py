@@ -37,12 +37,33 @@ def _has(op: str) -> bool:
     return hasattr(torch.ops.aten, op)
 
 
+def _op(name: str):  # the resolved overload: calling it skips torch.ops' per-call name lookup (~10 us)
+    return getattr(torch.ops.aten, name).default if _has(name) else None
+
+
+_INT8_MM = _op("_weight_int8pack_mm")
+_INT4_MM = _op("_weight_int4pack_mm_for_cpu")
+
+
 def _int_offset(qt: QuantizedTensor) -> torch.Tensor:
     """Offset o of the codes (w = s * (c - o)): the zero points, or 2^(bits-1) for symmetric codes."""
     z = qt.zero_values()
     if z is None:
         return torch.full((qt.rows, 1), float(2 ** (qt.fmt.bits - 1)))
     return z
+
+
+def _as_bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x (..., K) as a (M, K) bf16 matrix, without copies when it already is one."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    return x2 if x2.dtype == torch.bfloat16 else x2.to(torch.bfloat16)
+
+
+def _finish(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Add the bias and restore x's leading dimensions: (M, N) -> (..., N)."""
+    if bias is not None:
+        y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _per_row(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -83,14 +104,13 @@ class Int8PackKernel:
         return self.q.numel() + self.scales.numel() * 2 + extra
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
-        y = torch.ops.aten._weight_int8pack_mm(x2, self.q, self.scales).to(x.dtype)  # (M, N)
+        x2 = _as_bf16_rows(x)  # (M, K)
+        y = _INT8_MM(x2, self.q, self.scales)  # (M, N) bf16
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         if self.corr is not None:
             y = y + x2.float().sum(-1, keepdim=True).to(x.dtype) * self.corr.to(x.dtype)
-        if bias is not None:
-            y = y + bias.to(x.dtype)
-        return y.reshape(*lead, y.shape[-1])
+        return _finish(y, x, bias)
 
 
 def int4_op_group(fmt: Format, in_features: int) -> int | None:
@@ -152,13 +172,11 @@ class Int4PackKernel:
         return self.packed.numel() * self.packed.element_size() + self.scales_zeros.numel() * 2
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # (M, K)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group, self.scales_zeros)
-        y = y.to(x.dtype)
-        if bias is not None:
-            y = y + bias.to(x.dtype)
-        return y.reshape(*lead, y.shape[-1])
+        x2 = _as_bf16_rows(x)  # (M, K)
+        y = _INT4_MM(x2, self.packed, self.group, self.scales_zeros)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        return _finish(y, x, bias)
 
 
 class W8A8IntMMKernel:
