@@ -193,3 +193,12 @@ def test_calibration_windows_come_from_the_calibration_texts(tiny_tokenizer):
     calib = load_texts("calib")
     first = tiny_tokenizer.decode(ids[0].tolist())
     assert first[:20] in calib["verse"] and first[:20] not in load_texts("eval")["verse"]
+
+
+@pytest.mark.parametrize("spec", ["int4-g32", "int8"])
+def test_kernel_dispatcher_plugs_into_quantlinear(tiny_factory, spec):
+    a, b = tiny_factory(), tiny_factory()
+    api.quantize(a, spec, progress=False)
+    api.quantize(b, spec, progress=False, chooser=api.kernel_chooser("auto"))
+    la, lb = logits(a), logits(b)
+    assert (la - lb).abs().max() < 0.02 * la.abs().max()  # fast paths may round activations to bf16
