@@ -30,7 +30,7 @@ log = logging.getLogger("fewbits.calib")
 Commit = Callable[[str, Any], None]
 
 #: AWQ search budget on CPU: tokens for the scale search and for the clipping search
-AWQ_SEARCH_TOKENS = 1024
+AWQ_SEARCH_TOKENS = 512
 AWQ_CLIP_TOKENS = 128
 #: linears whose clipping AWQ does not search (their outputs meet in a softmax; as in the paper's code)
 AWQ_NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
@@ -132,6 +132,8 @@ def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, 
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {}
     for run in iterate_blocks(model, data, progress, "awq"):
+        if run.index > max(by_block, default=-1):
+            break  # no planned layer further down: the remaining blocks need not run
         planned = by_block.get(run.index, {})
         if not planned:
             continue
@@ -188,6 +190,8 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"damp": {}}
     for run in iterate_blocks(model, data, progress, method):
+        if run.index > max(by_block, default=-1):
+            break  # no planned layer further down: the remaining blocks need not run
         planned = by_block.get(run.index, {})
         if not planned:
             continue

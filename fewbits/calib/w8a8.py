@@ -46,6 +46,8 @@ def run_smoothquant(model: nn.Module, layers: Sequence[Any], data: torch.Tensor 
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"alpha": alpha, "smoothed": []}
     for run in iterate_blocks(model, data, progress, "smoothquant"):
+        if run.index > max(by_block, default=-1):
+            break  # no planned layer further down: the remaining blocks need not run
         planned = by_block.get(run.index, {})
         if not planned:
             continue

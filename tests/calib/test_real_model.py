@@ -1,6 +1,8 @@
-"""Calibrated methods on the real packaged SmolLM2-135M (small calibration: 12 windows x 128 tokens
+"""Calibrated methods on the real packaged SmolLM2-135M (small calibration: 9 windows x 128 tokens
 from the packaged calibration texts; evaluation on one 256-token window per category of the packaged
-evaluation texts, never the same passages)."""
+evaluation texts, never the same passages).  To fit the CI budget the KL comparisons quantise the
+linears of the first ten decoder blocks (the other twenty stay float); the full-model table is
+benchmarks/bench_methods.py."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from fewbits.models.recipe import Recipe, Rule
 
 pytestmark = pytest.mark.slow
 
-CALIB_WINDOWS, CALIB_LEN, EVAL_LEN = 12, 128, 256
+CALIB_WINDOWS, CALIB_LEN, EVAL_LEN = 9, 128, 256
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +36,13 @@ def real(smollm2):
     return model, calib, ev, ref
 
 
-def _kl(real, method: str, spec: str, options: dict | None = None) -> float:
+FIRST_TEN = r"^model\.layers\.[0-9]\."
+
+
+def _kl(real, method: str, spec: str, options: dict | None = None, pattern: str = FIRST_TEN) -> float:
     model, calib, ev, ref = real
     m = copy.deepcopy(model)
-    recipe = Recipe((Rule(".*", spec, method, options or {}),))
+    recipe = Recipe((Rule(pattern, spec, method, options or {}),))
     api.quantize(m, recipe, calib, progress=False)
     with torch.no_grad():
         logp = m(ev).logits.float().log_softmax(-1)
@@ -85,6 +90,6 @@ def test_gptq_layer_error_below_rtn_for_every_linear(real) -> None:
 
 
 def test_smoothquant_beats_plain_w8a8(real) -> None:
-    plain = _kl(real, "smoothquant", "int8", {"smooth": False})
-    smooth = _kl(real, "smoothquant", "int8", {"alpha": 0.5})
+    plain = _kl(real, "smoothquant", "int8", {"smooth": False}, pattern=".*")
+    smooth = _kl(real, "smoothquant", "int8", {"alpha": 0.5}, pattern=".*")
     assert smooth < plain, (smooth, plain)
