@@ -52,11 +52,14 @@ def smol_quantized(smollm2):
 
     done: dict = {}
 
-    def get(spec: str):
-        if spec not in done:
-            model = copy.deepcopy(smollm2[0])
-            report = api.quantize(model, spec, progress=False, chooser=api.kernel_chooser("cached"))
+    def get(spec: str, keep: bool = True):
+        """keep=False: do not hold the model for later tests (each copy is about 1 GB with its dense cache)."""
+        if spec in done:
+            return done[spec]
+        model = copy.deepcopy(smollm2[0])
+        report = api.quantize(model, spec, progress=False, chooser=api.kernel_chooser("cached"))
+        if keep:
             done[spec] = (model, report)
-        return done[spec]
+        return model, report
 
     return get
