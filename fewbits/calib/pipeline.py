@@ -169,6 +169,10 @@ def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], p
         batches.setdefault(key, []).append(p)
     for paths in batches.values():
         plan = plans[paths[0]]
+        st = stats[paths[0]]
+        if st.tokens < 2 * st.in_features:
+            log.warning("%s: only %d calibration tokens for %d input features; GPTQ may fit the calibration text "
+                        "(give more text, or raise damping)", plan.name, st.tokens, st.in_features)
         w = torch.cat([weights[p].float() for p in paths])
         res = gptq_quantize(w, stats[paths[0]].hessian_mean(), plan.format, name=plan.name, **_gptq_opts(plan))
         r0 = 0
