@@ -141,3 +141,45 @@ def e8m0_exponent(amax: torch.Tensor, elem: MiniFloat) -> torch.Tensor:
     a = amax.float()
     e = torch.floor(torch.log2(a.clamp_min(2.0 ** -127))) - elem.emax
     return e.clamp(-127, 127)
+
+
+# ---------------------------------------------------------------------- fast paths
+# The functions above are the readable reference.  The quantiser calls `to_codes` / `from_codes`, which
+# use torch's own float8 casts (bit-identical: tests compare on every finite fp16 value) and a table
+# for E2M1, and fall back to the reference for anything else.
+_TORCH_FP8 = {"e4m3": getattr(torch, "float8_e4m3fn", None), "e5m2": getattr(torch, "float8_e5m2", None)}
+
+
+def _e2m1_boundaries(device: torch.device) -> torch.Tensor:
+    """Decision boundaries between the 8 E2M1 magnitudes; a value equal to a boundary goes to the level
+    with the even mantissa (round half to even), hence the nudged boundaries where ties go up."""
+    levels = minifloat_grid(E2M1).tolist()  # 0, .5, 1, 1.5, 2, 3, 4, 6
+    bounds = []
+    for i in range(7):
+        mid = (levels[i] + levels[i + 1]) / 2
+        upper_is_even = (i + 1) % 2 == 0  # codes 0..7: even code = even mantissa
+        bounds.append(float(torch.nextafter(torch.tensor(mid), torch.tensor(0.0))) if upper_is_even else mid)
+    return torch.tensor(bounds, dtype=torch.float32, device=device)
+
+
+def to_codes(x: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
+    """Saturating round-to-nearest-even of finite `x` onto `fmt`, as uint8 bit patterns."""
+    fp8 = _TORCH_FP8.get(fmt.name)
+    if fp8 is not None:
+        return x.float().clamp(-fmt.max, fmt.max).to(fp8).view(torch.uint8)
+    if fmt is E2M1:
+        xf = x.float()
+        mag = torch.bucketize(xf.abs().contiguous(), _e2m1_boundaries(x.device)).to(torch.uint8)
+        return mag | (torch.signbit(xf).to(torch.uint8) << 3)
+    return encode_minifloat(round_minifloat(x, fmt, saturate=True), fmt)
+
+
+def from_codes(codes: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
+    """float32 values of bit patterns (fast inverse of `to_codes`)."""
+    fp8 = _TORCH_FP8.get(fmt.name)
+    if fp8 is not None:
+        return codes.to(torch.uint8).view(fp8).float()
+    if fmt is E2M1:
+        table = decode_minifloat(torch.arange(16, dtype=torch.int32), E2M1).to(codes.device)
+        return table[codes.long()]
+    return decode_minifloat(codes, fmt)

@@ -24,12 +24,12 @@ from fewbits.formats.grids import (
     E2M1,
     E4M3,
     MINIFLOATS,
-    decode_minifloat,
     e8m0_exponent,
-    encode_minifloat,
+    from_codes,
     nf4_round,
     nf4_values,
     round_minifloat,
+    to_codes,
 )
 
 _TORCH_SCALE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
@@ -134,8 +134,7 @@ def quantize_codes(
     elif fmt.kind == "nf4":
         codes = nf4_round(x.clamp(-1, 1))
     else:
-        elem = MINIFLOATS[fmt.element]
-        codes = encode_minifloat(round_minifloat(x, elem, saturate=True), elem)
+        codes = to_codes(x, MINIFLOATS[fmt.element])
     return codes.reshape(rows, cols)
 
 
@@ -153,7 +152,7 @@ def dequantize_codes(
     elif fmt.kind == "nf4":
         v = nf4_values(c)
     else:
-        v = decode_minifloat(c, MINIFLOATS[fmt.element])
+        v = from_codes(c, MINIFLOATS[fmt.element])
     return v.mul_(scale.unsqueeze(-1)).reshape(rows, cols).to(dtype)
 
 

@@ -80,3 +80,14 @@ def test_nf4_levels_and_nearest_rounding():
     idx = nf4_round(x).long()
     brute = (x[:, None] - lv[None, :]).abs().argmin(1)
     assert torch.equal(lv[idx], lv[brute])
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, E2M1])
+def test_fast_codes_equal_the_reference_on_every_finite_fp16(fmt):
+    from fewbits.formats.grids import from_codes, to_codes
+
+    x = _all_finite_fp16()
+    ref = encode_minifloat(round_minifloat(x, fmt, saturate=True), fmt)
+    fast = to_codes(x, fmt)
+    assert torch.equal(fast, ref)
+    assert torch.equal(from_codes(fast, fmt), decode_minifloat(ref, fmt))
