@@ -101,6 +101,7 @@ class BlockRun:
     def module(self, path: str) -> nn.Module:
         return self.block.get_submodule(path)
 
+    @torch.no_grad()
     def forward_all(self) -> None:
         """Run every sample through the block, ignoring outputs (hooks collect what they need)."""
         for i, s in enumerate(self.samples):
@@ -118,6 +119,7 @@ class BlockRun:
         reduce(stats.values())
         return stats
 
+    @torch.no_grad()
     def advance(self) -> list[torch.Tensor]:
         """Outputs of the (now quantised) block for every sample: the next block's inputs."""
         outs = []
