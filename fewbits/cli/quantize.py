@@ -47,6 +47,7 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
     from pathlib import Path
 
     from fewbits import api
+    from fewbits.calib import distributed
     from fewbits.models.loading import load_model
     from fewbits.models.recipe import Recipe
 
@@ -71,6 +72,8 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         if any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
             data = calibration_ids(tok, calib_seq_len, calib_windows)
         report = api.quantize(m, recipe, data=data, progress=not quiet)
+        if distributed.rank() != 0:  # under torchrun every rank holds the same weights; rank 0 saves them
+            return
         click.echo(report.text())
         path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
                                         overwrite=overwrite)
