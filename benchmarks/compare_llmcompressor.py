@@ -1,0 +1,156 @@
+"""fewbits' GPTQ beside llm-compressor's GPTQ on the same model, format and calibration tokens.
+
+Format: int4, group 64, symmetric, every linear layer except the LM head (embeddings stay 16-bit too).
+Calibration: the packaged calibration texts, N windows x L tokens (default 16 x 256), saved once to a
+safetensors file so both tools see identical token ids.  llm-compressor pins its own transformers, so it
+runs in its own virtual environment (a subprocess of this script with `--lc-worker`); it writes its
+quantised-then-dequantised weights as dense float tensors, and this process evaluates them with
+fewbits.eval against the float32 model on the packaged evaluation texts (the same windows for both).
+
+    python3 -m venv /tmp/lc && /tmp/lc/bin/pip install torch==2.13.0 \\
+        && /tmp/lc/bin/pip install -c <(echo torch==2.13.0) llmcompressor
+    python benchmarks/compare_llmcompressor.py --lc-python /tmp/lc/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+GROUP = 64
+
+
+def lc_worker(args: argparse.Namespace) -> None:
+    """Runs inside the llm-compressor environment: oneshot GPTQ, then dense weights to a safetensors file."""
+    import importlib.metadata as md
+
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    ids = load_file(args.calib)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    scheme = {"targets": ["Linear"],
+              "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                          "group_size": GROUP}}
+    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    t0 = time.perf_counter()
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=int(ids.shape[0]),
+            max_seq_length=int(ids.shape[1]))
+    wall = time.perf_counter() - t0
+    dense: dict[str, torch.Tensor] = {}
+    worst = 0.0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or name.endswith("lm_head"):
+            continue
+        w = mod.weight.detach().float()
+        scale = getattr(mod, "weight_scale", None)
+        if scale is not None:  # check the stored weight is on the int4 grid its scales define
+            s = scale.detach().float().repeat_interleave(GROUP, dim=1)[:, :w.shape[1]]
+            w_grid = torch.clamp(torch.round(w / s), -8, 7) * s
+            worst = max(worst, float((w_grid - w).abs().max()))
+        dense[name + ".weight"] = w.contiguous()
+    save_file(dense, args.out)
+    info = {"wall_s": wall, "layers": len(dense), "off_grid_max": worst,
+            "versions": {p: md.version(p) for p in ("llmcompressor", "compressed-tensors", "transformers",
+                                                    "torch")}}
+    print("LC_RESULT " + json.dumps(info), flush=True)
+
+
+def calibration_ids(tok, n: int, seq: int):  # noqa: ANN001, ANN201
+    """The same windows `fewbits quantize` uses: packaged calibration texts, categories mixed."""
+    from fewbits.cli.quantize import calibration_ids as cli_ids
+
+    return cli_ids(tok, seq, n)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lc-python", default="/tmp/lc/bin/python", help="python of the llm-compressor venv")
+    ap.add_argument("--calib-windows", type=int, default=16)
+    ap.add_argument("--calib-len", type=int, default=256)
+    ap.add_argument("--eval-windows", type=int, default=2, help="evaluation windows per text category")
+    ap.add_argument("--eval-len", type=int, default=512)
+    ap.add_argument("--workdir", default="/tmp", help="where the calibration ids and dense weights go")
+    ap.add_argument("--lc-worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--calib", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.lc_worker:
+        lc_worker(args)
+        return
+
+    import copy
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fewbits import api
+    from fewbits.data.texts import load_texts
+    from fewbits.eval.perplexity import compare, fill_reference_cache, make_windows, reference_perplexity
+    from fewbits.models.loading import load_model
+    from fewbits.models.packaged import ensure_converted
+    from fewbits.models.recipe import Recipe
+
+    folder = str(ensure_converted(args.model))
+    ref, tok = load_model(args.model, dtype="float32")
+    ids = calibration_ids(tok, args.calib_windows, args.calib_len).long().contiguous()
+    calib = os.path.join(args.workdir, "calib_ids.safetensors")
+    save_file({"input_ids": ids}, calib)
+    dense_path = os.path.join(args.workdir, "lc_gptq_dense.safetensors")
+
+    # llm-compressor, in its own environment
+    t0 = time.perf_counter()
+    proc = subprocess.run([args.lc_python, os.path.abspath(__file__), "--lc-worker", "--model", folder,
+                           "--calib", calib, "--out", dense_path], capture_output=True, text=True)
+    lc_total = time.perf_counter() - t0
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("LC_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"llm-compressor run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+    lc = json.loads(lines[-1][len("LC_RESULT "):])
+
+    # fewbits, here
+    fb = copy.deepcopy(ref)
+    t0 = time.perf_counter()
+    api.quantize(fb, Recipe.from_format(f"int4-g{GROUP}", "gptq"), data=ids, progress=False)
+    fb_wall = time.perf_counter() - t0
+
+    lcm = copy.deepcopy(ref)
+    dense = load_file(dense_path)
+    with torch.no_grad():
+        for name, w in dense.items():
+            lcm.get_submodule(name.removesuffix(".weight")).weight.copy_(w)
+
+    windows, protocol = make_windows(tok, load_texts("eval"), seq_len=args.eval_len, n_windows=args.eval_windows)
+    cache = fill_reference_cache(ref, windows, progress=False)
+    rows = [("float32", None, None, 0.0, 1.0, reference_perplexity(windows, cache)["overall"]["ppl"])]
+    for tool, model, wall, total in (("llm-compressor GPTQ", lcm, lc["wall_s"], lc_total),
+                                     ("fewbits GPTQ", fb, fb_wall, fb_wall)):
+        o = compare(model, None, windows, ref_cache=cache, progress=False)["overall"]
+        rows.append((tool, wall, total, o["kl_mean"], o["top1"], o["ppl"]))
+
+    print(f"{args.model}, int4 group {GROUP} symmetric, lm_head and embeddings 16-bit; calibration "
+          f"{args.calib_windows} x {args.calib_len} identical token ids; torch threads {torch.get_num_threads()}")
+    print(protocol.text())
+    print(f"llm-compressor {lc['versions']}; {lc['layers']} layers; stored weights off their int4 grid by "
+          f"at most {lc['off_grid_max']:.2e}")
+    print(f"{'tool':<22}{'wall s':>9}{'incl. start':>13}{'mean KL':>10}{'top-1':>8}{'ppl':>9}")
+    for tool, wall, total, kl, top1, ppl in rows:
+        w = f"{wall:9.1f}" if wall is not None else f"{'':>9}"
+        t = f"{total:13.1f}" if total is not None else f"{'':>13}"
+        print(f"{tool:<22}{w}{t}{kl:10.4f}{top1:8.3f}{ppl:9.2f}")
+    if rows[1][1] and rows[2][1]:
+        print(f"fewbits is {rows[1][1] / rows[2][1]:.1f}x faster (quantisation wall time)")
+
+
+if __name__ == "__main__":
+    main()
