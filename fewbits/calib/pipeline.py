@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -124,6 +124,24 @@ def _subsample(x: torch.Tensor, n: int) -> torch.Tensor:
     return x[:: -(-x.shape[0] // n)][:n]
 
 
+def planned_blocks(model: nn.Module, data: torch.Tensor, by_block: dict[int, dict[str, Any]], progress: bool,
+                   desc: str) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """(block run, its planned layers) for each decoder block holding a planned layer; the blocks after
+    the last planned one are never run."""
+    for run in iterate_blocks(model, data, progress, desc):
+        if run.index > max(by_block, default=-1):
+            break
+        planned = by_block.get(run.index, {})
+        if planned:
+            yield run, planned
+
+
+def commit_outside(model: nn.Module, outside: Sequence[Any], commit: Commit, info: dict[str, Any]) -> None:
+    """Round-to-nearest for the planned layers outside the decoder blocks (calibration never reaches them)."""
+    for plan in outside:
+        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+
+
 def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
             progress: bool = True) -> dict[str, Any]:
     """AWQ: scale search + folding + clipping search, then round-to-nearest, block by block."""
@@ -131,18 +149,12 @@ def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, 
     data = check_calibration_data(data, "awq")
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {}
-    for run in iterate_blocks(model, data, progress, "awq"):
-        if run.index > max(by_block, default=-1):
-            break  # no planned layer further down: the remaining blocks need not run
-        planned = by_block.get(run.index, {})
-        if not planned:
-            continue
+    for run, planned in planned_blocks(model, data, by_block, progress, "awq"):
         weights = awq_block(run, planned, arch, clip=True, info=info)
         for p, plan in planned.items():
             res = rtn_quantize(weights[p], plan.format, plan.name)
             run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
-    for plan in outside:
-        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+    commit_outside(model, outside, commit, info)
     return info
 
 
@@ -193,12 +205,7 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
     data = check_calibration_data(data, method)
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"damp": {}}
-    for run in iterate_blocks(model, data, progress, method):
-        if run.index > max(by_block, default=-1):
-            break  # no planned layer further down: the remaining blocks need not run
-        planned = by_block.get(run.index, {})
-        if not planned:
-            continue
+    for run, planned in planned_blocks(model, data, by_block, progress, method):
         if awq:
             awq_block(run, planned, arch, clip=False, info=info)
         for group, declared in _groups(arch, planned):
@@ -216,8 +223,7 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
                 elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
                     info["damp"][plan.name] = res.info["damp"]
                 run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
-    for plan in outside:
-        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+    commit_outside(model, outside, commit, info)
     return info
 
 

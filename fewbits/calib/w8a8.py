@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fewbits.calib.pipeline import Commit, _check, _rtn_commit, _split_by_block
-from fewbits.calib.runner import check_calibration_data, iterate_blocks
+from fewbits.calib.pipeline import Commit, _check, _split_by_block, commit_outside, planned_blocks
+from fewbits.calib.runner import check_calibration_data
 from fewbits.methods.awq import fold_scales
 from fewbits.methods.llm_int8 import Int8OutlierLinear
 from fewbits.methods.rtn import rtn_quantize
@@ -45,12 +45,7 @@ def run_smoothquant(model: nn.Module, layers: Sequence[Any], data: torch.Tensor 
     data = check_calibration_data(data, "smoothquant")
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"alpha": alpha, "smoothed": []}
-    for run in iterate_blocks(model, data, progress, "smoothquant"):
-        if run.index > max(by_block, default=-1):
-            break  # no planned layer further down: the remaining blocks need not run
-        planned = by_block.get(run.index, {})
-        if not planned:
-            continue
+    for run, planned in planned_blocks(model, data, by_block, progress, "smoothquant"):
         if smooth:
             stats = run.collect({p: run.module(p) for p in planned}, want_hessian=False, stop_early=False)
             for m in arch.smooth:
@@ -72,8 +67,7 @@ def run_smoothquant(model: nn.Module, layers: Sequence[Any], data: torch.Tensor 
         for p, plan in planned.items():
             mod = run.module(p)
             commit(plan.name, _w8a8_module(mod.weight.detach(), getattr(mod, "bias", None), plan.format, act_bits))
-    for plan in outside:
-        _rtn_commit(model, plan, commit, "outside the decoder blocks, calibration does not reach it", info)
+    commit_outside(model, outside, commit, info)
     return info
 
 
