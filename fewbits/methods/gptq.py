@@ -25,6 +25,8 @@ Deviations and additions:
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -34,6 +36,19 @@ from fewbits.methods.common import MethodError, QuantResult, check_method_format
 from fewbits.methods.rtn import rtn_quantize
 
 log = logging.getLogger("fewbits.gptq")
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run LAPACK on one thread: its blocked factorisations round differently with different thread
+    counts, and GPTQ turns a one-ulp change of the factor into different codes at rounding ties.  One
+    thread makes the codes depend on the data alone (a torchrun rank and a lone process agree)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def inverse_hessian_factor(
@@ -49,11 +64,14 @@ def inverse_hessian_factor(
     eye = torch.eye(n, dtype=H.dtype)
     ratio = damp
     for _ in range(max_tries):
-        L, info = torch.linalg.cholesky_ex(H + ratio * mean_diag * eye)
-        if int(info) == 0:
-            U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-            if int(info2) == 0 and torch.isfinite(U).all():
-                return U.float(), ratio
+        with _one_thread():
+            L, info = torch.linalg.cholesky_ex(H + ratio * mean_diag * eye)
+            ok = int(info) == 0
+            if ok:
+                U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+                ok = int(info) == 0 and bool(torch.isfinite(U).all())
+        if ok:
+            return U.float(), ratio
         nxt = ratio * 10 if ratio > 0 else 1e-3
         log.warning("%s: Hessian is not positive definite with damping %.3g of its mean diagonal; "
                     "retrying with %.3g", name, ratio, nxt)

@@ -105,3 +105,20 @@ def test_bad_inputs_get_clear_errors() -> None:
         gptq_quantize(w, bad, "int4-g64", name="layers.0.q_proj")
     with pytest.raises(Exception, match="not divisible"):
         gptq_quantize(w[:, :200], h[:200, :200], "int4-g64")
+
+
+def test_inverse_hessian_factor_does_not_depend_on_the_thread_count() -> None:
+    # LAPACK's blocked Cholesky rounds differently on 1 and 2 threads at this size; GPTQ would turn that
+    # into different codes, so a torchrun rank (1 thread) and a lone process must factorise alike
+    x = torch.randn(512, 1536, generator=torch.Generator().manual_seed(0))
+    h = x.T @ x / 512
+    before = torch.get_num_threads()
+    try:
+        factors = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            factors.append(inverse_hessian_factor(h)[0])
+            assert torch.get_num_threads() == n  # the caller's setting is restored
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(factors[0], factors[1])
