@@ -31,9 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fewbits.formats.format import FormatError
-from fewbits.models.qlinear import PREFIX as QPREFIX
-from fewbits.models.qlinear import KernelChooser, QuantLinear
+from fewbits.models.qlinear import KernelChooser, LayerMetaError, describe_layers, rebuild_layer
 from fewbits.models.recipe import LayerPlan, Recipe, RecipeError
 from fewbits.models.swap import linear_shapes, model_nbytes, swap_in
 from fewbits.tensor import QuantizedTensor, quantize_tensor
@@ -203,7 +201,10 @@ def _weight_bytes(mod: nn.Module) -> int:
 
 # ---------------------------------------------------------------------- saving and loading
 SAVED_FORMAT = "fewbits-quantized-model"
-SAVED_VERSION = 1
+#: 2: "layers" describes every replaced layer (kind + parameters, see models.qlinear.LAYER_KINDS);
+#: 1: "quantized_layers" held only QuantLinear weight metadata (still read)
+SAVED_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 WEIGHTS_FILE = "model.safetensors"
 META_FILE = "fewbits.json"
 
@@ -217,19 +218,20 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
                          overwrite: bool = False) -> Path:
     """Write `model` (after `quantize`) to `out_dir`: config.json, tokenizer files, model.safetensors
     (every parameter and packed buffer, tied weights once) and fewbits.json (versioned: recipe,
-    per-layer format metadata, sizes).  Written in a temporary directory beside `out_dir`, then
-    renamed into place; an existing `out_dir` is replaced only with `overwrite=True`."""
+    each replaced layer's description: kind and parameters such as format, act_bits, outlier_threshold;
+    sizes).  Written in a temporary directory beside `out_dir`, then renamed into place; an existing
+    `out_dir` is replaced only with `overwrite=True`."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     tensors, aliases = _dedup_state(model)
-    layers = {n: m.qweight_meta for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    layers = describe_layers(model)
     dtypes = {str(t.dtype) for n, t in model.named_parameters()}
     meta = {"format": SAVED_FORMAT, "version": SAVED_VERSION, "model_class": type(model).__name__,
             "dtype": str(next(iter(model.parameters())).dtype).removeprefix("torch.") if dtypes else "float32",
-            "source": source, "recipe": recipe.to_dict(), "quantized_layers": layers, "tied": aliases,
+            "source": source, "recipe": recipe.to_dict(), "layers": layers, "tied": aliases,
             "size_bytes": model_nbytes(model), "report": report.to_dict() if report is not None else None}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
@@ -269,7 +271,8 @@ def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
 
 
 def read_saved_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """fewbits.json of a saved model directory, checked for format and version."""
+    """fewbits.json of a saved model directory, checked for format and version; a version-1 file's
+    "quantized_layers" (packed weights only) is read as version 2's "layers" of kind "quant_linear"."""
     d = Path(path)
     if not d.is_dir():
         raise SavedModelError(f"{d}: no such directory")
@@ -280,9 +283,14 @@ def read_saved_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         meta = json.loads(mf.read_text())
     except json.JSONDecodeError as e:
         raise SavedModelError(f"{mf}: corrupt metadata ({e})") from None
-    if meta.get("format") != SAVED_FORMAT or meta.get("version") != SAVED_VERSION:
-        raise SavedModelError(f"{mf}: format {meta.get('format')!r} version {meta.get('version')!r} is not "
-                              f"{SAVED_FORMAT!r} version {SAVED_VERSION}")
+    if not isinstance(meta, dict) or meta.get("format") != SAVED_FORMAT or meta.get("version") not in READABLE_VERSIONS:
+        got = meta if not isinstance(meta, dict) else f"format {meta.get('format')!r} version {meta.get('version')!r}"
+        raise SavedModelError(f"{mf}: {got} is not {SAVED_FORMAT!r} version "
+                              f"{' or '.join(map(str, READABLE_VERSIONS))}")
+    if meta["version"] == 1 and isinstance(meta.get("quantized_layers"), dict):
+        meta["layers"] = {n: {"kind": "quant_linear", "qweight": q} for n, q in meta.pop("quantized_layers").items()}
+    if not isinstance(meta.get("layers"), dict):
+        raise SavedModelError(f"{mf}: the layer descriptions (\"layers\") are missing")
     return meta
 
 
@@ -309,12 +317,19 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
         raise SavedModelError(f"{d}: model class {meta['model_class']!r} is not known to transformers")
     with no_init_weights():
         model = cls._from_config(config, dtype=getattr(torch, meta["dtype"]))
-    for name, qmeta in meta["quantized_layers"].items():
+    for name, lmeta in meta["layers"].items():
         try:
-            qt = QuantizedTensor.from_state_dict(tensors, f"{name}.{QPREFIX}", qmeta)
-        except (FormatError, KeyError) as e:
-            raise SavedModelError(f"{wf}: layer {name}: {e}") from e
-        swap_in(model, name, qt, chooser)
+            want = tuple(model.get_submodule(name).weight.shape)
+        except AttributeError:
+            raise SavedModelError(f"{wf}: layer {name} is not a linear layer of {meta['model_class']}") from None
+        try:
+            new = rebuild_layer(lmeta, tensors, name, chooser)
+        except LayerMetaError as e:
+            raise SavedModelError(f"{wf}: {e}") from e
+        if (new.out_features, new.in_features) != want:
+            raise SavedModelError(f"{wf}: layer {name} was saved with shape {(new.out_features, new.in_features)}, "
+                                  f"the model's layer has {want}")
+        swap_in(model, name, new)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if k not in meta.get("tied", {})]
     if missing or unexpected:

@@ -12,6 +12,8 @@ two scale vectors.  Weights of the outlier dimensions are used at the precision 
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 
@@ -61,17 +63,55 @@ def llm_int8_matmul(x: torch.Tensor, w: torch.Tensor, threshold: float = 6.0) ->
 
 class Int8OutlierLinear(nn.Module):
     """A linear layer running LLM.int8(): int8 per-channel weight codes, activations split per forward
-    pass into outlier dimensions (16-bit) and the rest (int8 per token)."""
+    pass into outlier dimensions (16-bit) and the rest (int8 per token).
+
+    Saved as layer kind "int8_outlier" with its `outlier_threshold` and shape; codes, scales and bias
+    are state-dict tensors."""
+
+    layer_kind: ClassVar[str] = "int8_outlier"
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, threshold: float = 6.0) -> None:
         super().__init__()
         w = weight.detach().float()
         res = rtn_quantize(w, "int8")  # the stored int8 per-channel codes: value = code - 128
-        self.register_buffer("w_codes", (res.codes.to(torch.int16) - 128).to(torch.int8))
-        self.register_buffer("w_scale", res.scale)
+        self._store((res.codes.to(torch.int16) - 128).to(torch.int8), res.scale, bias, threshold)
+
+    def _store(self, w_codes: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+               threshold: float) -> None:
+        self.register_buffer("w_codes", w_codes)
+        self.register_buffer("w_scale", w_scale)
         self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
         self.threshold = float(threshold)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.out_features, self.in_features = (int(d) for d in w_codes.shape)
+
+    @classmethod
+    def from_codes(cls, w_codes: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None,
+                   threshold: float = 6.0) -> Int8OutlierLinear:
+        """The layer over stored int8 codes (out, in) and per-channel scales (out, 1), no requantisation."""
+        if w_codes.dtype != torch.int8 or w_codes.dim() != 2:
+            raise MethodError(f"llm-int8: codes must be 2-D int8, got {w_codes.dtype} {tuple(w_codes.shape)}")
+        out = w_codes.shape[0]
+        if tuple(w_scale.shape) != (out, 1) or (bias is not None and tuple(bias.shape) != (out,)):
+            raise MethodError(f"llm-int8: codes {tuple(w_codes.shape)} do not match scales {tuple(w_scale.shape)}"
+                              + ("" if bias is None else f" / bias {tuple(bias.shape)}"))
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._store(w_codes, w_scale, bias, threshold)
+        return layer
+
+    def layer_meta(self) -> dict[str, Any]:
+        return {"outlier_threshold": self.threshold, "shape": [self.out_features, self.in_features],
+                "bias": self.bias is not None}
+
+    @classmethod
+    def from_layer_meta(cls, meta: dict[str, Any], source: Any) -> Int8OutlierLinear:
+        """Rebuild from saved metadata (`source` is a models.qlinear.LayerSource)."""
+        codes = source.tensor("w_codes")
+        if list(codes.shape) != list(meta["shape"]):
+            raise MethodError(f"{source.prefix}: saved codes have shape {tuple(codes.shape)}, "
+                              f"the metadata says {tuple(meta['shape'])}")
+        bias = source.tensor("bias") if meta.get("bias") else None
+        return cls.from_codes(codes, source.tensor("w_scale"), bias, float(meta["outlier_threshold"]))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -12,6 +12,8 @@ the activation rounding simulated in the forward pass (`ActQuantLinear`).
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
+
 import torch
 from torch import nn
 
@@ -45,7 +47,11 @@ def quantize_per_token(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
 
 class ActQuantLinear(nn.Module):
     """Wraps a linear-like module (nn.Linear or a quantised linear): its input is rounded to `bits`-bit
-    per-token codes before the wrapped module runs (W8A8 simulation)."""
+    per-token codes before the wrapped module runs (W8A8 simulation).
+
+    Saved as layer kind "act_quant" with its `act_bits`; the wrapped module is saved as its child."""
+
+    layer_kind: ClassVar[str] = "act_quant"
 
     def __init__(self, inner: nn.Module, bits: int = 8) -> None:
         super().__init__()
@@ -68,6 +74,16 @@ class ActQuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(quantize_per_token(x, self.act_bits))
+
+    def layer_meta(self) -> dict[str, Any]:
+        return {"act_bits": self.act_bits}
+
+    @classmethod
+    def from_layer_meta(cls, meta: dict[str, Any], source: Any) -> ActQuantLinear:
+        """Rebuild over the already rebuilt child "inner" (`source` is a models.qlinear.LayerSource)."""
+        if "inner" not in source.children:
+            raise MethodError(f"{source.prefix}: the wrapped layer 'inner' is not described")
+        return cls(source.children["inner"], int(meta["act_bits"]))
 
     def extra_repr(self) -> str:
         return f"act=int{self.act_bits} per-token dynamic"

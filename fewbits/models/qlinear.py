@@ -7,13 +7,22 @@ stored; the format and shape live in `qweight_meta` (JSON-able, the QuantizedTen
 The matmul runs through `self.kernel`, a callable ``kernel(x, bias) -> y`` prepared once per layer by a
 *chooser* ``chooser(qt) -> kernel``.  The default chooser gives the reference path, dequantise then
 matmul (`reference_linear`); a faster kernel dispatcher is injected by passing another chooser.
+
+Saved layers.  A module that replaces a linear layer describes itself for the saved metadata and is
+rebuilt from it, one mechanism for every such module: its class names a `layer_kind` listed in
+`LAYER_KINDS`, `layer_meta()` gives its JSON-able parameters (tensors stay in the state dict), and the
+classmethod `from_layer_meta(meta, source)` rebuilds it from those parameters and the saved tensors.
+Child modules that are layers themselves (a wrapper around a QuantLinear) are described and rebuilt by
+the same walk (`describe_layer` / `rebuild_layer`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +83,8 @@ def dequantized_once_chooser(qt: QuantizedTensor) -> LinearKernel:
 class QuantLinear(nn.Module):
     """Drop-in replacement for `nn.Linear` holding only the packed weight (and the bias)."""
 
+    layer_kind: ClassVar[str] = "quant_linear"
+
     def __init__(self, qweight: QuantizedTensor, bias: torch.Tensor | None = None,
                  chooser: KernelChooser | None = None) -> None:
         super().__init__()
@@ -123,6 +134,99 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self.kernel = self.chooser(self.qweight)
 
+    def layer_meta(self) -> dict[str, Any]:
+        """Saved parameters: the packed weight's format and shape, whether there is a bias."""
+        return {"qweight": self.qweight_meta, "bias": self.bias is not None}
+
+    @classmethod
+    def from_layer_meta(cls, meta: dict[str, Any], source: LayerSource) -> QuantLinear:
+        qt = QuantizedTensor.from_state_dict(source.tensors, f"{source.prefix}.{PREFIX}", meta["qweight"])
+        bias = source.tensors.get(f"{source.prefix}.bias")
+        if bias is None and meta.get("bias"):  # a tied bias saved under another name: filled by load_state_dict
+            bias = torch.zeros(int(qt.shape[0]))
+        return cls(qt, bias, source.chooser)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"format={self.qweight_meta['format']['spec']}, bias={self.bias is not None}")
+
+
+# ---------------------------------------------------------------------- saved layers
+#: saved layer kind -> "module:Class" able to rebuild it; add a layer module with one line here
+LAYER_KINDS: dict[str, str] = {
+    "quant_linear": "fewbits.models.qlinear:QuantLinear",
+    "act_quant": "fewbits.methods.smoothquant:ActQuantLinear",  # W8A8: int8 per-token activations
+    "int8_outlier": "fewbits.methods.llm_int8:Int8OutlierLinear",  # LLM.int8() outlier split
+}
+
+
+class LayerMetaError(ValueError):
+    """A saved layer description that cannot be rebuilt (unknown kind, missing or mismatched fields)."""
+
+
+@dataclass
+class LayerSource:
+    """What `from_layer_meta` rebuilds a layer from: the saved tensors (full state-dict names), the layer's
+    dotted name, the kernel chooser for packed weights, and its child layers, already rebuilt."""
+
+    tensors: dict[str, torch.Tensor]
+    prefix: str
+    chooser: KernelChooser | None = None
+    children: dict[str, nn.Module] = field(default_factory=dict)
+
+    def tensor(self, key: str) -> torch.Tensor:
+        name = f"{self.prefix}.{key}"
+        if name not in self.tensors:
+            raise KeyError(f"tensor {name} is missing")
+        return self.tensors[name]
+
+
+def describe_layer(module: nn.Module, name: str = "layer") -> dict[str, Any] | None:
+    """{"kind": ..., parameters..., "children": {child: description}} of a module that describes itself,
+    None for any other module (its parameters are plain state-dict entries)."""
+    kind = getattr(type(module), "layer_kind", None)
+    if kind is None:
+        return None
+    if kind not in LAYER_KINDS:
+        raise LayerMetaError(f"{name}: layer kind {kind!r} of {type(module).__name__} is not in LAYER_KINDS, "
+                             "so it could not be loaded again")
+    meta = {"kind": kind, **module.layer_meta()}
+    kids = {c: d for c, child in module.named_children() if (d := describe_layer(child, f"{name}.{c}"))}
+    if kids:
+        meta["children"] = kids
+    return meta
+
+
+def describe_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Dotted name -> description of every outermost module of `model` that describes itself."""
+    out: dict[str, dict[str, Any]] = {}
+
+    def walk(mod: nn.Module, prefix: str) -> None:
+        for c, child in mod.named_children():
+            name = f"{prefix}.{c}" if prefix else c
+            d = describe_layer(child, name)
+            if d is not None:
+                out[name] = d
+            else:
+                walk(child, name)
+
+    walk(model, "")
+    return out
+
+
+def rebuild_layer(meta: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str,
+                  chooser: KernelChooser | None = None) -> nn.Module:
+    """The module `describe_layer` described, rebuilt over the saved tensors of layer `prefix`."""
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    if kind not in LAYER_KINDS:
+        raise LayerMetaError(f"layer {prefix}: unknown layer kind {kind!r} (known: {', '.join(LAYER_KINDS)})")
+    children = {c: rebuild_layer(m, tensors, f"{prefix}.{c}", chooser) for c, m in meta.get("children", {}).items()}
+    module, attr = LAYER_KINDS[kind].split(":")
+    cls = getattr(importlib.import_module(module), attr)
+    try:
+        return cls.from_layer_meta(meta, LayerSource(tensors, prefix, chooser, children))
+    except LayerMetaError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # FormatError is a ValueError
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise LayerMetaError(f"layer {prefix} ({kind}): {msg}") from e
