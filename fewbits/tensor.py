@@ -4,7 +4,9 @@ Storage (all row-major over `rows = numel / shape[-1]` rows of `cols = shape[-1]
     codes         uint8 (rows, ceil(cols * bits / 8)), each row a little-endian bit stream (formats/packing.py)
     scales        (rows, n_groups) in the scale dtype: fp16/bf16/fp32, E8M0 as uint8 (exponent + 127),
                   E4M3 as uint8 bit patterns; (1, 1) for per-tensor formats
-    zeros         uint8 (rows, ceil(n_groups * bits / 8)), packed like the codes (asymmetric int only)
+    zeros         uint8 (rows, ceil(n_groups * bits / 8)), packed like the codes (asymmetric int only);
+                  for floating zero points (`-zfp16` formats) one value per scale, (rows, n_groups) or (1, 1),
+                  in the zero dtype (fp16/bf16/fp32)
     tensor_scale  fp32 scalar (NVFP4 only)
 Unquantised formats (bf16/fp16/fp32) keep the values themselves in `codes` with their own dtype.
 
@@ -83,7 +85,9 @@ class QuantizedTensor:
         if fmt.kind == "nvfp4" and tensor_scale is None:
             raise FormatError("nvfp4 needs its FP32 tensor scale")
         zeros = None
-        if zero is not None:
+        if zero is not None and fmt.float_zeros:
+            zeros = zero.to(_TORCH_SCALE[fmt.zero_dtype]).reshape(zero.shape[0], -1).contiguous()
+        elif zero is not None:
             zeros = pack_bits(zero.to(torch.uint8).reshape(zero.shape[0], -1), fmt.bits)
         return cls(
             codes=pack_bits(codes, fmt.bits),
@@ -114,6 +118,8 @@ class QuantizedTensor:
     def zero_values(self) -> torch.Tensor | None:
         if self.zeros is None:
             return None
+        if self.fmt.float_zeros:
+            return self.zeros.float()
         ng = 1 if self.fmt.granularity == "tensor" else n_groups(self.fmt, self.cols)
         return unpack_bits(self.zeros, self.fmt.bits, ng).float()
 
@@ -183,6 +189,10 @@ class QuantizedTensor:
         if (self.zeros is None) != fmt.symmetric:
             raise FormatError(f"{name}: zero points {'missing' if fmt.symmetric is False else 'unexpected'} "
                               f"for format {fmt.spec}")
+        if fmt.float_zeros and self.zeros is not None and (
+                tuple(self.zeros.shape) != want_scales or self.zeros.dtype != _TORCH_SCALE[fmt.zero_dtype]):
+            raise FormatError(f"{name}: zero points {tuple(self.zeros.shape)} {self.zeros.dtype} do not match shape "
+                              f"{self.shape} in format {fmt.spec} (expected {want_scales} {fmt.zero_dtype})")
         if fmt.tensor_scale and self.tensor_scale is None:
             raise FormatError(f"{name}: format {fmt.spec} needs a tensor scale")
 

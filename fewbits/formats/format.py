@@ -5,7 +5,9 @@ This module is pure Python (no torch, no numpy) so that the cost model can impor
 Spec grammar (canonical spellings; `parse_format(f.spec) == f` for every format):
 
     bf16 | fp16 | fp32                         no quantisation
-    int{2..8}[-t|-g{N}][-asym][-s{dtype}]      integer codes; default one scale per output channel
+    int{2..8}[-t|-g{N}][-asym][-s{dtype}][-z{dtype}]
+                                               integer codes; default one scale per output channel;
+                                               -z{fp16|bf16|fp32} (with -asym): floating zero points
     fp8-e4m3 | fp8-e5m2 [-t|-g{N}][-s{dtype}]  OCP 8-bit floats with a high-precision scale
     fp4-g{N} | nf4-g{N} [-s{dtype}]            E2M1 / NormalFloat-4 codes, one scale per group
     mxfp4 | mxfp8                              OCP MX: blocks of 32, power-of-two E8M0 scale
@@ -14,6 +16,14 @@ Spec grammar (canonical spellings; `parse_format(f.spec) == f` for every format)
 Granularity refers to a weight of shape (out_features, in_features): "channel" is one scale per
 row, "group" is one scale per `group_size` consecutive values along the input (last) dimension,
 "tensor" is one scale for everything.
+
+Zero points of asymmetric integer formats are integers in [0, 2^b - 1] packed with the code width by
+default.  `-zfp16` (or -zbf16, -zfp32) stores them as one float per group instead, so a method can put
+the grid anywhere (HQQ optimises it; GGUF's Q4_1 keeps a 16-bit "min" the same way): the decoded value
+is w = (c - z) * s for code c, scale s and float zero z, and each zero costs 16 (or 32) bits.
+
+Metadata versions: version 1 dicts have no zero dtype (integer zeros); `to_dict` still writes version 1
+for every format version 1 can describe, and version 2 (with "zero_dtype") only for floating zeros.
 """
 
 from __future__ import annotations
@@ -23,7 +33,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: metadata versions `Format.from_dict` reads
+READABLE_VERSIONS = (1, 2)
 
 Kind = Literal["float", "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4"]
 Granularity = Literal["none", "tensor", "channel", "group"]
@@ -33,6 +45,8 @@ SCALE_BITS = {"fp64": 64, "fp32": 32, "fp16": 16, "bf16": 16, "e8m0": 8, "e4m3":
 #: element encodings of the floating kinds (exponent bits, mantissa bits)
 FLOAT_KINDS = {"bf16": 16, "fp16": 16, "fp32": 32}
 ELEMENTS = {"e4m3", "e5m2"}
+#: storage bits of each floating zero-point dtype ("int": integer zeros packed with the code width)
+ZERO_BITS = {"fp32": 32, "fp16": 16, "bf16": 16}
 
 
 class FormatError(ValueError):
@@ -51,6 +65,8 @@ class Format:
     scale_dtype: "fp16", "bf16", "fp32", "e8m0" (MX) or "e4m3" (NVFP4).
     element: "int", "e4m3", "e5m2", "e2m1", "nf4", or the float name for unquantised formats.
     tensor_scale: an extra FP32 scale for the whole tensor (NVFP4).
+    zero_dtype: "int" (zero points are integers packed with the code width) or "fp16"/"bf16"/"fp32"
+        (one float zero point per group, asymmetric integer formats only).
     """
 
     kind: Kind
@@ -61,6 +77,7 @@ class Format:
     scale_dtype: str = "fp16"
     element: str = "int"
     tensor_scale: bool = False
+    zero_dtype: str = "int"
 
     def __post_init__(self) -> None:
         if self.kind == "int" and not 2 <= self.bits <= 8:
@@ -71,11 +88,23 @@ class Format:
             raise FormatError(f"unknown scale dtype {self.scale_dtype!r}; one of {sorted(SCALE_BITS)}")
         if not self.symmetric and self.kind != "int":
             raise FormatError(f"-asym applies to integer formats only, not {self.kind}")
+        if self.zero_dtype != "int":
+            if self.zero_dtype not in ZERO_BITS:
+                raise FormatError(f"unknown zero-point dtype {self.zero_dtype!r}; 'int' or one of {sorted(ZERO_BITS)}")
+            if self.kind != "int" or self.symmetric:
+                raise FormatError(f"floating zero points (-z{self.zero_dtype}) need an asymmetric integer "
+                                  f"format (e.g. int4-g64-asym-z{self.zero_dtype}), not {self.kind} "
+                                  f"{'symmetric' if self.symmetric else ''}".rstrip())
 
     # ------------------------------------------------------------------ naming
     @property
     def is_quantized(self) -> bool:
         return self.kind != "float"
+
+    @property
+    def float_zeros(self) -> bool:
+        """True when zero points are stored as floats (`-zfp16` etc.), not as packed integers."""
+        return self.zero_dtype != "int"
 
     @property
     def default_scale_dtype(self) -> str:
@@ -98,6 +127,8 @@ class Format:
             parts.append("asym")
         if self.scale_dtype != self.default_scale_dtype:
             parts.append(f"s{self.scale_dtype}")
+        if self.zero_dtype != "int":
+            parts.append(f"z{self.zero_dtype}")
         return "-".join(parts)
 
     def __str__(self) -> str:
@@ -137,7 +168,9 @@ class Format:
         n_scales = 1 if self.granularity == "tensor" else rows * self.groups_per_row(cols)
         scale_bits = n_scales * SCALE_BITS[self.scale_dtype]
         zero_bits = 0
-        if not self.symmetric:  # zero points are packed with the code width, row by row
+        if self.float_zeros:  # one float per scale
+            zero_bits = n_scales * ZERO_BITS[self.zero_dtype]
+        elif not self.symmetric:  # zero points are packed with the code width, row by row
             zeros_per_row = self.groups_per_row(cols)
             zero_bits = 8 * -(-self.bits // 8) if self.granularity == "tensor" else rows * (
                 -(-zeros_per_row * self.bits // 8) * 8)
@@ -157,7 +190,9 @@ class Format:
         bpw = float(self.bits)
         if self.granularity == "group":
             bpw += SCALE_BITS[self.scale_dtype] / self.group_size
-            if not self.symmetric:
+            if self.float_zeros:
+                bpw += ZERO_BITS[self.zero_dtype] / self.group_size
+            elif not self.symmetric:
                 bpw += self.bits / self.group_size
         return bpw
 
@@ -170,8 +205,9 @@ class Format:
 
     # ------------------------------------------------------------------ metadata
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": FORMAT_VERSION,
+        """JSON-able fields; version 1 (no "zero_dtype") whenever version 1 can describe the format."""
+        d: dict[str, Any] = {
+            "version": FORMAT_VERSION if self.float_zeros else 1,
             "spec": self.spec,
             "kind": self.kind,
             "bits": self.bits,
@@ -182,15 +218,20 @@ class Format:
             "element": self.element,
             "tensor_scale": self.tensor_scale,
         }
+        if self.float_zeros:
+            d["zero_dtype"] = self.zero_dtype
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Format:
         version = d.get("version")
-        if version != FORMAT_VERSION:
-            raise FormatError(
-                f"format metadata version {version!r} is not supported (this fewbits reads {FORMAT_VERSION})")
+        if version not in READABLE_VERSIONS:
+            raise FormatError(f"format metadata version {version!r} is not supported "
+                              f"(this fewbits reads {', '.join(map(str, READABLE_VERSIONS))})")
+        if version == 1 and "zero_dtype" in d:
+            raise FormatError("format metadata version 1 cannot carry 'zero_dtype' (written as version 2)")
         fields = {k: d[k] for k in ("kind", "bits", "granularity", "group_size", "symmetric",
-                                    "scale_dtype", "element", "tensor_scale") if k in d}
+                                    "scale_dtype", "element", "tensor_scale", "zero_dtype") if k in d}
         fmt = cls(**fields)
         if "spec" in d and d["spec"] != fmt.spec:
             raise FormatError(f"format metadata is inconsistent: spec {d['spec']!r} but fields give {fmt.spec!r}")
@@ -204,7 +245,7 @@ class Format:
 
 
 # ---------------------------------------------------------------------- parsing
-_SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp64|fp32|fp16|bf16))$")
+_SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp64|fp32|fp16|bf16)|z(fp32|fp16|bf16))$")
 
 
 def parse_format(spec: str | Format) -> Format:
@@ -234,7 +275,7 @@ def parse_format(spec: str | Format) -> Format:
         kind, bits, element = "fp8", 8, fp8_elem
     else:
         kind, bits, element = head, 4, "e2m1" if head == "fp4" else "nf4"
-    granularity, group, symmetric = "channel", 0, True
+    granularity, group, symmetric, zero_dtype = "channel", 0, True, "int"
     scale_dtype = "fp32" if kind == "fp8" else "fp16"
     seen: set[str] = set()
     for part in [p for p in rest.split("-") if p]:
@@ -251,20 +292,25 @@ def parse_format(spec: str | Format) -> Format:
             granularity, group = "group", int(sm.group(2))
             if group <= 0:
                 raise FormatError(f"format {spec!r}: group size must be positive")
+        elif sm.group(4):
+            zero_dtype = sm.group(4)
         else:
             scale_dtype = sm.group(3)
     if kind in ("fp4", "nf4") and granularity != "group":
         raise FormatError(f"format {spec!r}: {kind} needs a group size, e.g. {kind}-g64")
     if not symmetric and kind != "int":
         raise FormatError(f"format {spec!r}: -asym applies to integer formats only")
-    return Format(kind, bits, granularity, group, symmetric, scale_dtype, element)
+    if zero_dtype != "int" and (kind != "int" or symmetric):
+        raise FormatError(f"format {spec!r}: floating zero points (-z{zero_dtype}) need an asymmetric integer "
+                          f"format, e.g. int4-g64-asym-z{zero_dtype}")
+    return Format(kind, bits, granularity, group, symmetric, scale_dtype, element, zero_dtype=zero_dtype)
 
 
 #: the formats `fewbits formats` lists (every spec the grammar accepts works as well)
 EXAMPLE_SPECS = (
     "fp32", "bf16", "fp16",
     "int8", "int8-t", "int8-g128", "int8-asym",
-    "int4", "int4-g128", "int4-g64", "int4-g32", "int4-g128-asym",
+    "int4", "int4-g128", "int4-g64", "int4-g32", "int4-g128-asym", "int4-g64-asym-zfp16",
     "int3-g128", "int3-g64", "int2-g64", "int2-g32-asym",
     "fp8-e4m3", "fp8-e4m3-t", "fp8-e5m2",
     "fp4-g32", "nf4-g64", "mxfp4", "mxfp8", "nvfp4",

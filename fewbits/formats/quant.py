@@ -13,6 +13,12 @@ exactly with what a `QuantizedTensor` holds.
 Integer codes are unsigned: symmetric b-bit codes store q + 2^(b-1) for q in [-L, L], L = 2^(b-1)-1
 (absmax scale s = max|w| / L); asymmetric codes store round(w/s) + z in [0, 2^b-1] with
 s = (max - min) / (2^b - 1), z = round(-min / s) (min-max with the range widened to include 0).
+
+Floating zero points (`-zfp16` formats): the same decoding w = (c - z) * s, but z is any float, rounded
+to its storage dtype.  Round-to-nearest then takes the group's exact range (no widening to include 0):
+s = (max - min) / (2^b - 1) and z = -min / s, so the codes 0 and 2^b - 1 decode to min and max (up to the
+rounding of s and z); codes are c = clamp(round(w / s + z), 0, 2^b - 1).  This is GGUF Q4_1's
+w = c * d + m with d = s and m = -z * s, written in HQQ's zero-point form.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from fewbits.formats.grids import (
     to_codes,
 )
 
+#: largest |zero point| compute_scales lets an fp16 zero reach (fp16's largest finite value is 65504)
+FP16_ZERO_LIMIT = 2.0**14
 _TORCH_SCALE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -71,6 +79,13 @@ def elem_max(fmt: Format) -> float:
     raise FormatError(f"format {fmt.spec} is not quantised")
 
 
+def round_zero(z: torch.Tensor, fmt: Format) -> torch.Tensor:
+    """Round float zero points to `fmt.zero_dtype` (float formats); integer zeros are left as given."""
+    if fmt.float_zeros:
+        return z.to(_TORCH_SCALE[fmt.zero_dtype]).to(_work_dtype(z))
+    return z
+
+
 def round_scale(s: torch.Tensor, fmt: Format) -> torch.Tensor:
     """Round float scales to the precision of `fmt.scale_dtype`; zeros become 1 (all-zero groups)."""
     if fmt.scale_dtype in _TORCH_SCALE:
@@ -92,11 +107,19 @@ def compute_scales(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scales (and zero points) of round-to-nearest for `w2d`: float32 (rows, n_groups), (1, 1) per tensor.
 
-    Zero points are float32 integers in [0, 2^b-1] for asymmetric integer formats, else None.
+    Zero points are float32 integers in [0, 2^b-1] for asymmetric integer formats, any float (rounded
+    to the zero dtype) for formats with floating zeros, else None.
     """
     fmt = parse_format(fmt)
     g = _grouped(w2d.detach(), fmt)  # reductions run in the input dtype; only their results are cast
     wd = _work_dtype(w2d)
+    if fmt.float_zeros:  # exact group range: s = (max - min) / (2^b - 1), z = -min / s
+        lo, hi = g.amin(-1).to(wd), g.amax(-1).to(wd)
+        s = (hi - lo) / (2**fmt.bits - 1)
+        if fmt.zero_dtype == "fp16":  # a near-constant group far from 0: keep |z| = |min| / s finite in fp16
+            s = torch.maximum(s, lo.abs() / FP16_ZERO_LIMIT)
+        s = round_scale(s, fmt)
+        return s, round_zero(-lo / s, fmt)
     lo = g.amin(-1).to(wd).clamp(max=0)
     hi = g.amax(-1).to(wd).clamp(min=0)
     if fmt.kind == "int" and not fmt.symmetric:
@@ -123,7 +146,9 @@ def quantize_codes(
     rows, cols = w2d.shape
     g = _grouped(w2d.detach(), fmt)
     x = g.to(_work_dtype(g)) / scale.unsqueeze(-1)  # (rows, n_groups, group)
-    if fmt.kind == "int":
+    if fmt.kind == "int" and zero is not None and fmt.float_zeros:  # the zero is not an integer: add, then round
+        codes = torch.round(x.add_(zero.unsqueeze(-1))).clamp_(0, 2**fmt.bits - 1).to(torch.uint8)
+    elif fmt.kind == "int":
         torch.round(x, out=x)
         if fmt.symmetric:
             L = 2 ** (fmt.bits - 1) - 1

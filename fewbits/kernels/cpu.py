@@ -5,8 +5,11 @@
   rank-1 correction  sum_k(x_k) * s * (128 - z)  is added (exact algebra, one extra vector op).
 * W4A16 (`Int4PackKernel`): ``aten._weight_int4pack_mm_for_cpu`` computes  w = (c - 8) * s + m  per group
   of 32/64/128/256 input columns from 4-bit codes c and a (K/g, N, 2) table of (s, m) pairs.  Any integer
-  format of <= 4 bits maps onto it exactly: with the numeric core's codes (w = s * (c - o), o = 2^(b-1)
-  or the zero point) the pair is (s, (8 - o) * s).  Per-channel scales are repeated over the groups.
+  format of <= 4 bits maps onto it: with the numeric core's codes (w = s * (c - o), o = 2^(b-1) or the
+  zero point, an integer or a float for `-zfp16` formats) the codes are shifted by an integer k to
+  c' = c - k + 8 (k = 8 for 4-bit codes, else round(o) clamped so that c' stays in [0, 15]) and the pair
+  is (s, (k - o) * s): exact for integer offsets of <= 3-bit codes (m = 0), otherwise m carries the
+  bf16 rounding of the table.  Per-channel scales are repeated over the groups.
 * W8A8 (`W8A8IntMMKernel`): dynamic per-token int8 activations (LLM.int8()/SmoothQuant style absmax,
   Dettmers et al. 2022 eq. 1) times int8 weights through ``torch._int_mm`` (int32 accumulation), used
   when there are enough rows for the integer GEMM to beat the W8A16 path; fewer rows go to W8A16.
@@ -152,14 +155,14 @@ class Int4PackKernel:
         if s.numel() == 1:
             s = s.expand(rows, 1)
             o = o.expand(rows, 1)
-        if qt.fmt.bits <= 3:
-            # c - o lies in [-7, 7]: shift the codes so that the operator's offset 8 is exact (m = 0),
-            # instead of carrying (8 - o) * s through a bf16 table (2^-9 relative error per group)
-            o_full = o.repeat_interleave(cols // o.shape[1], dim=1)  # (N, K)
-            codes = (codes - o_full.to(torch.int32) + 8).contiguous()
-            o = torch.full_like(s, 8.0)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
-        m = (8 - o) * s  # (N, n_groups): w = (c - 8) * s + m
+        # shift the codes by an integer k so that c' = c - k + 8 fits the operator's [0, 15]: for <= 3-bit
+        # codes k = round(o) leaves m = (k - o) * s zero (integer o) or under half a step (float o), so the
+        # bf16 table rounds a small number instead of (8 - o) * s (2^-9 relative error per group)
+        k = torch.round(o).clamp(2**qt.fmt.bits - 8, 8)  # (N, n_groups); 4-bit codes: k = 8
+        k_full = k.repeat_interleave(cols // k.shape[1], dim=1)  # (N, K)
+        codes = (codes - k_full.to(torch.int32) + 8).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        m = (k - o) * s  # (N, n_groups): w = (c' - 8) * s + m
         rep = cols // g // s.shape[1]  # operator groups per format group
         s = s.repeat_interleave(rep, dim=1)  # (N, K/g)
         m = m.repeat_interleave(rep, dim=1)

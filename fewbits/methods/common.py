@@ -21,10 +21,14 @@ METHOD_FORMATS: dict[str, tuple[frozenset[str], str]] = {
     "gptq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
     "awq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
     "awq+gptq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
-    "hqq": (frozenset({"int"}), "integer formats, best with -asym (e.g. int4-g64-asym)"),
+    "hqq": (frozenset({"int"}), "integer formats, best with float zero points (e.g. int4-g64-asym-zfp16)"),
     "smoothquant": (frozenset({"int"}), "8-bit per-channel integer weights (int8)"),
     "llm-int8": (frozenset({"int"}), "8-bit per-channel integer weights (int8)"),
 }
+#: methods that accept floating zero points (`-zfp16` formats): their codes come from the numeric core's
+#: grid (`formats.quant`) or, for HQQ, optimise the float zero.  GPTQ's column loop rounds on an integer
+#: grid (round(w / s) + z), which a fractional zero point would break, so it (and awq+gptq) refuses them.
+FLOAT_ZERO_METHODS = frozenset({"rtn", "hqq", "awq"})
 #: methods that need calibration text
 CALIBRATED = frozenset({"gptq", "awq", "awq+gptq", "smoothquant"})
 
@@ -45,6 +49,11 @@ def check_method_format(method: str, fmt: Format | str) -> Format:
         raise MethodError(f"method {method} does not work with format {fmt.spec}: it takes {what}")
     if method in ("smoothquant", "llm-int8") and (fmt.bits != 8 or fmt.granularity != "channel"):
         raise MethodError(f"method {method} does not work with format {fmt.spec}: it takes {what}")
+    if fmt.float_zeros and method not in FLOAT_ZERO_METHODS:
+        plain = fmt.spec.replace(f"-z{fmt.zero_dtype}", "")
+        raise MethodError(f"method {method} does not work with format {fmt.spec}: floating zero points "
+                          f"(-z{fmt.zero_dtype}) are taken by {', '.join(sorted(FLOAT_ZERO_METHODS))}; "
+                          f"use {plain} (integer zero points) with {method}")
     return fmt
 
 

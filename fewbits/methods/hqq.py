@@ -11,9 +11,14 @@ solved by alternating (half-quadratic splitting), with beta growing by kappa eac
     z   <- mean_group(W_q - (W - W_e) / s)                                  (closed form)
 Defaults p = 0.7, beta = 10, kappa = 1.01, 20 iterations; the best iterate (mean |W - W_hat|) is kept.
 
-Storage constraint of fewbits: zero points are stored as integers (with the code width), so after the
-iterations the zero point is rounded and the scale refitted in closed form to the same target,
-s = <W_q - z, W - W_e> / ||W_q - z||^2.  Symmetric formats (no zero point) optimise the scale that way.
+Floating zero points (formats with `-zfp16`, HQQ's own storage): the algorithm of the paper as it is.
+The scale is the min-max scale of the group and stays fixed; only the zero point moves, and it is kept
+rounded to its storage dtype at every step, so the iterate that is kept is exactly what is stored.
+
+Integer zero points (plain `-asym`): stored with the code width, so after the iterations the zero point is
+rounded and the scale refitted in closed form to the same target, s = <W_q - z, W - W_e> / ||W_q - z||^2.
+Rounding moves the grid by up to half a step, which undoes much of the optimisation: prefer -zfp16.
+Symmetric formats (no zero point) optimise the scale that way.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.formats.quant import compute_scales, quantize_codes, round_scale
+from fewbits.formats.quant import compute_scales, quantize_codes, round_scale, round_zero
 from fewbits.methods.common import QuantResult, check_method_format
 
 
@@ -34,7 +39,8 @@ def _codes(W: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, fmt: Format
     if z is None:
         L = 2 ** (fmt.bits - 1) - 1
         return torch.round(W / s).clamp(-L, L)
-    return (torch.round(W / s) + z).clamp(0, 2**fmt.bits - 1)
+    # HQQ's rule round(W / s + z): the zero point is a float while it is optimised, whatever is stored
+    return torch.round(W / s + z).clamp(0, 2**fmt.bits - 1)
 
 
 def _deq(q: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None) -> torch.Tensor:
@@ -52,7 +58,11 @@ def hqq_quantize(
     w: torch.Tensor, fmt: Format | str, *, iters: int = 20, p: float = 0.7, beta: float = 10.0,
     kappa: float = 1.01, name: str = "weight",
 ) -> QuantResult:
-    """HQQ codes, scales and zero points for a weight (rows, cols) in an integer format."""
+    """HQQ codes, scales and zero points for a weight (rows, cols) in an integer format.
+
+    `info["l1_error"]` is the mean |W - W_hat| of the kept iterate (before the scale is rounded in the
+    integer-zero and symmetric paths), `info["iters"]` the iterations run.
+    """
     fmt = check_method_format("hqq", fmt)
     if w.dim() != 2:
         raise ValueError(f"{name}: hqq expects a 2-D weight, got shape {tuple(w.shape)}")
@@ -68,7 +78,8 @@ def hqq_quantize(
     z = zero0.reshape(-1, 1).clone() if zero0 is not None else None
     best = (s.clone(), None if z is None else z.clone())
     best_err = float("inf")
-    for _ in range(iters):
+    done = 0
+    for done in range(1, iters + 1):  # noqa: B007 - `done` is reported
         q = _codes(W, s, z, fmt)
         r = W - _deq(q, s, z)
         err = float(r.abs().mean())
@@ -77,14 +88,14 @@ def hqq_quantize(
         elif err > best_err * 1.0001:
             break
         target = W - shrink_lp(r, beta, p)
-        if z is not None:
-            z = (q - target / s).mean(-1, keepdim=True)
+        if z is not None:  # closed-form zero update with the scale fixed, kept in its storage precision
+            z = round_zero((q - target / s).mean(-1, keepdim=True), fmt)
         else:
             s = _refit_scale(q, None, target, s)
         beta *= kappa
     s, z = best
     # storage: integer zero points, then the scale refitted (least squares) and rounded to its dtype
-    if z is not None:
+    if z is not None and not fmt.float_zeros:
         z = torch.round(z).clamp(0, 2**fmt.bits - 1)
         q = _codes(W, s, z, fmt)
         target = W - shrink_lp(W - _deq(q, s, z), beta, p)
@@ -92,4 +103,4 @@ def hqq_quantize(
     s = round_scale(s, fmt).reshape(shape_s)
     z = z.reshape(shape_s) if z is not None else None
     codes = quantize_codes(w, s, z, fmt)
-    return QuantResult(codes, s, z, fmt, {"method": "hqq", "l1_error": best_err})
+    return QuantResult(codes, s, z, fmt, {"method": "hqq", "l1_error": best_err, "iters": done})
