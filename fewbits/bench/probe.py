@@ -7,13 +7,15 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model (LM head
    included, in bf16 as fewbits keeps it) once per pass, replicated beyond the cache, through the
-   kernel dispatcher, at 1 and at 8 rows.  Bandwidth efficiency of a family = bytes / time / beta;
-   where 8 rows take longer than 1 row the pass is compute-limited, and compute efficiency
-   = FLOPs / (time x peak) (the step model's max(memory, compute) then reproduces both);
-4. KV-cache read efficiency per KV format: the slope of attention time (store read + SDPA over all
-   layers) between two context lengths, against the cache bytes;
-5. per-step overhead: a decode step of a model with the same depth and attention layout but tiny
-   matrices (framework dispatch, norms, rotary, sampling), which the byte model cannot see.
+   kernel dispatcher, at 1 and at 8 rows, and the same calls on a tiny shape.  Bandwidth efficiency
+   of a family = bytes / (time - time of the tiny calls) / beta; where 8 rows take longer than 1 row
+   the pass is compute-limited, and compute efficiency = FLOPs / (time x peak); the extra time of a
+   tiny call over a 16-bit one is the family's cost per linear call;
+4. decode steps of a skeleton model (the model's depth, heads, head size and vocabulary, 16-wide
+   linears) per KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache
+   as `fewbits bench`.  A least-squares fit t = a + p (b - 1) + s x (cache bytes) gives the fixed
+   cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
+   format (1 / (s beta)) and the extra fixed cost of each quantised cache per layer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from fewbits.bench.gemv import build_set, inputs_for
 from fewbits.bench.timing import time_call, time_interleaved
@@ -32,7 +33,6 @@ from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, format_family
 from fewbits.formats.format import parse_format
 from fewbits.kvcache.format import parse_kv_format
-from fewbits.kvcache.store import KVStore
 from fewbits.models.spec import ModelSpec
 
 WEIGHT_SPECS = ("bf16", "int8", "int4-g64", "fp8-e4m3")
@@ -117,64 +117,57 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
     return results
 
 
-def kv_read_efficiency(spec: ModelSpec, kv_specs: tuple[str, ...], bandwidth: float,
-                       contexts: tuple[int, int] = (256, 2048)) -> dict[str, dict[str, float]]:
-    """Per KV format: attention time over all layers at two contexts; eta = d(bytes) / d(time) / beta."""
-    out: dict[str, dict[str, float]] = {}
-    hq, hk, d, L = spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.n_layers
-    q = torch.randn(1, hq, 1, d, dtype=torch.bfloat16)
-    for s in kv_specs:
-        f = parse_kv_format(s)
-        times, nbytes = [], []
-        for c in contexts:
-            stores = [KVStore(f, 1, hk, d, c + 64, dtype=torch.bfloat16) for _ in range(L)]
-            kv = torch.randn(1, hk, c, d, dtype=torch.bfloat16)
-            for st in stores:
-                st.append(kv, kv)
-            one = torch.randn(1, hk, 1, d, dtype=torch.bfloat16)
-
-            def step(stores=stores, one=one) -> None:
-                for st in stores:
-                    st.append(one, one)
-                    k, v = st.read()
-                    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-                    st.length -= 1  # undo the write so that every sample sees the same context
-                    if st.n_res:
-                        st.n_res -= 1
-                    else:
-                        st.n_quant -= 1
-
-            times.append(time_call(step, min_time=0.1, rounds=5))
-            nbytes.append(f.nbytes(c, L, hk, d))
-        dt, db = times[1] - times[0], nbytes[1] - nbytes[0]
-        eta = _clamp(db / dt / bandwidth) if dt > 0 else 1.0
-        out[s] = {"t_short_s": times[0], "t_long_s": times[1], "bytes_short": nbytes[0], "bytes_long": nbytes[1],
-                  "eta": eta}
-    return out
-
-
-def step_overhead(spec: ModelSpec, steps: int = 16) -> float:
-    """Seconds of a decode step of a same-depth model whose matrices are tiny (dispatch, not bytes)."""
+def skeleton_model(spec: ModelSpec) -> torch.nn.Module:
+    """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but 16-wide hidden
+    states and MLPs: a decode step of it costs what the weight bytes do not (framework dispatch, norms,
+    rotary, attention over the cache, the cache's own writes and reads, sampling over the vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=16, intermediate_size=16,
+                      num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
+                      num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
+                      max_position_embeddings=max(4096, spec.max_position_embeddings), tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+
+
+def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
+               batches: tuple[int, int] = (1, 8), steps: int = 8) -> dict[str, dict[str, Any]]:
+    """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
+    `steps` steps each), fitted by least squares with
+
+        t = a + p (b - 1) + s * (KV bytes read, as the cost model counts them)
+
+    a: fixed time per step, p: time per sequence beyond the first, s: seconds per cached byte."""
+    from fewbits.cost.profile import DEFAULT as _DEFAULT
+    from fewbits.cost.step import kv_terms
     from fewbits.generate import generate
 
-    cfg = LlamaConfig(vocab_size=256, hidden_size=spec.n_heads * 8, intermediate_size=64,
-                      num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-                      num_key_value_heads=spec.n_kv_heads, head_dim=8, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, 256, (1, 16))
-    generate(model, ids, 4)
-    res = generate(model, ids, steps)
-    return min(res.decode_step_s)
+    model = skeleton_model(spec)
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, dict[str, Any]] = {}
+    for s in kv_specs:
+        kvf = parse_kv_format(s)
+        per_token = kv_terms(spec, kvf.cost_format(spec.head_dim), _DEFAULT).per_token
+        points = []
+        generate(model, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv=kvf)  # warm up
+        for b in batches:
+            for c in contexts:
+                ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
+                t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
+                points.append((b, b * (c + (steps + 1) // 2) * per_token, t))
+        x = torch.tensor([[1.0, b - 1.0, nbytes] for b, nbytes, _ in points], dtype=torch.float64)
+        y = torch.tensor([t for *_, t in points], dtype=torch.float64)
+        scale = torch.tensor([1.0, 1.0, 1e-9], dtype=torch.float64)  # bytes in GB: a well-conditioned fit
+        a, p, s_gb = (torch.linalg.lstsq(x * scale, y.unsqueeze(1)).solution.squeeze(1)).tolist()
+        out[s] = {"fixed_s": a, "per_seq_s": p, "s_per_byte": s_gb * 1e-9, "points": points}
+    return out
 
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
                   log: Any = print, bandwidth_bytes: int = 1 << 30, matmul_n: int = 1024,
-                  kv_contexts: tuple[int, int] = (256, 2048)) -> Profile:
+                  kv_contexts: tuple[int, int] = (128, 512)) -> Profile:
     """Run every measurement and assemble a `Profile` carrying this machine as its DeviceSpec.
 
     The size arguments exist so that tests can run the whole probe on small buffers in seconds."""
@@ -192,12 +185,16 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     peak_bf16 = rates["bf16"]
     h = passes["lm_head_bf16"]
     head_flops8 = 2 * 8 * head_shape(spec)[0] * head_shape(spec)[1]
+    calls = len(layer_shapes(spec)) * spec.n_layers  # linear calls per step
+    call_extra: dict[str, float] = {}
     for f, r in passes.items():
         if f == "lm_head_bf16":
             continue
         fam = format_family(parse_format(f))
         t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
         bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
+        if fam != "float":  # the skeleton step below already pays a 16-bit call per linear
+            call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - passes["bf16"]["rows1"]["t_calls_s"]) / calls)
         if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
             # the step model divides all linear FLOPs (LM head included) by one compute rate per family
             flops = r["rows8"]["flops"] + head_flops8
@@ -207,17 +204,20 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
         f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
-    log("KV-cache read efficiency ...")
-    kv = kv_read_efficiency(spec, kv_specs, bw, kv_contexts)
+    log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
+    kv = step_costs(spec, kv_specs, kv_contexts)
+    base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
+    overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
     kv_eff: dict[str, float] = {}
+    kv_extra: dict[str, float] = {}
     for s, r in kv.items():
         fam = format_family(parse_kv_format(s).cost_format(spec.head_dim))
-        kv_eff.setdefault(fam, r["eta"])
+        kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * bw)) if r["s_per_byte"] > 0 else 1.0)
+        if r is not base:
+            kv_extra.setdefault(fam, (r["fixed_s"] - base["fixed_s"]) / spec.n_layers)
+        log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
+            f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f})")
     kv_eff.setdefault("float", 1.0)
-    log("  " + ", ".join(f"{s} eta {r['eta']:.3f}" for s, r in kv.items()))
-    log("per-step overhead ...")
-    overhead = step_overhead(spec)
-    log(f"  {overhead * 1e3:.2f} ms per decode step")
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     if rates.get("int8", 0) > rates["bf16"]:
@@ -227,10 +227,11 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                      source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "bandwidth": bw, "matmul_flops": rates,
-                "gemv_passes": passes, "kv": kv, "overhead_s": overhead,
+                "gemv_passes": passes, "step_costs": kv,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, kv_bandwidth_efficiency=kv_eff, compute_efficiency=comp_eff,
-                   overhead_s=overhead, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
+                   overhead_s=overhead, overhead_per_seq_s=per_seq, linear_call_overhead_s=call_extra,
+                   kv_layer_overhead_s=kv_extra, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
                    low_precision_compute="int8" in peak, device=dev, measured=measured)

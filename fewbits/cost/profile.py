@@ -23,6 +23,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "kv_bandwidth_efficiency": {"float": 0.8, "fp8": 0.75, ...},   # by the family of the KV format
       "compute_efficiency": {"float": 0.65, ...},                    # by the family of the weights
       "overhead_s": 0.0003,                   # fixed time per step (launches, sampling, scheduling)
+      "overhead_per_seq_s": 0.0,              # added per sequence of the batch beyond the first
+      "linear_call_overhead_s": {"int4": 2e-6},  # extra time per linear call of a weight family (vs float)
+      "kv_layer_overhead_s": {"int8": 5e-5},  # extra time per layer and step of a KV family (vs float)
       "memory_headroom": 0.1,                 # fraction of device memory not available to weights+KV
       "weight_bytes": "exact" | "ideal",      # Format.nbytes(shape) vs Format.bits_per_weight()
       "quantize_lm_head": false, "quantize_embeddings": false,
@@ -32,6 +35,11 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "measured": {}                          # free-form provenance: host, date, method, raw numbers
     }
 
+The three overhead terms make the step model fit hosts where a step is not only bytes: on a CPU
+with an eager framework, every call of a quantised kernel costs more than a 16-bit matmul call and
+a quantised KV cache quantises and dequantises on every layer.  `fewbits probe` measures them; the
+built-in profiles leave them at zero.
+
 Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int8", "int4"
 (int2..int7), "fp4" (fp4, nf4, mxfp4, nvfp4).  A family missing from a table uses "float".
 """
@@ -39,6 +47,7 @@ Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -78,6 +87,9 @@ class Profile:
     kv_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
     compute_efficiency: dict[str, float] = field(default_factory=dict)
     overhead_s: float = 0.0
+    overhead_per_seq_s: float = 0.0
+    linear_call_overhead_s: dict[str, float] = field(default_factory=dict)
+    kv_layer_overhead_s: dict[str, float] = field(default_factory=dict)
     memory_headroom: float = 0.0
     weight_bytes: str = "exact"
     quantize_lm_head: bool = False
@@ -97,6 +109,14 @@ class Profile:
                     raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
                 if not 0 < v <= 1:
                     raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not in (0, 1]")
+        for table in ("linear_call_overhead_s", "kv_layer_overhead_s"):
+            for k, v in getattr(self, table).items():
+                if k not in FAMILIES:
+                    raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
+                if not math.isfinite(v):
+                    raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not finite")
+        if self.overhead_per_seq_s < 0:
+            raise ProfileError(f"profile {self.name!r}: overhead_per_seq_s must be >= 0")
         if self.overhead_s < 0 or not 0 <= self.memory_headroom < 1:
             raise ProfileError(f"profile {self.name!r}: overhead_s must be >= 0 and memory_headroom in [0, 1)")
         if self.weight_bytes not in ("exact", "ideal"):
@@ -111,11 +131,22 @@ class Profile:
     def compute_eff(self, family: str) -> float:
         return self.compute_efficiency.get(family, self.compute_efficiency["float"])
 
+    def call_overhead(self, family: str) -> float:
+        """Extra seconds per call of a linear layer whose weights are in `family` (0 when not measured)."""
+        return self.linear_call_overhead_s.get(family, 0.0)
+
+    def kv_overhead(self, family: str) -> float:
+        """Extra seconds per layer and step of a KV cache in `family` (0 when not measured)."""
+        return self.kv_layer_overhead_s.get(family, 0.0)
+
     def to_dict(self) -> dict[str, Any]:
         return {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": self.name,
                 "description": self.description, "bandwidth_efficiency": dict(self.bandwidth_efficiency),
                 "kv_bandwidth_efficiency": dict(self.kv_bandwidth_efficiency),
                 "compute_efficiency": dict(self.compute_efficiency), "overhead_s": self.overhead_s,
+                "overhead_per_seq_s": self.overhead_per_seq_s,
+                "linear_call_overhead_s": dict(self.linear_call_overhead_s),
+                "kv_layer_overhead_s": dict(self.kv_layer_overhead_s),
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
                 "count_norms_and_biases": self.count_norms_and_biases,
@@ -140,6 +171,9 @@ class Profile:
         for t in ("bandwidth_efficiency", "kv_bandwidth_efficiency", "compute_efficiency"):
             if t in vals:
                 vals[t] = {**getattr(base, t), **{str(k): float(v) for k, v in vals[t].items()}}
+        for t in ("linear_call_overhead_s", "kv_layer_overhead_s"):
+            if t in vals:
+                vals[t] = {str(k): float(v) for k, v in vals[t].items()}
         if vals.get("device") is not None:
             vals["device"] = DeviceSpec.from_dict(vals["device"])
         try:

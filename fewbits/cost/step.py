@@ -9,9 +9,15 @@ keys/values written, b kappa) and does F = 2 b P_lin + 4 L n_h d_h (c + b) FLOPs
 parallelism weights, heads and KV heads split over the devices and each layer adds two ring
 all-reduces of the b x d activations, each 2 (n-1)/n * bytes / link + latency.  The step takes
 
-    t = max(B / (beta eta_bw), F / (peak eta_c)) + t_comm + t_0          (roofline + overhead)
+    t = max(B_w / (beta eta_w), F_lin / (peak eta_c))             linear layers (their own roofline)
+      + max(B_kv / (beta eta_kv), F_att / (peak_16 eta_c16))        attention over the cache
+      + t_comm + t_0                                                 all-reduces + fixed overhead
 
-with eta from the `Profile` per format family.  Mixture-of-experts layers read the experts the batch
+with eta from the `Profile` per format family.  The two rooflines are summed, not merged into one,
+because the kernels of a step run one after another: a batch whose linears are compute-bound still
+streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
+of the batch, and (measured hosts) the extra cost per call of the weight format's kernels and per
+layer of the KV format.  Mixture-of-experts layers read the experts the batch
 touches: E (1 - (1 - k/E)^b) per layer in expectation under uniform routing.
 
 Everything is numpy and broadcasts: b and context may be arrays, and so may the per-format terms
@@ -51,6 +57,9 @@ class WeightTerms:
     eta_w: float  # bandwidth efficiency of the quantised weights
     eta_f: float  # bandwidth efficiency of the 16-bit parts
     eta_c: float  # compute efficiency
+    linear_calls: float = 0.0  # calls of quantised non-expert linears per step
+    expert_linears: float = 0.0  # linears of one expert in one layer (calls per touched expert)
+    call_overhead_s: float = 0.0  # extra fixed time per call of a linear in this format (measured hosts)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class KVTerms:
     bits: float  # stored bits per cached value (ideal: scales of a large cache)
     per_token: float  # bytes per token over all layers, per device
     eta: float
+    layer_overhead_s: float = 0.0  # extra fixed time per layer and step of this KV format (measured hosts)
 
 
 def compute_precision(fmt: Format, activations: str, device: DeviceSpec, profile: Profile) -> str:
@@ -90,14 +100,16 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
     fmt = parse_format(weights)
     base = fmt if fmt.kind == "float" else parse_format("bf16")
     n = devices
-    dense_q = dense_f = expert = 0.0
+    dense_q = dense_f = expert = calls = expert_linears = 0.0
     for s in model.linear_shapes():
         if s.role == "router" or (s.role == "lm_head" and not profile.quantize_lm_head):
             dense_f += _linear_bytes(base, s.shape, s.count, profile, f"{model.name}.{s.name}")
         elif s.role == "expert":
             expert += _linear_bytes(fmt, s.shape, s.count, profile, f"{model.name}.{s.name}")
+            expert_linears += s.count / (model.n_layers * max(model.n_experts, 1))
         else:
             dense_q += _linear_bytes(fmt, s.shape, s.count, profile, f"{model.name}.{s.name}")
+            calls += s.count
     small = (model.n_norm_params + model.n_bias_params) * base.bits / 8
     if profile.count_norms_and_biases:
         dense_f += small
@@ -119,7 +131,8 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
     per_expert_layer = expert / (model.n_layers * model.n_experts) if model.is_moe else 0.0
     return WeightTerms(fmt.spec, fam, dense_q / n, dense_f / n, per_expert_layer / n,
                        model.hidden_size * emb_bpv / n, stored / n, 2.0 * active_lin / n, prec, device.peak_flops[prec],
-                       profile.bw_eff(fam), profile.bw_eff("float"), profile.compute_eff(fam))
+                       profile.bw_eff(fam), profile.bw_eff("float"), profile.compute_eff(fam), calls / n,
+                       expert_linears, profile.call_overhead(fam))
 
 
 def kv_terms(model: ModelSpec, kv: str | Format, profile: Profile, devices: int = 1) -> KVTerms:
@@ -131,7 +144,7 @@ def kv_terms(model: ModelSpec, kv: str | Format, profile: Profile, devices: int 
     kv_heads_per_device = math.ceil(model.n_kv_heads / devices)  # heads are replicated when n > n_kv
     per_token = 2 * model.n_layers * kv_heads_per_device * model.head_dim * bits / 8
     fam = format_family(fmt)
-    return KVTerms(fmt.spec, fam, bits, per_token, profile.kv_eff(fam))
+    return KVTerms(fmt.spec, fam, bits, per_token, profile.kv_eff(fam), profile.kv_overhead(fam))
 
 
 def _allreduce(device: DeviceSpec, devices: int, nbytes: np.ndarray) -> np.ndarray:
@@ -151,25 +164,54 @@ def experts_touched(model: ModelSpec, tokens: np.ndarray) -> np.ndarray:
     return e * (1.0 - (1.0 - k / e) ** tokens)
 
 
+def _attention_peak(device: DeviceSpec, profile: Profile, w: WeightTerms) -> float:
+    """FLOP/s of attention maths: 16-bit units whatever the weights are stored in."""
+    return device.peak_flops.get("bf16", w.peak) * profile.compute_eff("float")
+
+
+def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b: np.ndarray,
+              touched: np.ndarray) -> np.ndarray:
+    calls = w.linear_calls + model.n_layers * touched * w.expert_linears
+    t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1) + calls * w.call_overhead_s
+         + model.n_layers * kv.layer_overhead_s)
+    return np.maximum(t, 0.0)
+
+
+def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, weight_q: np.ndarray,
+            dense: np.ndarray, kv_bytes: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray
+            ) -> dict[str, np.ndarray]:
+    """The two rooflines of a step (linear layers, attention) and their sum."""
+    t_mem_w = (weight_q / w.eta_w + dense / w.eta_f) / device.bandwidth
+    t_mem_kv = kv_bytes / kv.eta / device.bandwidth
+    t_comp_w = lin_flops / (w.peak * w.eta_c)
+    t_comp_kv = att_flops / _attention_peak(device, profile, w)
+    t_lin, t_att = np.maximum(t_mem_w, t_comp_w), np.maximum(t_mem_kv, t_comp_kv)
+    # compute-bound: the phases limited by compute take most of the step
+    in_compute = np.where(t_comp_w > t_mem_w, t_lin, 0.0) + np.where(t_comp_kv > t_mem_kv, t_att, 0.0)
+    return {"t_memory": t_mem_w + t_mem_kv, "t_compute": t_comp_w + t_comp_kv, "t_linear": t_lin,
+            "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att)}
+
+
 def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
            batch: np.ndarray | int, context: np.ndarray | int, devices: int = 1) -> dict[str, np.ndarray]:
     """One decode step: b sequences, each with `context` cached tokens (arrays broadcast)."""
     b = np.asarray(batch, dtype=float)
     c = b * np.asarray(context, dtype=float)  # total cached tokens in the batch
-    expert_q = model.n_layers * experts_touched(model, b) * w.expert_layer
-    weight_q = w.dense_q + expert_q
+    touched = experts_touched(model, b)
+    weight_q = w.dense_q + model.n_layers * touched * w.expert_layer
     emb = b * w.emb_row
     kv_read, kv_write = c * kv.per_token, b * kv.per_token
     weight_bytes = weight_q + w.dense_f + emb
-    t_mem = (weight_q / w.eta_w + (w.dense_f + emb) / w.eta_f + (kv_read + kv_write) / kv.eta) / device.bandwidth
-    flops = b * w.linear_flops + model.attention_flops_per_pair * (c + b) / devices
-    t_compute = flops / (w.peak * w.eta_c)
+    lin_flops = b * w.linear_flops
+    att_flops = model.attention_flops_per_pair * (c + b) / devices
+    ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, kv_read + kv_write, lin_flops, att_flops)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
-    time = np.maximum(t_mem, t_compute) + t_comm + profile.overhead_s
+    t0 = _overhead(model, profile, w, kv, b, touched)
+    time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
     return {"weight_bytes": weight_bytes, "kv_read_bytes": kv_read, "kv_write_bytes": kv_write,
-            "kv_bytes": kv_read + kv_write, "bytes": weight_bytes + kv_read + kv_write, "flops": flops,
-            "t_memory": t_mem, "t_compute": t_compute, "t_comm": t_comm, "time": time,
-            "compute_bound": t_compute > t_mem, "tokens_per_s": b / time}
+            "kv_bytes": kv_read + kv_write, "bytes": weight_bytes + kv_read + kv_write,
+            "flops": lin_flops + att_flops, **ph, "t_comm": t_comm, "t_overhead": t0, "time": time,
+            "tokens_per_s": b / time}
 
 
 def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
@@ -181,16 +223,18 @@ def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTer
     b = np.asarray(batch, dtype=float)
     p = np.asarray(prompt, dtype=float)
     tokens = b * p
-    weight_q = w.dense_q + model.n_layers * experts_touched(model, tokens) * w.expert_layer
+    touched = experts_touched(model, tokens)
+    weight_q = w.dense_q + model.n_layers * touched * w.expert_layer
     emb = tokens * w.emb_row
     kv_write = tokens * kv.per_token
-    t_mem = (weight_q / w.eta_w + (w.dense_f + emb) / w.eta_f + kv_write / kv.eta) / device.bandwidth
-    flops = tokens * w.linear_flops + model.attention_flops_per_pair * b * p * (p + 1) / 2 / devices
-    t_compute = flops / (w.peak * w.eta_c)
+    lin_flops = tokens * w.linear_flops
+    att_flops = model.attention_flops_per_pair * b * p * (p + 1) / 2 / devices
+    ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, kv_write, lin_flops, att_flops)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, tokens * model.hidden_size * ACT_BYTES)
-    time = np.maximum(t_mem, t_compute) + t_comm + profile.overhead_s
-    return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": flops, "t_memory": t_mem,
-            "t_compute": t_compute, "t_comm": t_comm, "time": time, "compute_bound": t_compute > t_mem}
+    t0 = _overhead(model, profile, w, kv, b, touched)
+    time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
+    return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": lin_flops + att_flops, **ph,
+            "t_comm": t_comm, "t_overhead": t0, "time": time}
 
 
 def memory(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,

@@ -40,19 +40,20 @@ def _canned(monkeypatch):
 
     def passes(spec, formats, min_bytes):
         out = {}
-        for f, (nbytes, t1, t8) in {"bf16": (8e6, 2e-3, 2e-3), "int8": (4e6, 1e-3, 4e-3),
-                                    "int4-g64": (2e6, 0.8e-3, 0.85e-3)}.items():
+        for f, (nbytes, t1, t8, tc) in {"bf16": (8e6, 2e-3, 2e-3, 1e-4), "int8": (4e6, 1e-3, 4e-3, 2.4e-4),
+                                        "int4-g64": (2e6, 0.8e-3, 0.85e-3, 1e-4)}.items():
             if f in formats:
                 out[f] = {"kernels": ["k"], "bytes": nbytes,
-                          "rows1": {"t_s": t1 + 1e-4, "t_calls_s": 1e-4, "t_bytes_s": t1, "flops": 1e6},
-                          "rows8": {"t_s": t8 + 1e-4, "t_calls_s": 1e-4, "t_bytes_s": t8, "flops": 8e6}}
+                          "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1, "flops": 1e6},
+                          "rows8": {"t_s": t8 + tc, "t_calls_s": tc, "t_bytes_s": t8, "flops": 8e6}}
         out["lm_head_bf16"] = {"bytes": 1e6, "rows1": {"t_s": 1e-3}, "rows8": {"t_s": 2e-3}}
         return out
 
     monkeypatch.setattr(probe, "gemv_passes", passes)
-    monkeypatch.setattr(probe, "kv_read_efficiency", lambda spec, kvs, b, ctx: {
-        s: {"eta": e} for s, e in (("bf16", 0.5), ("int8", 0.05)) if s in kvs})
-    monkeypatch.setattr(probe, "step_overhead", lambda spec: 0.02)
+    # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
+    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx: {
+        s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": []}
+        for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs})
     return bw
 
 
@@ -65,7 +66,11 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     # int8 takes 4x longer at 8 rows: compute-limited; (8e6 body + 2*8*256*64 head FLOPs) / (6 ms * 5e11)
     assert prof.compute_eff("int8") == pytest.approx((8e6 + 2 * 8 * 256 * 64) / (6e-3 * 5e11))
     assert "int4" not in prof.compute_efficiency  # 0.85 ms vs 0.8 ms: still memory-bound
-    assert prof.kv_eff("int8") == 0.05 and prof.overhead_s == 0.02
+    assert prof.kv_eff("int8") == pytest.approx(0.05) and prof.overhead_s == 0.02
+    assert prof.overhead_per_seq_s == 1e-3
+    assert prof.kv_overhead("int8") == pytest.approx(0.001 / TINY.n_layers)
+    # int8 kernel calls take 0.14 ms longer than 16-bit ones over 7 linears x 2 layers
+    assert prof.call_overhead("int8") == pytest.approx(1.4e-4 / 14) and prof.call_overhead("int4") == 0
     assert prof.device is not None and prof.device.peak_flops["int8"] == 1e12 and prof.low_precision_compute
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
     assert layer_shapes(TINY) == layer
@@ -78,6 +83,11 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
              table_weights=None, table_kv=None)
     assert r.device == prof.device.name and math.isfinite(r.time_s)
     assert r.time_s > prof.overhead_s  # overhead plus a positive memory time
+    # the overhead the step adds: fixed + the int8 weights' extra per call + the int8 cache's per layer
+    assert r.overhead_s == pytest.approx(0.02 + 14 * 1e-5 + 2 * 5e-4)
+    r8 = plan(TINY, batch=8, context=128, weights="int8", kv="int8-g16", profile=loaded,
+              table_weights=None, table_kv=None)
+    assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3)
 
 
 def test_bench_row_formatting():
@@ -95,3 +105,26 @@ def test_bench_cli_rejects_bad_lists(bad):
 
     out = CliRunner().invoke(main, ["bench", "smollm2-135m", "--batch", bad, "--profile", "nowhere.json"])
     assert out.exit_code != 0
+
+
+def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypatch):
+    import fewbits.generate
+    from fewbits.bench.probe import step_costs
+    from fewbits.cost.profile import DEFAULT
+    from fewbits.cost.step import kv_terms
+    from fewbits.generate import GenerationResult
+    from fewbits.kvcache.format import parse_kv_format
+
+    def fake_generate(model, ids, n, kv="bf16"):  # a step costs 5 ms + 2 ms per extra sequence + 1 ns/byte
+        b, c = ids.shape
+        per_token = kv_terms(TINY, parse_kv_format(kv).cost_format(TINY.head_dim), DEFAULT).per_token
+        t = 5e-3 + 2e-3 * (b - 1) + 1e-9 * b * (c + n // 2) * per_token
+        return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-3, t, t + 2e-3])
+
+    monkeypatch.setattr(fewbits.generate, "generate", fake_generate)
+    res = step_costs(TINY, ("bf16", "int4"), contexts=(32, 96), steps=8)
+    for r in res.values():
+        assert r["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
+        assert r["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
+        assert r["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+        assert len(r["points"]) == 4

@@ -48,7 +48,8 @@ def test_prefill_w8a8_raises_the_roof_only_where_units_exist() -> None:
     assert a100_fp8.precision == "bf16" and a100_fp8.ttft_s >= 0.98 * a100_bf16.ttft_s
     assert any("no fp8 units" in n for n in a100_fp8.notes)
     w8a8 = plan("llama-3-8b", "a100", 1, ctx, "int8", activations="int8", **NO_TABLE)
-    assert w8a8.precision == "int8" and w8a8.ttft_s < 0.6 * a100_bf16.ttft_s
+    # linears on int8 units at twice the rate; attention (7% of the FLOPs at 4096 tokens) stays 16-bit
+    assert w8a8.precision == "int8" and w8a8.ttft_s < 0.65 * a100_bf16.ttft_s
     # the seed profile keeps BF16 maths everywhere
     assert plan("llama-3-8b", "h100", 1, ctx, "fp8-e4m3", profile="seed", **NO_TABLE).precision == "bf16"
 
