@@ -7,6 +7,7 @@ Evaluation: packaged evaluation texts (never the same passages), W windows of S 
 
     python benchmarks/bench_methods.py                       # the full table (SmolLM2 + Gemma-3 + W8A8)
     python benchmarks/bench_methods.py --only smollm2-135m:int4-g64:gptq --threads 1
+    python benchmarks/bench_methods.py --only smollm2-135m:int2-g64:hqq --only smollm2-135m:int2-g64:rtn-asym
     python benchmarks/bench_methods.py --json results.json
 """
 
@@ -21,8 +22,16 @@ import sys
 import time
 
 WEIGHT_METHODS = ("rtn", "gptq", "awq", "awq+gptq", "hqq")
-TABLE = [("smollm2-135m", f, m) for f in ("int4-g64", "int3-g64", "int2-g64") for m in WEIGHT_METHODS]
-TABLE += [("gemma3-270m", f, m) for f in ("int4-g128", "int3-g128") for m in WEIGHT_METHODS]
+
+
+def _weight_rows(model: str, specs: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """Every weight method per format, and RTN on the -asym variant: the baseline of HQQ (it runs with
+    zero points, so on the -asym format)."""
+    return [(model, f, m) for f in specs for m in (*WEIGHT_METHODS, "rtn-asym")]
+
+
+TABLE = _weight_rows("smollm2-135m", ("int4-g64", "int3-g64", "int2-g64"))
+TABLE += _weight_rows("gemma3-270m", ("int4-g128", "int3-g128"))
 TABLE += [("smollm2-135m", "int8", m) for m in ("rtn", "w8a8", "smoothquant", "llm-int8")]
 
 
@@ -58,6 +67,9 @@ def run_one(model_name: str, spec: str, method: str, args: argparse.Namespace) -
     options: dict = {}
     if method == "w8a8":  # plain W8A8 (no smoothing): the baseline SmoothQuant must beat
         method, options = "smoothquant", {"smooth": False}
+    if method == "rtn-asym":
+        method = "rtn"
+        spec = spec if "asym" in spec else f"{spec}-asym"
     spec_used = f"{spec}-asym" if method == "hqq" and "asym" not in spec else spec
     recipe = Recipe((Rule(".*", spec_used, method, options),))
     t0 = time.perf_counter()
