@@ -119,11 +119,12 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
 
 def skeleton_model(spec: ModelSpec) -> torch.nn.Module:
     """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but 16-wide hidden
-    states and MLPs: a decode step of it costs what the weight bytes do not (framework dispatch, norms,
+    states (a multiple of the head count) and MLPs: a decode step of it costs what the weight bytes do not (framework dispatch, norms,
     rotary, attention over the cache, the cache's own writes and reads, sampling over the vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=16, intermediate_size=16,
+    width = spec.n_heads * -(-16 // spec.n_heads)  # transformers wants a multiple of the head count
+    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=width, intermediate_size=16,
                       num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
                       num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
                       max_position_embeddings=max(4096, spec.max_position_embeddings), tie_word_embeddings=True)
