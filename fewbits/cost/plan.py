@@ -58,6 +58,8 @@ class PlanResult:
     flops: float
     t_memory_s: float
     t_compute_s: float
+    t_linear_s: float  # the linear layers' roofline: max(their memory time, their compute time)
+    t_attention_s: float  # the attention's roofline over the cache
     t_comm_s: float
     overhead_s: float
     time_s: float
@@ -139,7 +141,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         weight_bytes=_f(st["weight_bytes"]) * n, kv_read_bytes=_f(st["kv_read_bytes"]) * n,
         kv_write_bytes=_f(st["kv_write_bytes"]) * n, kv_bytes=_f(st["kv_bytes"]) * n, bytes=_f(st["bytes"]) * n,
         flops=_f(st["flops"]) * n, t_memory_s=_f(st["t_memory"]), t_compute_s=_f(st["t_compute"]),
-        t_comm_s=_f(st["t_comm"]), overhead_s=_f(st["t_overhead"]), time_s=_f(st["time"]),
+        t_linear_s=_f(st["t_linear"]), t_attention_s=_f(st["t_attention"]), t_comm_s=_f(st["t_comm"]), overhead_s=_f(st["t_overhead"]), time_s=_f(st["time"]),
         bound="compute" if bool(st["compute_bound"]) else "memory", tokens_per_s=_f(st["tokens_per_s"]),
         bf16_time_s=t16, speedup=t16 / _f(st["time"]),
         ttft_s=_f(prefill(spec, dev, prof, w, k, 1, context, devices)["time"]),
@@ -217,6 +219,8 @@ def format_breakdown(r: PlanResult) -> str:
              f"  FLOPs             {r.flops / 1e12:.3f} TFLOP on {r.precision} units",
              f"  memory time       {_ms(r.t_memory_s)}",
              f"  compute time      {_ms(r.t_compute_s)}",
+             f"  linear layers     {_ms(r.t_linear_s)}   (the larger of their memory and compute times)",
+             f"  attention         {_ms(r.t_attention_s)}",
              f"  all-reduce time   {_ms(r.t_comm_s)}",
              f"  overhead          {_ms(r.overhead_s)}",
              f"  step              {_ms(r.time_s)} ({r.bound}-bound; BF16 {_ms(r.bf16_time_s)})",
