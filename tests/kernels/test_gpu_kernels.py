@@ -20,7 +20,7 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("spec", ["int8", "int8-asym", "int4-g128", "int4-g64-asym", "int3-g64", "int2-g32-asym",
-                                  "fp8-e4m3"])
+                                  "fp8-e4m3", "int4-g64-asym-zfp16", "int3-g64-asym-zfp16"])
 @pytest.mark.parametrize("m", [1, 5, 70])
 def test_triton_weight_only_matches_reference(spec, m):
     g = torch.Generator().manual_seed(m)
