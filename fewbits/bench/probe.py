@@ -193,7 +193,10 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
             continue
         fam = format_family(parse_format(f))
         t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
-        bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
+        if fam == "float":  # 16-bit weights: the body and the 16-bit LM head every format keeps
+            bw_eff.setdefault(fam, _clamp((r["bytes"] + h["bytes"]) / (t1 + h["rows1"]["t_s"]) / bw))
+        else:
+            bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
         if fam != "float":  # the skeleton step below already pays a 16-bit call per linear
             call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - passes["bf16"]["rows1"]["t_calls_s"]) / calls)
         if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side

@@ -60,7 +60,7 @@ def _canned(monkeypatch):
 def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     bw = _canned(monkeypatch)
     prof = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None)
-    assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)  # 0.4
+    assert prof.bw_eff("float") == pytest.approx((8e6 + 1e6) / (2e-3 + 1e-3) / bw)  # body + LM head
     assert prof.bw_eff("int8") == pytest.approx(4e6 / 1e-3 / bw)
     assert prof.bw_eff("int4") == pytest.approx(2e6 / 0.8e-3 / bw)
     # int8 takes 4x longer at 8 rows: compute-limited; (8e6 body + 2*8*256*64 head FLOPs) / (6 ms * 5e11)
