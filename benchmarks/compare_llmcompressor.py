@@ -1,15 +1,17 @@
-"""fewbits' GPTQ beside llm-compressor's GPTQ on the same model, format and calibration tokens.
+"""fewbits' GPTQ and AWQ beside llm-compressor's GPTQ on the same model, format and calibration tokens.
 
 Format: int4, group 64, symmetric, every linear layer except the LM head (embeddings stay 16-bit too).
 Calibration: the packaged calibration texts, N windows x L tokens (default 16 x 256), saved once to a
 safetensors file so both tools see identical token ids.  llm-compressor pins its own transformers, so it
 runs in its own virtual environment (a subprocess of this script with `--lc-worker`); it writes its
 quantised-then-dequantised weights as dense float tensors, and this process evaluates them with
-fewbits.eval against the float32 model on the packaged evaluation texts (the same windows for both).
+fewbits.eval against the float32 model on the packaged evaluation texts (the same windows for all rows).
+fewbits' AWQ runs on the same ids and is scored on the same windows.  llm-compressor's AWQ crashed on a
+machine without an accelerator (in `pin_memory`); `--try-lc-awq` attempts it and reports the outcome.
 
     python3 -m venv /tmp/lc && /tmp/lc/bin/pip install torch==2.13.0 \\
         && /tmp/lc/bin/pip install -c <(echo torch==2.13.0) llmcompressor
-    python benchmarks/compare_llmcompressor.py --lc-python /tmp/lc/bin/python
+    python benchmarks/compare_llmcompressor.py --lc-python /tmp/lc/bin/python [--try-lc-awq] [--threads 1]
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ GROUP = 64
 
 
 def lc_worker(args: argparse.Namespace) -> None:
-    """Runs inside the llm-compressor environment: oneshot GPTQ, then dense weights to a safetensors file."""
+    """Runs inside the llm-compressor environment: oneshot GPTQ (or AWQ), then dense weights to a
+    safetensors file."""
     import importlib.metadata as md
 
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import GPTQModifier
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -41,7 +43,16 @@ def lc_worker(args: argparse.Namespace) -> None:
     scheme = {"targets": ["Linear"],
               "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                           "group_size": GROUP}}
-    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    if args.lc_method == "awq":
+        from llmcompressor.modifiers.awq import AWQModifier
+
+        recipe = AWQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    else:
+        from llmcompressor.modifiers.quantization import GPTQModifier
+
+        recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    if args.threads:
+        torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=int(ids.shape[0]),
             max_seq_length=int(ids.shape[1]))
@@ -81,6 +92,9 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=2, help="evaluation windows per text category")
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--workdir", default="/tmp", help="where the calibration ids and dense weights go")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads for both tools (0: torch's default)")
+    ap.add_argument("--try-lc-awq", action="store_true", help="also attempt llm-compressor's AWQ")
+    ap.add_argument("--lc-method", default="gptq", help=argparse.SUPPRESS)
     ap.add_argument("--lc-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--calib", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -92,7 +106,7 @@ def main() -> None:
     import copy
 
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     from fewbits import api
     from fewbits.data.texts import load_texts
@@ -101,55 +115,91 @@ def main() -> None:
     from fewbits.models.packaged import ensure_converted
     from fewbits.models.recipe import Recipe
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     folder = str(ensure_converted(args.model))
     ref, tok = load_model(args.model, dtype="float32")
     ids = calibration_ids(tok, args.calib_windows, args.calib_len).long().contiguous()
     calib = os.path.join(args.workdir, "calib_ids.safetensors")
     save_file({"input_ids": ids}, calib)
-    dense_path = os.path.join(args.workdir, "lc_gptq_dense.safetensors")
-
-    # llm-compressor, in its own environment
-    t0 = time.perf_counter()
-    proc = subprocess.run([args.lc_python, os.path.abspath(__file__), "--lc-worker", "--model", folder,
-                           "--calib", calib, "--out", dense_path], capture_output=True, text=True)
-    lc_total = time.perf_counter() - t0
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("LC_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"llm-compressor run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
-    lc = json.loads(lines[-1][len("LC_RESULT "):])
-
-    # fewbits, here
-    fb = copy.deepcopy(ref)
-    t0 = time.perf_counter()
-    api.quantize(fb, Recipe.from_format(f"int4-g{GROUP}", "gptq"), data=ids, progress=False)
-    fb_wall = time.perf_counter() - t0
-
-    lcm = copy.deepcopy(ref)
-    dense = load_file(dense_path)
-    with torch.no_grad():
-        for name, w in dense.items():
-            lcm.get_submodule(name.removesuffix(".weight")).weight.copy_(w)
-
     windows, protocol = make_windows(tok, load_texts("eval"), seq_len=args.eval_len, n_windows=args.eval_windows)
     cache = fill_reference_cache(ref, windows, progress=False)
     rows = [("float32", None, None, 0.0, 1.0, reference_perplexity(windows, cache)["overall"]["ppl"])]
-    for tool, model, wall, total in (("llm-compressor GPTQ", lcm, lc["wall_s"], lc_total),
-                                     ("fewbits GPTQ", fb, fb_wall, fb_wall)):
+    notes: list[str] = []
+
+    def score(tool: str, model: torch.nn.Module, wall: float, total: float) -> None:
         o = compare(model, None, windows, ref_cache=cache, progress=False)["overall"]
         rows.append((tool, wall, total, o["kl_mean"], o["top1"], o["ppl"]))
+
+    # llm-compressor, in its own environment
+    lc_methods = ("gptq", "awq") if args.try_lc_awq else ("gptq",)
+    for method in lc_methods:
+        model, info, failure = lc_run(args, folder, calib, method, ref)
+        if model is None:
+            notes.append(f"llm-compressor {method.upper()} did not run: {failure}")
+            continue
+        score(f"llm-compressor {method.upper()}", model, info["wall_s"], info["total_s"])
+        notes.append(f"llm-compressor {method.upper()}: {info['versions']}; {info['layers']} layers; stored weights "
+                     f"off their int4 grid by at most {info['off_grid_max']:.2e}")
+        del model
+    if not args.try_lc_awq:
+        notes.append("llm-compressor AWQ not attempted in this run (--try-lc-awq attempts it); it is reported to "
+                     "crash without an accelerator (in pin_memory)")
+
+    # fewbits, here: GPTQ and AWQ on the same ids
+    for method in ("gptq", "awq"):
+        fb = copy.deepcopy(ref)
+        t0 = time.perf_counter()
+        api.quantize(fb, Recipe.from_format(f"int4-g{GROUP}", method), data=ids, progress=False,
+                     chooser=api.kernel_chooser("cached"))
+        wall = time.perf_counter() - t0
+        score(f"fewbits {method.upper()}", fb, wall, wall)
+        del fb
 
     print(f"{args.model}, int4 group {GROUP} symmetric, lm_head and embeddings 16-bit; calibration "
           f"{args.calib_windows} x {args.calib_len} identical token ids; torch threads {torch.get_num_threads()}")
     print(protocol.text())
-    print(f"llm-compressor {lc['versions']}; {lc['layers']} layers; stored weights off their int4 grid by "
-          f"at most {lc['off_grid_max']:.2e}")
+    for note in notes:
+        print(note)
     print(f"{'tool':<22}{'wall s':>9}{'incl. start':>13}{'mean KL':>10}{'top-1':>8}{'ppl':>9}")
     for tool, wall, total, kl, top1, ppl in rows:
         w = f"{wall:9.1f}" if wall is not None else f"{'':>9}"
         t = f"{total:13.1f}" if total is not None else f"{'':>13}"
         print(f"{tool:<22}{w}{t}{kl:10.4f}{top1:8.3f}{ppl:9.2f}")
-    if rows[1][1] and rows[2][1]:
-        print(f"fewbits is {rows[1][1] / rows[2][1]:.1f}x faster (quantisation wall time)")
+    walls = {r[0]: r[1] for r in rows}
+    if walls.get("llm-compressor GPTQ") and walls.get("fewbits GPTQ"):
+        print(f"fewbits GPTQ is {walls['llm-compressor GPTQ'] / walls['fewbits GPTQ']:.1f}x faster "
+              "than llm-compressor GPTQ (quantisation wall time)")
+
+
+def lc_run(args: argparse.Namespace, folder: str, calib: str, method: str, ref):  # noqa: ANN001, ANN201
+    """llm-compressor's `method` in its venv -> (model with its dense weights, info, None), or
+    (None, None, the error's last line) when it fails."""
+    import copy
+
+    import torch
+    from safetensors.torch import load_file
+
+    dense_path = os.path.join(args.workdir, f"lc_{method}_dense.safetensors")
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}))
+    t0 = time.perf_counter()
+    proc = subprocess.run([args.lc_python, os.path.abspath(__file__), "--lc-worker", "--model", folder,
+                           "--calib", calib, "--out", dense_path, "--lc-method", method,
+                           "--threads", str(args.threads)], capture_output=True, text=True, env=env)
+    total = time.perf_counter() - t0
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("LC_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        err = [x for x in proc.stderr.strip().splitlines() if x.strip()]
+        if method == "gptq":
+            sys.exit(f"llm-compressor run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}")
+        return None, None, f"rc {proc.returncode} after {total:.0f} s: {err[-1] if err else 'no message'}"
+    info = json.loads(lines[-1][len("LC_RESULT "):])
+    info["total_s"] = total
+    model = copy.deepcopy(ref)
+    with torch.no_grad():
+        for name, w in load_file(dense_path).items():
+            model.get_submodule(name.removesuffix(".weight")).weight.copy_(w)
+    return model, info, None
 
 
 if __name__ == "__main__":
