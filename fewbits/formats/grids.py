@@ -83,7 +83,9 @@ def encode_minifloat(v: torch.Tensor, fmt: MiniFloat) -> torch.Tensor:
     exp_field = torch.where(normal, e + fmt.bias, torch.zeros_like(e))
     sub_step = 2.0 ** (fmt.min_normal_exp - fmt.mbits)
     mant = torch.where(normal, a / torch.exp2(e - fmt.mbits) - 2**fmt.mbits, a / sub_step)
-    bits = (exp_field.to(torch.int32) << fmt.mbits) | mant.to(torch.int32)
+    # round, not truncate: a value a float rounding below its grid point (e.g. (s * t) / t) keeps its code;
+    # a mantissa that rounds up to 2^mbits carries into the exponent field, which is the next code
+    bits = (exp_field.to(torch.int32) << fmt.mbits) + torch.round(mant).to(torch.int32)
     all_ones = (1 << (fmt.ebits + fmt.mbits)) - 1
     if fmt.has_inf:
         bits = torch.where(torch.isinf(a), torch.full_like(bits, ((1 << fmt.ebits) - 1) << fmt.mbits), bits)

@@ -91,3 +91,15 @@ def test_fast_codes_equal_the_reference_on_every_finite_fp16(fmt):
     fast = to_codes(x, fmt)
     assert torch.equal(fast, ref)
     assert torch.equal(from_codes(fast, fmt), decode_minifloat(ref, fmt))
+
+
+def test_encoding_rounds_values_a_float_rounding_off_the_grid() -> None:
+    # an NVFP4 block scale is stored as (scale * t) / t, which lands one ulp off its E4M3 grid point
+    t = torch.tensor(1.2057669664500281e-05)
+    for v in (448.0, 416.0, 240.0, 0.015625, 0.001953125):
+        off = (torch.tensor(v) * t) / t
+        for x in (off, torch.nextafter(torch.tensor(v), torch.tensor(0.0)), torch.nextafter(torch.tensor(v),
+                                                                                          torch.tensor(1e9))):
+            code = encode_minifloat(x.reshape(1), E4M3)
+            assert decode_minifloat(code, E4M3).item() == v
+            assert code.item() == torch.tensor([v]).to(torch.float8_e4m3fn).view(torch.uint8).item()
