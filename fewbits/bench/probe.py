@@ -118,9 +118,10 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
 
 
 def skeleton_model(spec: ModelSpec) -> torch.nn.Module:
-    """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but 16-wide hidden
-    states (a multiple of the head count) and MLPs: a decode step of it costs what the weight bytes do not (framework dispatch, norms,
-    rotary, attention over the cache, the cache's own writes and reads, sampling over the vocabulary)."""
+    """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but ~16-wide hidden
+    states (a multiple of the head count) and MLPs: a decode step of it costs what the weight bytes do not
+    (framework dispatch, norms, rotary, attention over the cache, the cache's own writes and reads,
+    sampling over the vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     width = spec.n_heads * -(-16 // spec.n_heads)  # transformers wants a multiple of the head count
