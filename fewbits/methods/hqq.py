@@ -21,13 +21,14 @@ then once more to W itself for the codes at that scale (a Lloyd step: the least-
 Rounding moves the grid by up to half a step, which undoes much of the optimisation.
 Symmetric formats (no zero point) optimise the scale that way.
 
-Which storage to pick (SmolLM2-135M, mean KL to the float model; HQQ beats RTN with either): at 4
-bits the float zero point wins clearly; at 3 and 2 bits integer zero points win, for RTN and HQQ alike,
-although every weight-space error (l_0.7, l_1, l_2) is lower with float zeros.  The reason is where 0 lands: integer zeros keep 0 on
-the grid, so the many tiny weights (those that meet the outlier activation channels among them) stay
-tiny; a float zero shifts the grid by a fraction of a step, and every tiny weight picks up that offset,
-which the outlier activations amplify.  Shifting integer zeros by a quarter of a step at 3 bits doubles
-the KL while barely changing the weight error.  HQQ's objective is a weight-space one and cannot see it.
+Which storage to pick (SmolLM2-135M, mean KL to the float model; HQQ beats RTN with either): at 4 bits
+the float zero point wins clearly; at 3 and 2 bits integer zero points win, for RTN and HQQ alike,
+although every weight-space error (l_0.7, l_1, l_2) is lower with float zeros. The reason is where 0
+lands: integer zeros keep 0 on the grid, so the many tiny weights (those that meet the outlier
+activation channels among them) stay tiny; a float zero shifts the grid by a fraction of a step, and
+every tiny weight picks up that offset, which the outlier activations amplify. Shifting integer zeros by
+a quarter of a step at 3 bits doubles the KL while barely changing the weight error. HQQ's objective is
+a weight-space one and cannot see it.
 """
 
 from __future__ import annotations
