@@ -47,9 +47,9 @@ def _quantize(llama_cpp: Any, req: dict[str, Any]) -> dict[str, Any]:
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_{req['ftype']}")
     params.allow_requantize = True
     params.nthread = int(req.get("threads", 2))
-    if req.get("embd"):
-        params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{req['embd']}")
-        params.output_tensor_type = getattr(llama_cpp, f"GGML_TYPE_{req['embd']}")
+    if req.get("embd"):  # ggml's type ids (llama_cpp does not export GGML_TYPE_BF16)
+        ggml_type = {"F16": 1, "Q8_0": 8, "BF16": 30}[req["embd"]]
+        params.token_embedding_type = params.output_tensor_type = ggml_type
     tmp = req["dst"] + ".tmp"
     t0 = time.perf_counter()
     rc = llama_cpp.llama_model_quantize(req["src"].encode(), tmp.encode(), ctypes.byref(params))
@@ -200,8 +200,9 @@ def llama_models(worker: Worker, packaged: str, workdir: str, kinds: list[str]) 
         src, ftype = recipes[kind]
         dst = os.path.join(workdir, f"smollm2-135m.{kind}.gguf")
         if not os.path.exists(dst):
-            secs = worker(op="quantize", src=src, dst=dst, ftype=ftype, embd="F16")["seconds"]
-            print(f"llama.cpp quantised {os.path.basename(src)} -> {kind} (embedding F16) in {secs:.1f} s")
+            embd = kind if kind in ("F16", "BF16") else "F16"
+            secs = worker(op="quantize", src=src, dst=dst, ftype=ftype, embd=embd)["seconds"]
+            print(f"llama.cpp quantised {os.path.basename(src)} -> {kind} (embedding {embd}) in {secs:.1f} s")
         paths[kind] = dst
     return {k: paths[k] for k in kinds}
 
@@ -245,6 +246,25 @@ def fewbits_decode(model: Any, prompts: list[list[int]], steps: int) -> list[lis
     return [generate(model, torch.tensor([ids]), steps + 1).decode_step_s for ids in prompts]
 
 
+def op_profile(model: Any, steps: int = 32, top: int = 6) -> dict[str, Any]:
+    """torch.profiler over `steps` one-token forwards (a 1-token prompt, so prefill is a decode step too):
+    per step, the wall time, the aten ops called, their summed self time, and the costliest ops."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from fewbits.generate import generate
+
+    ids = torch.tensor([[1]])
+    generate(model, ids, 4)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        generate(model, ids, steps)
+        wall = (time.perf_counter() - t0) / steps
+    ev = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    ops = sorted(((e.key, e.self_cpu_time_total / 1e3 / steps, e.count / steps) for e in ev), key=lambda x: -x[1])
+    return {"wall_ms": wall * 1e3, "op_ms": sum(o[1] for o in ops), "ops": sum(o[2] for o in ops), "top": ops[:top]}
+
+
 # ----------------------------------------------------------------- driver
 def _stat(xs: list[float]) -> tuple[float, float]:
     return min(xs), statistics.median(xs)
@@ -273,6 +293,7 @@ def main() -> None:
     ap.add_argument("--fewbits", default="bf16,int8,int4-g64,int4-g32")
     ap.add_argument("--gguf", default="Q4_1,BF16,F16,Q8_0,Q4_0", help="Q4_1 is the packaged file as shipped")
     ap.add_argument("--no-layers", action="store_true", help="skip the 1-layer decomposition")
+    ap.add_argument("--ops", action="store_true", help="also profile fewbits' step per aten op (first thread count)")
     ap.add_argument("--workdir", default="/tmp/fewbits_llamacpp", help="where requantised GGUFs are kept")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
@@ -284,7 +305,7 @@ def main() -> None:
     import torch
 
     from fewbits.bench.decode import load_quantized, model_spec
-    from fewbits.bench.probe import memory_bandwidth, step_overhead
+    from fewbits.bench.probe import memory_bandwidth, skeleton_model
     from fewbits.models.packaged import packaged_entry, source_files
 
     threads = [int(t) for t in args.threads.split(",")]
@@ -342,10 +363,19 @@ def main() -> None:
                       **{f"llama.cpp {k}": facts[k]["bytes"] for k in kinds}}
             results["threads"][t]["layers"] = decompose(t, plens, prompts, args, fb, ggufs, n_layers, times,
                                                         llama_engine, fb_engine, nbytes)
-            ovh = step_overhead(model_spec(args.model, m0))
-            results["threads"][t]["probe_overhead_s"] = ovh
-            print(f"probe per-step overhead (same-depth tiny-matrix llama, transformers + fewbits generate): "
-                  f"{ovh * 1e3:.2f} ms")
+            ovh = statistics.median(fewbits_decode(skeleton_model(model_spec(args.model, m0)), prompts[:1],
+                                                   args.steps)[0])
+            results["threads"][t]["skeleton_step_s"] = ovh
+            print(f"fewbits step of the probe's skeleton (same depth, heads, vocabulary; 16-wide matrices) at "
+                  f"p{plens[0]}: {ovh * 1e3:.2f} ms (median)")
+        if args.ops and t == threads[0]:
+            print(f"\n--- threads {t}: fewbits step under torch.profiler (per step; aten self times) ---")
+            results["ops"] = {}
+            for f in fb_formats:
+                r = results["ops"][f] = op_profile(fb[f][0])
+                top = ", ".join(f"{k.removeprefix('aten::')} {ms:.2f} ms/{n:.0f}" for k, ms, n in r["top"])
+                print(f"{f:>9}: wall {r['wall_ms']:.1f} ms, {r['ops']:.0f} aten ops, {r['op_ms']:.1f} ms in ops, "
+                      f"{r['wall_ms'] - r['op_ms']:.1f} ms outside them; top: {top}")
     worker.close()
     if args.json:
         tmp = args.json + ".tmp"
