@@ -210,7 +210,11 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
             awq_block(run, planned, arch, clip=False, info=info)
         for group, declared in _groups(arch, planned):
             mods = {p: run.module(p) for p in group}
-            stats = run.collect(mods, want_hessian=True, stop_early=declared)
+            if declared:  # a declared group shares one input: one Hessian serves every linear in it
+                first = run.collect({group[0]: mods[group[0]]}, want_hessian=True, want_abs=False)[group[0]]
+                stats = dict.fromkeys(group, first)
+            else:
+                stats = run.collect(mods, want_hessian=True, stop_early=False, want_abs=False)
             results = gptq_group({p: m.weight.detach() for p, m in mods.items()}, stats,
                                  {p: planned[p] for p in group})
             for p in group:

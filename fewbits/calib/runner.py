@@ -112,9 +112,10 @@ class BlockRun:
                 pass
 
     def collect(self, modules: dict[str, nn.Module], want_hessian: bool = True, keep_samples: int = 0,
-                stop_early: bool = True) -> dict[str, InputStats]:
+                stop_early: bool = True, want_abs: bool = True) -> dict[str, InputStats]:
         """Statistics of the inputs of `modules` (name -> linear) over all samples of all processes."""
-        with watch_inputs(modules, self.sample_ref, want_hessian, keep_samples, stop_early, self.prefix) as stats:
+        with watch_inputs(modules, self.sample_ref, want_hessian, keep_samples, stop_early, self.prefix,
+                          want_abs) as stats:
             self.forward_all()
         reduce(stats.values())
         return stats

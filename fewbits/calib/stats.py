@@ -42,20 +42,28 @@ class InputStats:
     abssum: torch.Tensor | None = None  # (in,) float64
     tokens: int = 0
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # sample index -> (tokens, in)
+    want_abs: bool = True  # per-channel abs-max and mean |x| (AWQ, SmoothQuant); GPTQ needs only H
 
     def add(self, x: torch.Tensor, sample: int) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1])
-        if not torch.isfinite(x2).all():
+        xf = x2.float()
+        # NaN or inf anywhere in x shows in a reduction over tokens (diag H = sum x^2, abs-max), which is
+        # far cheaper to check than x itself
+        check: torch.Tensor | None = None
+        if self.want_hessian:
+            h = xf.T @ xf  # float32 products per sample, float64 sums across samples
+            check = h.diagonal()
+            h = h.double()
+            self.hessian = h if self.hessian is None else self.hessian + h
+        if self.want_abs:
+            am = x2.abs().amax(0).float()
+            check = am if check is None else check
+            self.absmax = am if self.absmax is None else torch.maximum(self.absmax, am)
+            s = xf.abs().sum(0).double()
+            self.abssum = s if self.abssum is None else self.abssum + s
+        if not torch.isfinite(check if check is not None else x2).all():
             raise CalibrationError(f"{self.name}: its input contains NaN or inf on calibration sample {sample} "
                                    f"(shape {tuple(x.shape)}); the model overflows or the data is bad")
-        xf = x2.float()
-        if self.want_hessian:
-            h = (xf.T @ xf).double()  # float32 products per sample, float64 sums across samples
-            self.hessian = h if self.hessian is None else self.hessian + h
-        am = x2.abs().amax(0).float()
-        self.absmax = am if self.absmax is None else torch.maximum(self.absmax, am)
-        s = xf.abs().sum(0).double()
-        self.abssum = s if self.abssum is None else self.abssum + s
         self.tokens += x2.shape[0]
         if sample < self.keep_samples:
             self.kept[sample] = x2.float().clone()
@@ -99,9 +107,11 @@ def reduce(stats: Iterable[InputStats]) -> None:
             st.hessian = torch.zeros(st.in_features, st.in_features, dtype=torch.float64)
         if st.hessian is not None:
             st.hessian = dist_util.all_reduce_sum(st.hessian)
-        st.absmax = dist_util.all_reduce_max(st.absmax if st.absmax is not None else torch.zeros(st.in_features))
-        st.abssum = dist_util.all_reduce_sum(
-            st.abssum if st.abssum is not None else torch.zeros(st.in_features, dtype=torch.float64))
+        if st.want_abs:
+            st.absmax = dist_util.all_reduce_max(
+                st.absmax if st.absmax is not None else torch.zeros(st.in_features))
+            st.abssum = dist_util.all_reduce_sum(
+                st.abssum if st.abssum is not None else torch.zeros(st.in_features, dtype=torch.float64))
         if st.keep_samples:
             st.kept = dist_util.gather_dict(st.kept)
 
@@ -109,7 +119,7 @@ def reduce(stats: Iterable[InputStats]) -> None:
 @contextmanager
 def watch_inputs(
     modules: dict[str, nn.Module], sample_ref: list[int], want_hessian: bool = True, keep_samples: int = 0,
-    stop_when_all_seen: bool = False, prefix: str = "",
+    stop_when_all_seen: bool = False, prefix: str = "", want_abs: bool = True,
 ):
     """Hooks on `modules` (name -> linear) that feed `InputStats`; yields {name: InputStats}.
 
@@ -117,8 +127,8 @@ def watch_inputs(
     `stop_when_all_seen`, the forward pass is cut short (StopForward) once every module has seen
     its input for the current sample: statistics of the first linears of a block need not run the rest.
     """
-    stats = {n: InputStats(f"{prefix}.{n}" if prefix else n, int(m.in_features), want_hessian, keep_samples)
-             for n, m in modules.items()}
+    stats = {n: InputStats(f"{prefix}.{n}" if prefix else n, int(m.in_features), want_hessian, keep_samples,
+                           want_abs=want_abs) for n, m in modules.items()}
     seen: set[str] = set()
     current = [-1]
 
