@@ -35,9 +35,11 @@ def _strs(s: str) -> tuple[str, ...]:
 @click.option("--steps", type=int, default=8, show_default=True, help="timed decode steps per row")
 @click.option("--full", is_flag=True, help="every weight format with every KV format (default: each axis alone)")
 @click.option("--threads", type=int, default=0, help="torch threads (use the probe's)")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="measure every row once per round and keep its fastest step (a host whose speed drifts)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
 def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
-              full: bool, threads: int, json_out: str | None) -> None:
+              full: bool, threads: int, rounds: int, json_out: str | None) -> None:
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
     weight format and KV-cache format, with the cost model's prediction and its error."""
     import torch
@@ -56,6 +58,8 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         parse_kv_format(k)
     if steps < 1:
         raise click.BadParameter("--steps must be >= 1")
+    if rounds < 1:
+        raise click.BadParameter("--rounds must be >= 1")
     if profile_path is None:
         from fewbits.bench.decode import load_quantized, model_spec
         from fewbits.bench.probe import build_profile
@@ -69,7 +73,8 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     click.echo(f"profile {prof.name}: {prof.device.name if prof.device else 'datasheet device'}; "
                f"torch threads {torch.get_num_threads()}")
     click.echo(HEADER)
-    rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo)
+    rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
+                     rounds=rounds)
     click.echo(summary(rows))
     if json_out:
         data = json.dumps({"model": model, "profile": prof.name, "rows": [r.to_dict() for r in rows]}, indent=1)
