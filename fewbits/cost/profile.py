@@ -41,7 +41,8 @@ a quantised KV cache quantises and dequantises on every layer.  `fewbits probe` 
 built-in profiles leave them at zero.
 
 Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int8", "int4"
-(int2..int7), "fp4" (fp4, nf4, mxfp4, nvfp4).  A family missing from a table uses "float".
+(int3..int7), "int2", "fp4" (fp4, nf4, mxfp4, nvfp4).  A family missing from a table uses its fallback
+("int2" -> "int4"), then "float".
 """
 
 from __future__ import annotations
@@ -59,7 +60,15 @@ from fewbits.formats.format import Format
 
 PROFILE_SCHEMA = "fewbits.profile"
 PROFILE_VERSION = 1
-FAMILIES = ("float", "fp8", "int8", "int4", "fp4")
+FAMILIES = ("float", "fp8", "int8", "int4", "int2", "fp4")
+#: where a family missing from a table looks next (before "float")
+FALLBACK = {"int2": "int4"}
+
+
+def _lookup(table: dict[str, float], family: str, default: float) -> float:
+    while family not in table and family in FALLBACK:
+        family = FALLBACK[family]
+    return table.get(family, default)
 
 
 class ProfileError(ValueError):
@@ -73,7 +82,7 @@ def format_family(fmt: Format) -> str:
     if fmt.kind in ("fp8", "mxfp8"):
         return "fp8"
     if fmt.kind == "int":
-        return "int8" if fmt.bits == 8 else "int4"
+        return "int8" if fmt.bits == 8 else "int2" if fmt.bits <= 2 else "int4"
     return "fp4"
 
 
@@ -123,21 +132,21 @@ class Profile:
             raise ProfileError(f"profile {self.name!r}: weight_bytes is 'exact' or 'ideal', not {self.weight_bytes!r}")
 
     def bw_eff(self, family: str) -> float:
-        return self.bandwidth_efficiency.get(family, self.bandwidth_efficiency["float"])
+        return _lookup(self.bandwidth_efficiency, family, self.bandwidth_efficiency["float"])
 
     def kv_eff(self, family: str) -> float:
-        return self.kv_bandwidth_efficiency.get(family, self.kv_bandwidth_efficiency["float"])
+        return _lookup(self.kv_bandwidth_efficiency, family, self.kv_bandwidth_efficiency["float"])
 
     def compute_eff(self, family: str) -> float:
-        return self.compute_efficiency.get(family, self.compute_efficiency["float"])
+        return _lookup(self.compute_efficiency, family, self.compute_efficiency["float"])
 
     def call_overhead(self, family: str) -> float:
         """Extra seconds per call of a linear layer whose weights are in `family` (0 when not measured)."""
-        return self.linear_call_overhead_s.get(family, 0.0)
+        return _lookup(self.linear_call_overhead_s, family, 0.0)
 
     def kv_overhead(self, family: str) -> float:
         """Extra seconds per layer and step of a KV cache in `family` (0 when not measured)."""
-        return self.kv_layer_overhead_s.get(family, 0.0)
+        return _lookup(self.kv_layer_overhead_s, family, 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": self.name,

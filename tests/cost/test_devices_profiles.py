@@ -47,7 +47,7 @@ def test_format_families() -> None:
     fam = {s: format_family(parse_format(s)) for s in ("bf16", "fp8-e4m3", "mxfp8", "int8", "int8-g128",
                                                          "int4-g128", "int2-g64", "nf4-g64", "nvfp4")}
     assert fam == {"bf16": "float", "fp8-e4m3": "fp8", "mxfp8": "fp8", "int8": "int8", "int8-g128": "int8",
-                   "int4-g128": "int4", "int2-g64": "int4", "nf4-g64": "fp4", "nvfp4": "fp4"}
+                   "int4-g128": "int4", "int2-g64": "int2", "nf4-g64": "fp4", "nvfp4": "fp4"}
 
 
 def test_profile_json_round_trip(tmp_path: Path) -> None:
@@ -109,3 +109,15 @@ def test_device_validation() -> None:
     with pytest.raises(DeviceError, match="bf16"):
         DeviceSpec("x", "x", 1e9, 1e9, {"fp8": 1e12})
     assert DeviceSpec.from_dict(get_device("l4").to_dict()) == get_device("l4")
+
+
+def test_int2_is_its_own_family_and_falls_back_to_int4() -> None:
+    from fewbits.cost.profile import DEFAULT, Profile, format_family
+    from fewbits.formats.format import parse_format
+
+    assert format_family(parse_format("int3-g64")) == format_family(parse_format("int4-g128")) == "int4"
+    assert DEFAULT.bw_eff("int2") == DEFAULT.bw_eff("int4")  # not measured: the 4-bit figure
+    p = Profile(name="p", bandwidth_efficiency={"float": 0.8, "int4": 0.5, "int2": 0.2},
+                kv_bandwidth_efficiency={"float": 0.8}, compute_efficiency={"float": 0.6},
+                kv_layer_overhead_s={"int4": 1e-4})
+    assert p.bw_eff("int2") == 0.2 and p.kv_overhead("int2") == 1e-4 and p.kv_eff("int2") == 0.8
