@@ -127,8 +127,10 @@ def main() -> None:
         rows.append(json.loads(line[7:]))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     if rows:
-        print(f"\ncalibration {rows[0]['calib']} tokens; evaluation: {rows[0]['protocol']}; "
-              f"threads {args.threads}\n")
+        print(f"\ncalibration {rows[0]['calib']} tokens; threads {args.threads}; evaluation protocol per model:")
+        for model_name, protocol in dict((r["model"], r["protocol"]) for r in rows).items():
+            print(f"  {model_name}: {protocol}")
+        print()
         print(table(rows))
     if args.json:
         tmp = args.json + ".tmp"
