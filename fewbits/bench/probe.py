@@ -31,6 +31,7 @@ from fewbits.bench.gemv import build_set, inputs_for
 from fewbits.bench.timing import time_call, time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, format_family
+from fewbits.cost.step import kv_terms
 from fewbits.formats.format import parse_format
 from fewbits.kvcache.format import parse_kv_format
 from fewbits.models.spec import ModelSpec
@@ -141,8 +142,6 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
         t = a + p (b - 1) + s * (KV bytes read, as the cost model counts them)
 
     a: fixed time per step, p: time per sequence beyond the first, s: seconds per cached byte."""
-    from fewbits.cost.profile import DEFAULT as _DEFAULT
-    from fewbits.cost.step import kv_terms
     from fewbits.generate import generate
 
     model = skeleton_model(spec)
@@ -160,7 +159,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
     for s in kv_specs:
         kvf = parse_kv_format(s)
-        per_token = kv_terms(spec, kvf.cost_format(spec.head_dim), _DEFAULT).per_token
+        per_token = kv_terms(spec, kvf.cost_format(spec.head_dim), DEFAULT).per_token
         points = [(b, b * (c + (steps + 1) // 2) * per_token, fastest[(s, b, c)]) for b in batches for c in contexts]
         x = torch.tensor([[1.0, b - 1.0, nbytes] for b, nbytes, _ in points], dtype=torch.float64)
         y = torch.tensor([t for *_, t in points], dtype=torch.float64)
