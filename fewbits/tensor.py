@@ -30,6 +30,7 @@ from fewbits.formats.grids import E4M3, decode_minifloat, encode_minifloat
 from fewbits.formats.packing import pack_bits, unpack_bits
 from fewbits.formats.quant import (
     _TORCH_SCALE,
+    all_finite,
     as_2d,
     compute_scales,
     dequantize_codes,
@@ -208,8 +209,7 @@ def quantize_tensor(x: torch.Tensor, spec: str | Format, name: str = "tensor") -
     fmt.check_shape(shape, name)
     if not x.is_floating_point():
         raise FormatError(f"{name}: expected a floating-point tensor, got {x.dtype} (format {fmt.spec})")
-    # a sum is a cheap screen (NaN/inf propagate); only a non-finite sum pays for the exact count
-    if not bool(torch.isfinite(x.sum())) and not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         n_bad = int((~torch.isfinite(x)).sum())
         raise FormatError(f"{name}: shape {shape} has {n_bad} NaN or inf values; cannot quantise to {fmt.spec}")
     if not fmt.is_quantized:

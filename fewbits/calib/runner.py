@@ -24,6 +24,7 @@ from torch import nn
 
 from fewbits.calib import distributed as dist_util
 from fewbits.calib.stats import CalibrationError, InputStats, StopForward, reduce, watch_inputs
+from fewbits.formats.quant import all_finite
 from fewbits.models.mappings import ArchMapping, find_blocks_path, mapping_for
 
 log = logging.getLogger("fewbits.calib")
@@ -128,7 +129,7 @@ class BlockRun:
             self.sample_ref[0] = s
             out = self.block(self.hidden[i], **self.kwargs[i])
             out = out[0] if isinstance(out, tuple) else out
-            if not torch.isfinite(out).all():
+            if not all_finite(out):
                 raise CalibrationError(f"{self.prefix}: output is NaN or inf on calibration sample {s} "
                                        "after quantisation")
             outs.append(out)
@@ -147,7 +148,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, data: torch.Te
         kw = dict(kw)
         h = args[0] if args else kw.pop("hidden_states")
         if i == 0:
-            if not torch.isfinite(h).all():
+            if not all_finite(h):
                 raise CalibrationError("the embeddings of a calibration sample contain NaN or inf")
             hidden.append(h.detach())
         kwargs[i].append(kw)

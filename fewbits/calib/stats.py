@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fewbits.calib import distributed as dist_util
+from fewbits.formats.quant import all_finite
 
 
 class CalibrationError(ValueError):
@@ -53,15 +54,17 @@ class InputStats:
         if self.want_hessian:
             h = xf.T @ xf  # float32 products per sample, float64 sums across samples
             check = h.diagonal()
-            h = h.double()
-            self.hessian = h if self.hessian is None else self.hessian + h
+            if self.hessian is None:
+                self.hessian = h.double()
+            else:
+                self.hessian.add_(h)  # float32 added into the float64 sum, without a float64 temporary
         if self.want_abs:
             am = x2.abs().amax(0).float()
             check = am if check is None else check
             self.absmax = am if self.absmax is None else torch.maximum(self.absmax, am)
             s = xf.abs().sum(0).double()
             self.abssum = s if self.abssum is None else self.abssum + s
-        if not torch.isfinite(check if check is not None else x2).all():
+        if not all_finite(check if check is not None else x2):
             raise CalibrationError(f"{self.name}: its input contains NaN or inf on calibration sample {sample} "
                                    f"(shape {tuple(x.shape)}); the model overflows or the data is bad")
         self.tokens += x2.shape[0]

@@ -43,6 +43,15 @@ FP16_ZERO_LIMIT = 2.0**14
 _TORCH_SCALE = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
+def all_finite(x: torch.Tensor) -> bool:
+    """True when x holds no NaN or inf.  The extremes propagate NaN and show inf, so one min/max reduction
+    answers it; ~10x cheaper than ``torch.isfinite(x).all()``, which writes a mask as large as x."""
+    if x.numel() == 0 or not (x.is_floating_point() or x.is_complex()):
+        return True
+    lo, hi = torch.aminmax(x.detach().reshape(-1))
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+
+
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
     """float64 inputs are computed in float64 (exact reference experiments), everything else in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

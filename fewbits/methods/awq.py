@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.formats.quant import fake_quantize
+from fewbits.formats.quant import all_finite, fake_quantize
 from fewbits.methods.common import MethodError, check_method_format
 
 
@@ -62,7 +62,7 @@ def awq_search_scales(
     if x.dim() != 2 or any(w.shape[1] != x.shape[1] for w in weights):
         raise MethodError(f"{name}: inputs {tuple(x.shape)} do not match weights "
                           f"{[tuple(w.shape) for w in weights]}")
-    if not torch.isfinite(x).all():
+    if not all_finite(x):
         raise MethodError(f"{name}: calibration activations contain NaN or inf")
     x_mean = x.abs().mean(0) if x_mean is None else x_mean.float()
     ws = [w.detach().float() for w in weights]

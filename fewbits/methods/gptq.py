@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.formats.quant import compute_scales
+from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
 from fewbits.methods.rtn import rtn_quantize
 
@@ -64,14 +64,17 @@ def inverse_hessian_factor(
     eye = torch.eye(n, dtype=H.dtype)
     ratio = damp
     for _ in range(max_tries):
+        # with J the order-reversing permutation and J (H + lambda I) J = L L^T (lower Cholesky), the
+        # inverse is J L^-T L^-1 J = U^T U with U = J L^-1 J upper triangular: one factorisation and one
+        # triangular inverse instead of factorise, invert, factorise again
         with _one_thread():
-            L, info = torch.linalg.cholesky_ex(H + ratio * mean_diag * eye)
+            L, info = torch.linalg.cholesky_ex((H + ratio * mean_diag * eye).flip(0, 1))
             ok = int(info) == 0
             if ok:
-                U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-                ok = int(info) == 0 and bool(torch.isfinite(U).all())
+                U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+                ok = all_finite(U) and bool((U.diagonal() > 0).all())
         if ok:
-            return U.float(), ratio
+            return U, ratio
         nxt = ratio * 10 if ratio > 0 else 1e-3
         log.warning("%s: Hessian is not positive definite with damping %.3g of its mean diagonal; "
                     "retrying with %.3g", name, ratio, nxt)
@@ -111,10 +114,10 @@ def gptq_quantize(
     fmt.check_shape((rows, cols), name)
     if tuple(hessian.shape) != (cols, cols):
         raise MethodError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match {cols} input columns")
-    if not torch.isfinite(hessian).all():
+    if not all_finite(hessian):
         raise MethodError(f"{name}: Hessian contains NaN or inf (were the calibration activations finite?)")
     W = w.detach().float().clone()
-    if not torch.isfinite(W).all():
+    if not all_finite(W):
         raise MethodError(f"{name}: weight of shape {(rows, cols)} contains NaN or inf")
     H = hessian.detach().float().clone()
     dead = torch.diag(H) <= 0
@@ -163,43 +166,47 @@ def gptq_quantize(
     losses = torch.zeros(rows)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        W1 = W[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
-        Err1 = torch.zeros_like(W1)
+        n1 = i2 - i1
+        # the block transposed, so that column i is the contiguous row Wt[i]; row i of Hs is row i of the
+        # inverse factor divided by its diagonal, so the OBS update of eq. 2 is one rank-1 update per column
+        Wt = W[:, i1:i2].T.contiguous()
         Hinv1 = U[i1:i2, i1:i2]
+        d = Hinv1.diagonal().clone()
+        Hs = Hinv1 / d[:, None]
         if static:
-            S1 = col_scale[:, i1:i2]
-            Z1 = col_zero[:, i1:i2] if col_zero is not None else None
+            St = col_scale[:, i1:i2].T.contiguous()
+            Zt = col_zero[:, i1:i2].T.contiguous() if col_zero is not None else None
         else:
-            S1 = torch.empty_like(W1)
-            Z1 = torch.zeros_like(W1) if zero is not None else None
-        dvals = Hinv1.diagonal().tolist()
-        for i in range(i2 - i1):
+            St = torch.empty(n1, rows)
+            Zt = torch.zeros(n1, rows) if zero is not None else None
+        lo = qlo - Zt if Zt is not None else qlo  # clamp(round(x/s) + z, lo, hi) - z = clamp(round(x/s), lo-z, hi-z)
+        hi = qhi - Zt if Zt is not None else qhi
+        for i in range(n1):
             j = i1 + i
             if not static and j % g == 0:  # a new group: scales from the current (updated) weights
-                s_, z_ = compute_scales(W1[:, i:i + g], cfmt)
+                s_, z_ = compute_scales(Wt[i:i + g].T, cfmt)
                 scale[:, j // g] = s_[:, 0]
-                S1[:, i:i + g] = s_
+                St[i:i + g] = s_[:, 0]
                 if zero is not None:
                     zero[:, j // g] = z_[:, 0]
-                    Z1[:, i:i + g] = z_
-            col = W1[:, i]
-            s = S1[:, i]
-            # the integer grid of fewbits.formats.quant (same float operations, so the same codes)
-            if Z1 is None:
-                q = torch.round(col / s).clamp_(qlo, qhi)
-                err = col - q * s
-            else:
-                z = Z1[:, i]
-                q = (torch.round(col / s) + z).clamp_(qlo, qhi)
-                err = col - (q - z) * s
-            Q1[:, i] = q
-            err.div_(dvals[i])
-            W1[:, i:].addr_(err, Hinv1[i, i:], alpha=-1)  # OBS update of the columns not yet quantised
-            Err1[:, i] = err
-        losses += (Err1**2).sum(1) / 2
-        qcodes[:, i1:i2] = Q1
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+                    Zt[i:i + g] = z_[:, 0]
+                    lo[i:i + g] = qlo - z_[:, 0]
+                    hi[i:i + g] = qhi - z_[:, 0]
+            if i + 1 == n1:
+                break  # the last column of a block has nothing left in the block to update
+            col, s = Wt[i], St[i]
+            r = torch.round(col / s)  # the integer grid of fewbits.formats.quant (same float operations)
+            r = r.clamp_(lo[i], hi[i]) if Zt is not None else r.clamp_(qlo, qhi)
+            # OBS update of the columns not yet quantised: w_k -= (w_i - q_i) H^-1_ik / H^-1_ii
+            Wt[i + 1:].addr_(Hs[i, i + 1:], torch.addcmul(col, r, s, value=-1), alpha=-1)
+        # Wt[i] is never changed after column i is quantised, so it still holds the value that was
+        # rounded: codes and errors of the whole block come out in a few vectorised operations
+        Q1 = torch.round(Wt / St)
+        Q1 = (Q1 + Zt).clamp_(qlo, qhi) if Zt is not None else Q1.clamp_(qlo, qhi)
+        Err1 = (Wt - ((Q1 - Zt) if Zt is not None else Q1) * St) / d[:, None]  # (n1, rows)
+        losses += (Err1**2).sum(0) / 2
+        qcodes[:, i1:i2] = Q1.T
+        W[:, i2:] -= Err1.T @ U[i1:i2, i2:]
     codes = (qcodes + off).to(torch.uint8)
     inv = torch.argsort(perm)
     codes = codes[:, inv]
@@ -208,7 +215,8 @@ def gptq_quantize(
     res = QuantResult(codes, scale, zero, fmt,
                       {"method": "gptq", "damp": damp_used, "loss": float(losses.sum()),
                        "act_order": act_order, "dead_columns": int(dead.sum())})
-    if not torch.isfinite(res.dequantize()).all():  # cannot happen with finite inputs; stay safe anyway
+    # codes are bounded integers, so the weights are finite when the scales and zero points are
+    if not (all_finite(res.scale) and (res.zero is None or all_finite(res.zero))):
         log.warning("%s: GPTQ produced non-finite values; using round-to-nearest", name)
         res = rtn_quantize(w, fmt, name)
         res.info.update(method="gptq", fallback="rtn: non-finite result")

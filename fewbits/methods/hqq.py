@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.formats.quant import compute_scales, quantize_codes, round_scale, round_zero
+from fewbits.formats.quant import all_finite, compute_scales, quantize_codes, round_scale, round_zero
 from fewbits.methods.common import QuantResult, check_method_format
 
 
@@ -78,7 +78,7 @@ def hqq_quantize(
         raise ValueError(f"{name}: hqq expects a 2-D weight, got shape {tuple(w.shape)}")
     fmt.check_shape(tuple(w.shape), name)
     w = w.detach().float()
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise ValueError(f"{name}: weight of shape {tuple(w.shape)} contains NaN or inf")
     rows, cols = w.shape
     scale0, zero0 = compute_scales(w, fmt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.formats.quant import compute_scales, quantize_codes
+from fewbits.formats.quant import all_finite, compute_scales, quantize_codes
 from fewbits.methods.common import QuantResult, check_method_format
 
 
@@ -20,7 +20,7 @@ def rtn_quantize(w: torch.Tensor, fmt: Format | str, name: str = "weight") -> Qu
         raise ValueError(f"{name}: rtn expects a 2-D weight, got shape {tuple(w.shape)}")
     fmt.check_shape(tuple(w.shape), name)
     w = w.detach().float()
-    if not torch.isfinite(w).all():
+    if not all_finite(w):
         raise ValueError(f"{name}: weight of shape {tuple(w.shape)} contains NaN or inf")
     scale, zero = compute_scales(w, fmt)
     return QuantResult(quantize_codes(w, scale, zero, fmt), scale, zero, fmt, {"method": "rtn"})

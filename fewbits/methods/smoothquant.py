@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fewbits.formats.quant import all_finite
 from fewbits.methods.common import MethodError
 
 
@@ -27,7 +28,7 @@ def smooth_scales(
     if not 0.0 <= alpha <= 1.0:
         raise MethodError(f"{name}: SmoothQuant alpha must lie in [0, 1], got {alpha}")
     a = act_absmax.float()
-    if not torch.isfinite(a).all():
+    if not all_finite(a):
         raise MethodError(f"{name}: activation statistics contain NaN or inf")
     w_absmax = torch.stack([w.detach().float().abs().amax(0) for w in weights]).amax(0)
     if w_absmax.shape != a.shape:
