@@ -6,8 +6,8 @@ embeddings kept 16-bit, layers whose shape a group size does not divide regroupe
 dispatcher as the QuantLinear's kernel chooser.  Each row prefills `batch` random prompts of `prompt`
 tokens, then times `steps` decode steps with the KV cache in the row's format; the row reports the
 fastest step (other processes only ever add time; see `timing.py`) and the median beside it.  The prediction
-is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format's byte-equivalent
-weight format (`KVFormat.cost_format`).
+is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format written out in full
+(`KVFormat.full_spec`), so that the cost model counts the cache's true bytes, 16-bit window included.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     for (w, kv, b, p), (t, times, kv_bytes) in best.items():
         kvf = parse_kv_format(kv)
         ctx = p + (steps + 1) // 2
-        pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.cost_format(spec.head_dim).spec,
+        pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.full_spec,
                   profile=profile, table_weights=None, table_kv=None)
         if w == weights[0] and kv == kvs[0]:
             base[(kv, b, p)] = t

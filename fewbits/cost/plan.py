@@ -110,9 +110,10 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
     for what, v in (("batch", batch), ("context", context), ("devices", devices)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise PlanError(f"{what} must be a positive integer, got {v!r}")
-    weights, kv = parse_format(weights).spec, parse_format(kv).spec
+    weights = parse_format(weights).spec
     w = weight_terms(spec, weights, dev, prof, devices, activations)
     k = kv_terms(spec, kv, prof, devices)
+    kv = k.spec
     st = decode(spec, dev, prof, w, k, batch, context, devices)
     w16 = weight_terms(spec, "bf16", dev, prof, devices)
     k16 = kv_terms(spec, "bf16", prof, devices)
@@ -120,6 +121,9 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
     mem = memory(dev, prof, w, k, batch, context)
     n = devices
     notes = _notes(spec, dev, prof, weights, kv, w.precision, k.bits, context, activations)
+    if k.residual > 0:
+        notes[0] = (f"KV cache {kv}: {k.bits:g} bits per quantised value (scales included); the {k.residual:g} to "
+                    f"{k.residual + k.block - 1:g} most recent tokens stay 16-bit, as the store keeps them")
     rows: list[TableRow] = []
     if table_weights is not None and table_kv is not None:
         for wf in dict.fromkeys((*table_weights, weights)):

@@ -26,6 +26,8 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "overhead_per_seq_s": 0.0,              # added per sequence of the batch beyond the first
       "linear_call_overhead_s": {"int4": 2e-6},  # extra time per linear call of a weight family (vs float)
       "kv_layer_overhead_s": {"int8": 5e-5},  # extra time per layer and step of a KV family (vs float)
+      "cache_refill_s": 1e-4,                 # per layer: small operations re-fetching what the layer's
+      "cache_refill_bytes": 2097152,          #   stream evicted, x min(1, layer bytes / cache_refill_bytes)
       "memory_headroom": 0.1,                 # fraction of device memory not available to weights+KV
       "weight_bytes": "exact" | "ideal",      # Format.nbytes(shape) vs Format.bits_per_weight()
       "quantize_lm_head": false, "quantize_embeddings": false,
@@ -35,9 +37,13 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "measured": {}                          # free-form provenance: host, date, method, raw numbers
     }
 
-The three overhead terms make the step model fit hosts where a step is not only bytes: on a CPU
+The overhead terms make the step model fit hosts where a step is not only bytes: on a CPU
 with an eager framework, every call of a quantised kernel costs more than a 16-bit matmul call and
-a quantised KV cache quantises and dequantises on every layer.  `fewbits probe` measures them; the
+a quantised KV cache quantises and dequantises on every layer.  And a step's thousands of small
+operations run from the core's cache until a layer streams its weights and keys/values through it:
+each layer then pays ``cache_refill_s`` x min(1, bytes it streams / ``cache_refill_bytes``) to fetch
+their working set again (on a CPU the stream of a small batch's cache is what sets this apart from
+a large batch's; ``cache_refill_bytes`` is the core's L2 size).  `fewbits probe` measures them; the
 built-in profiles leave them at zero.
 
 Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int8", "int4"
@@ -99,6 +105,8 @@ class Profile:
     overhead_per_seq_s: float = 0.0
     linear_call_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_layer_overhead_s: dict[str, float] = field(default_factory=dict)
+    cache_refill_s: float = 0.0
+    cache_refill_bytes: float = 0.0
     memory_headroom: float = 0.0
     weight_bytes: str = "exact"
     quantize_lm_head: bool = False
@@ -124,6 +132,9 @@ class Profile:
                     raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
                 if not math.isfinite(v):
                     raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not finite")
+        if not (math.isfinite(self.cache_refill_s) and math.isfinite(self.cache_refill_bytes)) \
+                or self.cache_refill_s < 0 or self.cache_refill_bytes < 0:
+            raise ProfileError(f"profile {self.name!r}: cache_refill_s and cache_refill_bytes must be finite and >= 0")
         if self.overhead_per_seq_s < 0:
             raise ProfileError(f"profile {self.name!r}: overhead_per_seq_s must be >= 0")
         if self.overhead_s < 0 or not 0 <= self.memory_headroom < 1:
@@ -156,6 +167,7 @@ class Profile:
                 "overhead_per_seq_s": self.overhead_per_seq_s,
                 "linear_call_overhead_s": dict(self.linear_call_overhead_s),
                 "kv_layer_overhead_s": dict(self.kv_layer_overhead_s),
+                "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
                 "count_norms_and_biases": self.count_norms_and_biases,

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fewbits.cost.devices import DeviceSpec
+from fewbits.cost.kvformat import KVFormat, parse_kv_format, quantized_tokens
 from fewbits.cost.profile import Profile, format_family
 from fewbits.formats.format import Format, FormatError, parse_format
 from fewbits.models.spec import ModelSpec
@@ -64,12 +65,20 @@ class WeightTerms:
 
 @dataclass(frozen=True)
 class KVTerms:
+    """Per-device byte figures of a KV cache (see `kv_terms`).  A cache that keeps its most recent tokens
+    in 16 bits (KIVI's residual window) holds `quantized_tokens(c, residual, block)` of c tokens at
+    `per_token` bytes and the rest at `window_per_token`; other caches have residual 0 and block 1."""
+
     spec: str
     family: str
-    bits: float  # stored bits per cached value (ideal: scales of a large cache)
-    per_token: float  # bytes per token over all layers, per device
+    bits: float  # stored bits per cached value of a quantised token (scales included where the format has them)
+    per_token: float  # bytes per quantised token over all layers, per device
     eta: float
     layer_overhead_s: float = 0.0  # extra fixed time per layer and step of this KV format (measured hosts)
+    residual: float = 0.0  # R: most recent tokens kept in 16 bits
+    block: float = 1.0  # G: tokens quantised together when they leave the window
+    window_per_token: float = 0.0  # bytes per 16-bit window token over all layers, per device
+    window_eta: float = 1.0  # bandwidth efficiency of the window's bytes (the 16-bit cache's)
 
 
 def compute_precision(fmt: Format, activations: str, device: DeviceSpec, profile: Profile) -> str:
@@ -135,16 +144,55 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
                        expert_linears, profile.call_overhead(fam))
 
 
-def kv_terms(model: ModelSpec, kv: str | Format, profile: Profile, devices: int = 1) -> KVTerms:
-    """Bytes per cached token per device.  Bits per value are the format's asymptotic figure
-    (`Format.bits_per_weight()` without a shape): per-tensor/per-channel scales of a large cache are
-    negligible, group scales (KIVI-style int4/int2 groups) are included."""
-    fmt = parse_format(kv)
-    bits = fmt.bits_per_weight()
+def resolve_kv(kv: str | Format | KVFormat) -> Format | KVFormat:
+    """A KV spec: a weight-style format (``bf16``, ``fp8-e4m3``, ``int4``, ``int4-g32-asym``: its bits per
+    value, no window) or, where the string is not one, a KV-cache format of `fewbits.cost.kvformat` written
+    with its residual (``int4-g32-r128``, ``int2-r128``, ``int8-r0``, ``fp8-e4m3-r0``: `KVFormat.full_spec`,
+    what `fewbits bench` passes), whose bytes are the store's own."""
+    if isinstance(kv, (Format, KVFormat)):
+        return kv
+    try:
+        return parse_format(kv)
+    except FormatError as e:
+        try:
+            return parse_kv_format(kv)
+        except FormatError:
+            raise e from None
+
+
+def kv_terms(model: ModelSpec, kv: str | Format | KVFormat, profile: Profile, devices: int = 1) -> KVTerms:
+    """Bytes per cached token per device.  A weight-style format counts its asymptotic bits per value
+    (`Format.bits_per_weight()` without a shape: per-tensor/per-channel scales of a large cache are
+    negligible, group scales are included) for every token.  A KV-cache format counts what its store
+    holds: `KVFormat.token_bytes` per quantised token (scales included) and 16 bits per window token."""
+    fmt = resolve_kv(kv)
     kv_heads_per_device = math.ceil(model.n_kv_heads / devices)  # heads are replicated when n > n_kv
+    window_eta = profile.kv_eff("float")
+    if isinstance(fmt, KVFormat):
+        fmt.check_head_dim(model.head_dim)
+        q, w = fmt.token_bytes(model.head_dim)
+        fam = format_family(fmt.cost_format(model.head_dim))
+        heads = model.n_layers * kv_heads_per_device
+        return KVTerms(fmt.full_spec, fam, 8 * q / (2 * model.head_dim), heads * q, profile.kv_eff(fam),
+                       profile.kv_overhead(fam), float(fmt.residual), float(fmt.block), heads * w, window_eta)
+    bits = fmt.bits_per_weight()
     per_token = 2 * model.n_layers * kv_heads_per_device * model.head_dim * bits / 8
     fam = format_family(fmt)
-    return KVTerms(fmt.spec, fam, bits, per_token, profile.kv_eff(fam), profile.kv_overhead(fam))
+    return KVTerms(fmt.spec, fam, bits, per_token, profile.kv_eff(fam), profile.kv_overhead(fam),
+                   window_per_token=per_token, window_eta=window_eta)
+
+
+def kv_cache_bytes(kv: KVTerms, tokens: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
+    """(quantised bytes, 16-bit window bytes) per device of one sequence's cache holding `tokens` tokens:
+    exactly what the store reports (`KVFormat.nbytes`) for KV-cache formats."""
+    t = np.asarray(tokens, dtype=float)
+    tq = quantized_tokens(t, np.asarray(kv.residual), np.asarray(kv.block))
+    return tq * kv.per_token, (t - tq) * kv.window_per_token
+
+
+def kv_write_per_token(kv: KVTerms) -> np.ndarray:
+    """Bytes a new token writes per sequence: into the 16-bit window where there is one, else quantised."""
+    return np.where(np.asarray(kv.residual) > 0, kv.window_per_token, kv.per_token)
 
 
 def _allreduce(device: DeviceSpec, devices: int, nbytes: np.ndarray) -> np.ndarray:
@@ -169,20 +217,36 @@ def _attention_peak(device: DeviceSpec, profile: Profile, w: WeightTerms) -> flo
     return device.peak_flops.get("bf16", w.peak) * profile.compute_eff("float")
 
 
+def refill_time(model: ModelSpec, profile: Profile, layer_bytes: np.ndarray) -> np.ndarray:
+    """Time the step's many small operations lose re-fetching their working set, which each layer's
+    stream of `layer_bytes` (its weights and its 16-bit keys and values) evicts from the core's cache:
+    L x refill x min(1, layer_bytes / refill_bytes).  Zero where the profile does not measure it."""
+    if profile.cache_refill_s == 0 or profile.cache_refill_bytes <= 0:
+        return np.zeros_like(np.asarray(layer_bytes, dtype=float))
+    return model.n_layers * profile.cache_refill_s * np.minimum(1.0, layer_bytes / profile.cache_refill_bytes)
+
+
+def attention_layer_bytes(model: ModelSpec, tokens: np.ndarray, devices: int = 1) -> np.ndarray:
+    """16-bit keys and values one layer's attention reads for `tokens` cached tokens (whatever the cache
+    stores, the attention kernel reads them dequantised)."""
+    return tokens * 2 * math.ceil(model.n_kv_heads / devices) * model.head_dim * ACT_BYTES
+
+
 def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b: np.ndarray,
-              touched: np.ndarray) -> np.ndarray:
+              touched: np.ndarray, layer_bytes: np.ndarray) -> np.ndarray:
     calls = w.linear_calls + model.n_layers * touched * w.expert_linears
     t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1) + calls * w.call_overhead_s
-         + model.n_layers * kv.layer_overhead_s)
+         + model.n_layers * kv.layer_overhead_s + refill_time(model, profile, layer_bytes))
     return np.maximum(t, 0.0)
 
 
 def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, weight_q: np.ndarray,
-            dense: np.ndarray, kv_bytes: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray
+            dense: np.ndarray, kv_q: np.ndarray, kv_w: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray
             ) -> dict[str, np.ndarray]:
-    """The two rooflines of a step (linear layers, attention) and their sum."""
+    """The two rooflines of a step (linear layers, attention) and their sum.  The cache's quantised
+    bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's."""
     t_mem_w = (weight_q / w.eta_w + dense / w.eta_f) / device.bandwidth
-    t_mem_kv = kv_bytes / kv.eta / device.bandwidth
+    t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / device.bandwidth
     t_comp_w = lin_flops / (w.peak * w.eta_c)
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
     t_lin, t_att = np.maximum(t_mem_w, t_comp_w), np.maximum(t_mem_kv, t_comp_kv)
@@ -196,17 +260,25 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
            batch: np.ndarray | int, context: np.ndarray | int, devices: int = 1) -> dict[str, np.ndarray]:
     """One decode step: b sequences, each with `context` cached tokens (arrays broadcast)."""
     b = np.asarray(batch, dtype=float)
-    c = b * np.asarray(context, dtype=float)  # total cached tokens in the batch
+    ctx = np.asarray(context, dtype=float)
+    c = b * ctx  # total cached tokens in the batch
     touched = experts_touched(model, b)
     weight_q = w.dense_q + model.n_layers * touched * w.expert_layer
     emb = b * w.emb_row
-    kv_read, kv_write = c * kv.per_token, b * kv.per_token
+    tq = quantized_tokens(ctx, np.asarray(kv.residual), np.asarray(kv.block))  # per sequence; the rest 16-bit
+    read_q, read_w = (b * tq) * kv.per_token, (b * (ctx - tq)) * kv.window_per_token
+    windowed = np.asarray(kv.residual) > 0  # a new token lands in the 16-bit window, else it is quantised
+    kv_write = b * kv_write_per_token(kv)
+    write_q, write_w = np.where(windowed, 0.0, kv_write), np.where(windowed, kv_write, 0.0)
+    kv_read = read_q + read_w
     weight_bytes = weight_q + w.dense_f + emb
     lin_flops = b * w.linear_flops
     att_flops = model.attention_flops_per_pair * (c + b) / devices
-    ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, kv_read + kv_write, lin_flops, att_flops)
+    ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, read_q + write_q, read_w + write_w,
+                 lin_flops, att_flops)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
-    t0 = _overhead(model, profile, w, kv, b, touched)
+    layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, c + b, devices)
+    t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes)
     time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
     return {"weight_bytes": weight_bytes, "kv_read_bytes": kv_read, "kv_write_bytes": kv_write,
             "kv_bytes": kv_read + kv_write, "bytes": weight_bytes + kv_read + kv_write,
@@ -226,12 +298,15 @@ def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTer
     touched = experts_touched(model, tokens)
     weight_q = w.dense_q + model.n_layers * touched * w.expert_layer
     emb = tokens * w.emb_row
-    kv_write = tokens * kv.per_token
+    kv_q, kv_w = kv_cache_bytes(kv, p)
+    kv_q, kv_w = b * kv_q, b * kv_w
+    kv_write = kv_q + kv_w
     lin_flops = tokens * w.linear_flops
     att_flops = model.attention_flops_per_pair * b * p * (p + 1) / 2 / devices
-    ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, kv_write, lin_flops, att_flops)
+    ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, kv_q, kv_w, lin_flops, att_flops)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, tokens * model.hidden_size * ACT_BYTES)
-    t0 = _overhead(model, profile, w, kv, b, touched)
+    layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, tokens, devices)
+    t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes)
     time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
     return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": lin_flops + att_flops, **ph,
             "t_comm": t_comm, "t_overhead": t0, "time": time}
@@ -239,18 +314,22 @@ def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTer
 
 def memory(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
            batch: np.ndarray | int, context: np.ndarray | int) -> dict[str, np.ndarray]:
-    """Per-device memory: weights + b x context x kappa of cache against (1 - headroom) x memory.
+    """Per-device memory: weights + b x (the cache of `context` tokens) against (1 - headroom) x memory.
 
     max_batch is for the given context, max_context for the given batch (0 when even the weights
-    do not fit)."""
+    do not fit; with a 16-bit window it is a lower bound that assumes the fullest window, R + G - 1)."""
     b = np.asarray(batch, dtype=float)
     ctx = np.asarray(context, dtype=float)
-    kv_bytes = b * ctx * kv.per_token
+    tq = quantized_tokens(ctx, np.asarray(kv.residual), np.asarray(kv.block))
+    per_seq = tq * kv.per_token + (ctx - tq) * kv.window_per_token
+    kv_bytes = (b * tq) * kv.per_token + (b * (ctx - tq)) * kv.window_per_token
     usable = device.memory_bytes * (1 - profile.memory_headroom)
     free = np.maximum(usable - w.stored, 0.0)
     weights = w.stored + np.zeros_like(kv_bytes)
+    window_extra = (np.asarray(kv.residual) + np.asarray(kv.block) - 1) * np.maximum(
+        kv.window_per_token - kv.per_token, 0.0)
     return {"weights": weights, "kv": kv_bytes, "need": weights + kv_bytes,
             "usable": usable, "headroom": device.memory_bytes * profile.memory_headroom,
             "fits": w.stored + kv_bytes <= usable,
-            "max_batch": np.floor(free / (ctx * kv.per_token)),
-            "max_context": np.floor(free / (b * kv.per_token))}
+            "max_batch": np.floor(free / per_seq),
+            "max_context": np.maximum(np.floor((free - b * window_extra) / (b * kv.per_token)), 0.0)}
