@@ -13,9 +13,13 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    tiny call over a 16-bit one is the family's cost per linear call;
 4. decode steps of a skeleton model (the model's depth, heads, head size and vocabulary, 16-wide
    linears) per KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache
-   as `fewbits bench`.  A least-squares fit t = a + p (b - 1) + s x (cache bytes) gives the fixed
+   as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed
    cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
-   format (1 / (s beta)) and the extra fixed cost of each quantised cache per layer.
+   format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window at the
+   16-bit rate), the extra fixed cost of each quantised cache per layer, and the cost of refilling the
+   core cache after a layer's attention streamed its keys and values through it (why a batch-1 step
+   pays more per cached byte than a batch-8 one: the small operations of a step run from the L2
+   cache, and a small batch's cache evicts a growing part of it, a large batch's all of it).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +36,7 @@ from fewbits.bench.gemv import build_set, inputs_for
 from fewbits.bench.timing import time_call, time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, format_family
-from fewbits.cost.step import kv_terms
+from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
 from fewbits.formats.format import parse_format
 from fewbits.kvcache.format import parse_kv_format
 from fewbits.models.spec import ModelSpec
@@ -134,19 +139,39 @@ def skeleton_model(spec: ModelSpec) -> torch.nn.Module:
     return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+def l2_cache_bytes() -> int:
+    """Bytes of the level-2 cache of CPU 0 (Linux sysfs), 0 when the system does not say."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for d in sorted(base.glob("index*")) if base.is_dir() else []:
+        try:
+            if (d / "level").read_text().strip() != "2" or (d / "type").read_text().strip() == "Instruction":
+                continue
+            size = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        return int(size.rstrip("KMG")) * mult
+    return 0
+
+
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
-               batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3) -> dict[str, dict[str, Any]]:
+               batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
+               refill_bytes: int | None = None) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
-    `steps` steps in each of `rounds` interleaved rounds), fitted by least squares with
+    `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
-        t = a + p (b - 1) + s * (KV bytes read, as the cost model counts them)
+        t = a_f + p (b - 1) + s_f q + s_16 w + E L min(1, x / X)
 
-    a: fixed time per step, p: time per sequence beyond the first, s: seconds per cached byte."""
+    q, w: the quantised and the 16-bit (window) cache bytes of the step as the cost model counts them
+    (`kv_step_bytes`, the store's true bytes); a_f: fixed time per step of format f; p: time per sequence
+    beyond the first; s_f, s_16: seconds per cached byte (every format's window and the 16-bit cache share
+    s_16); E: the time per layer the step's small operations lose when a layer's stream of x bytes of
+    16-bit keys and values (`attention_layer_bytes`) evicts their working set from a core cache of X bytes
+    (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out).  A fitted E < 0 is refitted as 0."""
     from fewbits.generate import generate
 
     model = skeleton_model(spec)
     g = torch.Generator().manual_seed(0)
-    out: dict[str, dict[str, Any]] = {}
     fastest: dict[tuple[str, int, int], float] = {}
     for _ in range(rounds):
         for s in kv_specs:
@@ -157,15 +182,45 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
                     t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
+    x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
+    quantised = [s for s in kv_specs if parse_kv_format(s).is_quantized]
+    names = [f"a:{s}" for s in kv_specs] + ["p", "s16"] + [f"s:{s}" for s in quantised] + ["E"]
+    rows, ys, points = [], [], {s: [] for s in kv_specs}
     for s in kv_specs:
-        kvf = parse_kv_format(s)
-        per_token = kv_terms(spec, kvf.cost_format(spec.head_dim), DEFAULT).per_token
-        points = [(b, b * (c + (steps + 1) // 2) * per_token, fastest[(s, b, c)]) for b in batches for c in contexts]
-        x = torch.tensor([[1.0, b - 1.0, nbytes] for b, nbytes, _ in points], dtype=torch.float64)
-        y = torch.tensor([t for *_, t in points], dtype=torch.float64)
-        scale = torch.tensor([1.0, 1.0, 1e-9], dtype=torch.float64)  # bytes in GB: a well-conditioned fit
-        a, p, s_gb = (torch.linalg.lstsq(x * scale, y.unsqueeze(1)).solution.squeeze(1)).tolist()
-        out[s] = {"fixed_s": a, "per_seq_s": p, "s_per_byte": s_gb * 1e-9, "points": points}
+        terms = kv_terms(spec, parse_kv_format(s).full_spec, DEFAULT)
+        for b in batches:
+            for c in contexts:
+                ctx = c + (steps + 1) // 2  # mean context of the timed steps
+                kb = {k: float(v) for k, v in kv_step_bytes(terms, b, ctx).items()}
+                q, w = kb["read_q"] + kb["write_q"], kb["read_w"] + kb["write_w"]
+                if s not in quantised:  # a 16-bit cache: all of it streams at the 16-bit rate
+                    q, w = 0.0, q + w
+                x = float(attention_layer_bytes(spec, b * (ctx + 1)))
+                row = dict.fromkeys(names, 0.0)
+                row.update({f"a:{s}": 1.0, "p": b - 1.0, "s16": w * 1e-9,
+                            "E": spec.n_layers * min(1.0, x / x_cache) if x_cache > 0 else 0.0})
+                if s in quantised:
+                    row[f"s:{s}"] = q * 1e-9  # bytes in GB: a well-conditioned fit
+                rows.append([row[n] for n in names])
+                ys.append(fastest[(s, b, c)])
+                points[s].append((b, c, q + w, fastest[(s, b, c)]))  # batch, prompt, bytes, seconds
+
+    def fit(cols: list[str]) -> dict[str, float]:
+        x = torch.tensor([[r[names.index(n)] for n in cols] for r in rows], dtype=torch.float64)
+        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        return dict(zip(cols, torch.linalg.lstsq(x, y).solution.squeeze(1).tolist(), strict=True))
+
+    has_e = x_cache > 0 and any(r[names.index("E")] for r in rows)
+    sol = fit(names if has_e else names[:-1])
+    if sol.get("E", 0.0) < 0:
+        sol = fit(names[:-1])
+    refill = sol.get("E", 0.0)
+    out: dict[str, dict[str, Any]] = {}
+    for s in kv_specs:
+        slope = sol[f"s:{s}"] if s in quantised else sol["s16"]
+        out[s] = {"fixed_s": sol[f"a:{s}"], "per_seq_s": sol["p"], "s_per_byte": slope * 1e-9,
+                  "window_s_per_byte": sol["s16"] * 1e-9, "refill_s": refill, "refill_bytes": x_cache,
+                  "points": points[s]}
     return out
 
 
@@ -226,6 +281,10 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
             f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f})")
     kv_eff.setdefault("float", 1.0)
+    refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
+    if refill > 0:
+        log(f"  a layer streaming >= {refill_bytes / 2**20:.1f} MiB (the L2 cache) costs the step's small "
+            f"operations {refill * 1e6:.1f} us to refill (x {spec.n_layers} layers)")
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     if rates.get("int8", 0) > rates["bf16"]:
@@ -240,6 +299,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, kv_bandwidth_efficiency=kv_eff, compute_efficiency=comp_eff,
                    overhead_s=overhead, overhead_per_seq_s=per_seq, linear_call_overhead_s=call_extra,
-                   kv_layer_overhead_s=kv_extra, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
+                   kv_layer_overhead_s=kv_extra, cache_refill_s=refill,
+                   cache_refill_bytes=refill_bytes if refill > 0 else 0.0,
+                   memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
                    low_precision_compute="int8" in peak, device=dev, measured=measured)

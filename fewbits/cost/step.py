@@ -190,9 +190,18 @@ def kv_cache_bytes(kv: KVTerms, tokens: np.ndarray | int) -> tuple[np.ndarray, n
     return tq * kv.per_token, (t - tq) * kv.window_per_token
 
 
-def kv_write_per_token(kv: KVTerms) -> np.ndarray:
-    """Bytes a new token writes per sequence: into the 16-bit window where there is one, else quantised."""
-    return np.where(np.asarray(kv.residual) > 0, kv.window_per_token, kv.per_token)
+def kv_step_bytes(kv: KVTerms, batch: np.ndarray | int, context: np.ndarray | int
+                  ) -> dict[str, np.ndarray]:
+    """Cache bytes a decode step moves per device: the quantised part and the 16-bit part (window) of the
+    read of `context` cached tokens per sequence, and of the write of the new token, which lands in the
+    16-bit window where there is one and is quantised otherwise."""
+    b = np.asarray(batch, dtype=float)
+    ctx = np.asarray(context, dtype=float)
+    tq = quantized_tokens(ctx, np.asarray(kv.residual), np.asarray(kv.block))
+    windowed = np.asarray(kv.residual) > 0
+    write = b * np.where(windowed, kv.window_per_token, kv.per_token)
+    return {"read_q": (b * tq) * kv.per_token, "read_w": (b * (ctx - tq)) * kv.window_per_token,
+            "write_q": np.where(windowed, 0.0, write), "write_w": np.where(windowed, write, 0.0)}
 
 
 def _allreduce(device: DeviceSpec, devices: int, nbytes: np.ndarray) -> np.ndarray:
@@ -265,12 +274,9 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
     touched = experts_touched(model, b)
     weight_q = w.dense_q + model.n_layers * touched * w.expert_layer
     emb = b * w.emb_row
-    tq = quantized_tokens(ctx, np.asarray(kv.residual), np.asarray(kv.block))  # per sequence; the rest 16-bit
-    read_q, read_w = (b * tq) * kv.per_token, (b * (ctx - tq)) * kv.window_per_token
-    windowed = np.asarray(kv.residual) > 0  # a new token lands in the 16-bit window, else it is quantised
-    kv_write = b * kv_write_per_token(kv)
-    write_q, write_w = np.where(windowed, 0.0, kv_write), np.where(windowed, kv_write, 0.0)
-    kv_read = read_q + read_w
+    kb = kv_step_bytes(kv, b, ctx)
+    read_q, read_w, write_q, write_w = kb["read_q"], kb["read_w"], kb["write_q"], kb["write_w"]
+    kv_read, kv_write = read_q + read_w, write_q + write_w
     weight_bytes = weight_q + w.dense_f + emb
     lin_flops = b * w.linear_flops
     att_flops = model.attention_flops_per_pair * (c + b) / devices

@@ -52,7 +52,8 @@ def _canned(monkeypatch):
     monkeypatch.setattr(probe, "gemv_passes", passes)
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
     monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx: {
-        s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": []}
+        s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": [], "refill_s": 2e-5,
+            "refill_bytes": 1 << 21}
         for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs})
     return bw
 
@@ -83,11 +84,15 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
              table_weights=None, table_kv=None)
     assert r.device == prof.device.name and math.isfinite(r.time_s)
     assert r.time_s > prof.overhead_s  # overhead plus a positive memory time
+    assert loaded.cache_refill_s == 2e-5 and loaded.cache_refill_bytes == 1 << 21
     # the overhead the step adds: fixed + the int8 weights' extra per call + the int8 cache's per layer
-    assert r.overhead_s == pytest.approx(0.02 + 14 * 1e-5 + 2 * 5e-4)
+    # + the refill after each layer's stream (its int8 weights and 129 tokens of 16-bit keys and values)
+    layer_bytes = (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3) + 128 * 2 * 4 + 129 * 2 * 2 * 16 * 2
+    refill = 2 * 2e-5 * layer_bytes / (1 << 21)
+    assert r.overhead_s == pytest.approx(0.02 + 14 * 1e-5 + 2 * 5e-4 + refill)
     r8 = plan(TINY, batch=8, context=128, weights="int8", kv="int8-g16", profile=loaded,
               table_weights=None, table_kv=None)
-    assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3)
+    assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3 + 2 * 2e-5 * 7 * 129 * 2 * 2 * 16 * 2 / (1 << 21))
 
 
 def test_bench_row_formatting():
@@ -107,24 +112,58 @@ def test_bench_cli_rejects_bad_lists(bad):
     assert out.exit_code != 0
 
 
-def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypatch):
+def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=1):
+    """Replace `generate` with a step time built from the model the probe fits (true cache bytes)."""
     import fewbits.generate
-    from fewbits.bench.probe import step_costs
     from fewbits.cost.profile import DEFAULT
-    from fewbits.cost.step import kv_terms
+    from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
     from fewbits.generate import GenerationResult
     from fewbits.kvcache.format import parse_kv_format
 
-    def fake_generate(model, ids, n, kv="bf16"):  # a step costs 5 ms + 2 ms per extra sequence + 1 ns/byte
+    def fake_generate(model, ids, n, kv="bf16"):
         b, c = ids.shape
-        per_token = kv_terms(TINY, parse_kv_format(kv).cost_format(TINY.head_dim), DEFAULT).per_token
-        t = 5e-3 + 2e-3 * (b - 1) + 1e-9 * b * (c + n // 2) * per_token
+        kvf = parse_kv_format(kv)
+        ctx = c + n // 2
+        kb = kv_step_bytes(kv_terms(TINY, kvf.full_spec, DEFAULT), b, ctx)
+        q, w = float(kb["read_q"] + kb["write_q"]), float(kb["read_w"] + kb["write_w"])
+        if not kvf.is_quantized:
+            q, w = 0.0, q + w
+        x = float(attention_layer_bytes(TINY, b * (ctx + 1)))
+        t = (fixed[kvf.spec] + per_seq * (b - 1) + s16 * w + s_q.get(kvf.spec, 0.0) * q
+             + refill * TINY.n_layers * min(1.0, x / refill_bytes))
         return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-3, t, t + 2e-3])
 
     monkeypatch.setattr(fewbits.generate, "generate", fake_generate)
-    res = step_costs(TINY, ("bf16", "int4"), contexts=(32, 96), steps=8)
+
+
+def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypatch):
+    from fewbits.bench.probe import step_costs
+
+    # 5 ms (+1 ms with the int4 cache) + 2 ms per extra sequence + 1 ns per 16-bit byte, 4 ns per int4 byte
+    # (a KIVI cache with a 16-token window, so that both contexts hold quantised tokens and a window)
+    kivi = "int4-g16-r16"
+    _fake_steps(monkeypatch, {"bf16": 5e-3, kivi: 6e-3}, 2e-3, 1e-9, {kivi: 4e-9})
+    res = step_costs(TINY, ("bf16", kivi), contexts=(32, 96), steps=8, refill_bytes=0)
+    assert res["bf16"]["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
+    assert res[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
+    assert res["bf16"]["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+    assert res[kivi]["s_per_byte"] == pytest.approx(4e-9, rel=1e-6)
     for r in res.values():
-        assert r["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
         assert r["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
-        assert r["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
-        assert len(r["points"]) == 4
+        assert r["window_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+        assert r["refill_s"] == 0 and len(r["points"]) == 4
+
+
+def test_step_costs_fit_recovers_the_cache_refill(monkeypatch):
+    """A batch-1 step whose small cache evicts part of the core cache, a batch-8 one all of it."""
+    from fewbits.bench.probe import step_costs
+
+    x_cache = 8 * 128 * 40  # between the batch-1 and the batch-8 footprints of one layer
+    kivi = "int4-g16-r16"
+    _fake_steps(monkeypatch, {"bf16": 5e-3, "int8": 5.5e-3, kivi: 6e-3}, 2e-3, 1e-9, {"int8": 2e-9, kivi: 4e-9},
+                refill=1e-4, refill_bytes=x_cache)
+    res = step_costs(TINY, ("bf16", "int8", kivi), contexts=(32, 96), steps=8, refill_bytes=x_cache)
+    assert res["bf16"]["refill_s"] == pytest.approx(1e-4, rel=1e-6) and res["bf16"]["refill_bytes"] == x_cache
+    assert res["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6)
+    assert res[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
+    assert res["bf16"]["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
