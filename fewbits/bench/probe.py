@@ -182,7 +182,14 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
                     t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
-    x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
+    return fit_step_costs(spec, kv_specs, fastest, steps, l2_cache_bytes() if refill_bytes is None else refill_bytes)
+
+
+def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[str, int, int], float],
+                   steps: int, x_cache: int) -> dict[str, dict[str, Any]]:
+    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt): seconds}."""
+    batches = sorted({b for _, b, _ in fastest})
+    contexts = sorted({c for _, _, c in fastest})
     quantised = [s for s in kv_specs if parse_kv_format(s).is_quantized]
     names = [f"a:{s}" for s in kv_specs] + ["p", "s16"] + [f"s:{s}" for s in quantised] + ["E"]
     rows, ys, points = [], [], {s: [] for s in kv_specs}
