@@ -90,6 +90,32 @@ def _int_range(fmt: Format) -> tuple[int, int, int]:
     return 0, 2**fmt.bits - 1, 0
 
 
+def _column_loop(Wt: torch.Tensor, St: torch.Tensor, Zt: torch.Tensor | None, lo: torch.Tensor | int,
+                 hi: torch.Tensor | int, Hs: torch.Tensor, i1: int, n1: int, static: bool, g: int,
+                 scale: torch.Tensor, zero: torch.Tensor | None, cfmt: Format, qlo: int, qhi: int) -> None:
+    """Quantise the columns of one lazy block in order (Wt: block transposed, one column per row), each
+    one's rounding error spread over the columns after it (eq. 2); group scales of a non-static format
+    are taken from the updated weights when the loop reaches the group.  Works in place."""
+    for i in range(n1):
+        j = i1 + i
+        if not static and j % g == 0:  # a new group: scales from the current (updated) weights
+            s_, z_ = compute_scales(Wt[i:i + g].T, cfmt)
+            scale[:, j // g] = s_[:, 0]
+            St[i:i + g] = s_[:, 0]
+            if zero is not None:
+                zero[:, j // g] = z_[:, 0]
+                Zt[i:i + g] = z_[:, 0]
+                lo[i:i + g] = qlo - z_[:, 0]
+                hi[i:i + g] = qhi - z_[:, 0]
+        if i + 1 == n1:
+            break  # the last column of a block has nothing left in the block to update
+        col, s = Wt[i], St[i]
+        r = torch.round(col / s)  # the integer grid of fewbits.formats.quant (same float operations)
+        r = r.clamp_(lo[i], hi[i]) if Zt is not None else r.clamp_(qlo, qhi)
+        # OBS update of the columns not yet quantised: w_k -= (w_i - q_i) H^-1_ik / H^-1_ii
+        Wt[i + 1:].addr_(Hs[i, i + 1:], torch.addcmul(col, r, s, value=-1), alpha=-1)
+
+
 def gptq_quantize(
     w: torch.Tensor,
     hessian: torch.Tensor,
@@ -181,24 +207,8 @@ def gptq_quantize(
             Zt = torch.zeros(n1, rows) if zero is not None else None
         lo = qlo - Zt if Zt is not None else qlo  # clamp(round(x/s) + z, lo, hi) - z = clamp(round(x/s), lo-z, hi-z)
         hi = qhi - Zt if Zt is not None else qhi
-        for i in range(n1):
-            j = i1 + i
-            if not static and j % g == 0:  # a new group: scales from the current (updated) weights
-                s_, z_ = compute_scales(Wt[i:i + g].T, cfmt)
-                scale[:, j // g] = s_[:, 0]
-                St[i:i + g] = s_[:, 0]
-                if zero is not None:
-                    zero[:, j // g] = z_[:, 0]
-                    Zt[i:i + g] = z_[:, 0]
-                    lo[i:i + g] = qlo - z_[:, 0]
-                    hi[i:i + g] = qhi - z_[:, 0]
-            if i + 1 == n1:
-                break  # the last column of a block has nothing left in the block to update
-            col, s = Wt[i], St[i]
-            r = torch.round(col / s)  # the integer grid of fewbits.formats.quant (same float operations)
-            r = r.clamp_(lo[i], hi[i]) if Zt is not None else r.clamp_(qlo, qhi)
-            # OBS update of the columns not yet quantised: w_k -= (w_i - q_i) H^-1_ik / H^-1_ii
-            Wt[i + 1:].addr_(Hs[i, i + 1:], torch.addcmul(col, r, s, value=-1), alpha=-1)
+        with _one_thread():  # small ops: OpenMP only adds waits (badly so when a core is busy)
+            _column_loop(Wt, St, Zt, lo, hi, Hs, i1, n1, static, g, scale, zero, cfmt, qlo, qhi)
         # Wt[i] is never changed after column i is quantised, so it still holds the value that was
         # rounded: codes and errors of the whole block come out in a few vectorised operations
         Q1 = torch.round(Wt / St)
