@@ -16,10 +16,12 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed
    cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
    format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window at the
-   16-bit rate), the extra fixed cost of each quantised cache per layer, and the cost of refilling the
-   core cache after a layer's attention streamed its keys and values through it (why a batch-1 step
-   pays more per cached byte than a batch-8 one: the small operations of a step run from the L2
-   cache, and a small batch's cache evicts a growing part of it, a large batch's all of it).
+   16-bit rate) and the extra fixed cost of each quantised cache per layer;
+5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming an L2 cache's
+   worth of bytes of its own; the time the step's small operations lose (the streaming itself
+   subtracted) per layer is what a real model's weights, or a large batch's cache, cost them.  It is
+   why a batch-1 step seems to pay more per cached byte than a batch-8 one: a small batch's cache
+   evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.
 """
 
 from __future__ import annotations
@@ -154,9 +156,52 @@ def l2_cache_bytes() -> int:
     return 0
 
 
+def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, context: int = 128, steps: int = 8,
+                rounds: int = 3) -> float:
+    """Seconds per layer that a batch-1 decode step of `model` (a skeleton) loses outside the streaming
+    itself when every decoder layer first streams `stream_bytes` bytes of its own through the core (as a
+    real model's weights or a large batch's cache do): the fastest step minus its streaming time, with
+    and without the streams, in interleaved rounds, divided by the layers."""
+    from fewbits.generate import generate
+
+    layers = list(model.model.layers)
+    bufs = [torch.ones(max(stream_bytes, 4) // 4) for _ in layers]
+    spent: list[float] = []  # streaming time of each forward pass
+    on = [False]
+
+    def start(_mod: Any, _args: Any) -> None:
+        spent.append(0.0)
+
+    def stream(i: int) -> Any:
+        def hook(_mod: Any, _args: Any) -> None:
+            if on[0]:
+                t0 = time.perf_counter()
+                bufs[i].sum()
+                spent[-1] += time.perf_counter() - t0
+        return hook
+
+    handles = [model.register_forward_pre_hook(start)]
+    handles += [layer.register_forward_pre_hook(stream(i)) for i, layer in enumerate(layers)]
+    g = torch.Generator().manual_seed(1)
+    best = {False: float("inf"), True: float("inf")}
+    try:
+        for _ in range(rounds):
+            for flag in (False, True):
+                on[0] = flag
+                spent.clear()
+                ids = torch.randint(0, spec.vocab_size, (1, context), generator=g)
+                res = generate(model, ids, steps + 1, kv="bf16")
+                rest = [t - s for t, s in zip(res.decode_step_s, spent[1:], strict=False)]  # spent[0]: prefill
+                best[flag] = min(best[flag], *rest)
+    finally:
+        for h in handles:
+            h.remove()
+    return (best[True] - best[False]) / len(layers)
+
+
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
-               refill_bytes: int | None = None) -> dict[str, dict[str, Any]]:
+               refill_bytes: int | None = None, measure_refill: bool = True) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
@@ -167,7 +212,9 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     beyond the first; s_f, s_16: seconds per cached byte (every format's window and the 16-bit cache share
     s_16); E: the time per layer the step's small operations lose when a layer's stream of x bytes of
     16-bit keys and values (`attention_layer_bytes`) evicts their working set from a core cache of X bytes
-    (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out).  A fitted E < 0 is refitted as 0."""
+    (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out).  E is measured directly
+    (`refill_cost`: every layer streams X bytes of its own) and the fit is over t - E L min(1, x / X);
+    with `measure_refill` False it is fitted with the rest (a fitted E < 0 is refitted as 0)."""
     from fewbits.generate import generate
 
     model = skeleton_model(spec)
@@ -182,12 +229,16 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
                     t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
-    return fit_step_costs(spec, kv_specs, fastest, steps, l2_cache_bytes() if refill_bytes is None else refill_bytes)
+    x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
+    refill = max(refill_cost(model, spec, x_cache, steps=steps, rounds=rounds), 0.0) \
+        if measure_refill and x_cache > 0 else None
+    return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill)
 
 
 def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[str, int, int], float],
-                   steps: int, x_cache: int) -> dict[str, dict[str, Any]]:
-    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt): seconds}."""
+                   steps: int, x_cache: int, refill_s: float | None = None) -> dict[str, dict[str, Any]]:
+    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt): seconds};
+    `refill_s` (E, measured) is taken as given, None fits it."""
     batches = sorted({b for _, b, _ in fastest})
     contexts = sorted({c for _, _, c in fastest})
     quantised = [s for s in kv_specs if parse_kv_format(s).is_quantized]
@@ -212,16 +263,20 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
                 ys.append(fastest[(s, b, c)])
                 points[s].append((b, c, q + w, fastest[(s, b, c)]))  # batch, prompt, bytes, seconds
 
-    def fit(cols: list[str]) -> dict[str, float]:
+    def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
         x = torch.tensor([[r[names.index(n)] for n in cols] for r in rows], dtype=torch.float64)
-        y = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
-        return dict(zip(cols, torch.linalg.lstsq(x, y).solution.squeeze(1).tolist(), strict=True))
+        y = torch.tensor([t - known_e * r[-1] for t, r in zip(ys, rows, strict=True)], dtype=torch.float64)
+        return dict(zip(cols, torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist(), strict=True))
 
     has_e = x_cache > 0 and any(r[names.index("E")] for r in rows)
-    sol = fit(names if has_e else names[:-1])
-    if sol.get("E", 0.0) < 0:
-        sol = fit(names[:-1])
-    refill = sol.get("E", 0.0)
+    if refill_s is not None or not has_e:
+        refill = refill_s if has_e and refill_s is not None else 0.0
+        sol = fit(names[:-1], refill)
+    else:
+        sol = fit(names)
+        if sol["E"] < 0:
+            sol = fit(names[:-1])
+        refill = sol.get("E", 0.0)
     out: dict[str, dict[str, Any]] = {}
     for s in kv_specs:
         slope = sol[f"s:{s}"] if s in quantised else sol["s16"]

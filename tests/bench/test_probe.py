@@ -143,7 +143,7 @@ def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypat
     # (a KIVI cache with a 16-token window, so that both contexts hold quantised tokens and a window)
     kivi = "int4-g16-r16"
     _fake_steps(monkeypatch, {"bf16": 5e-3, kivi: 6e-3}, 2e-3, 1e-9, {kivi: 4e-9})
-    res = step_costs(TINY, ("bf16", kivi), contexts=(32, 96), steps=8, refill_bytes=0)
+    res = step_costs(TINY, ("bf16", kivi), contexts=(32, 96), steps=8, refill_bytes=0, measure_refill=False)
     assert res["bf16"]["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
     assert res[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
     assert res["bf16"]["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
@@ -162,8 +162,34 @@ def test_step_costs_fit_recovers_the_cache_refill(monkeypatch):
     kivi = "int4-g16-r16"
     _fake_steps(monkeypatch, {"bf16": 5e-3, "int8": 5.5e-3, kivi: 6e-3}, 2e-3, 1e-9, {"int8": 2e-9, kivi: 4e-9},
                 refill=1e-4, refill_bytes=x_cache)
-    res = step_costs(TINY, ("bf16", "int8", kivi), contexts=(32, 96), steps=8, refill_bytes=x_cache)
+    res = step_costs(TINY, ("bf16", "int8", kivi), contexts=(32, 96), steps=8, refill_bytes=x_cache,
+                     measure_refill=False)
     assert res["bf16"]["refill_s"] == pytest.approx(1e-4, rel=1e-6) and res["bf16"]["refill_bytes"] == x_cache
     assert res["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6)
     assert res[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
     assert res["bf16"]["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
+    # a measured refill is taken as given: the fit of the rest recovers the same figures
+    from fewbits.bench.probe import fit_step_costs
+
+    fastest = {(s, b, c): t for s, r in res.items() for b, c, _, t in r["points"]}
+    again = fit_step_costs(TINY, ("bf16", "int8", kivi), fastest, 8, x_cache, refill_s=1e-4)
+    assert again["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6) and again["bf16"]["refill_s"] == 1e-4
+    assert again[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
+
+
+def test_refill_cost_streams_through_every_layer_and_leaves_no_hooks(monkeypatch):
+    import fewbits.generate
+    from fewbits.bench.probe import refill_cost, skeleton_model
+
+    model = skeleton_model(TINY)
+    seen = []
+    real = fewbits.generate.generate
+
+    def spy(m, ids, n, kv="bf16"):
+        seen.append(n)
+        return real(m, ids, n, kv=kv)
+
+    monkeypatch.setattr(fewbits.generate, "generate", spy)
+    e = refill_cost(model, TINY, 1 << 16, context=8, steps=2, rounds=1)
+    assert math.isfinite(e) and seen == [3, 3]
+    assert not any(m._forward_pre_hooks for m in model.modules())
