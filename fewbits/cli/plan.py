@@ -51,7 +51,8 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple
 @click.option("--context", "-c", type=int, default=2048, show_default=True, help="Cached tokens per sequence.")
 @click.option("--weights", "-w", default="bf16", show_default=True, help="Weight format, e.g. int4-g128, fp8-e4m3.")
 @click.option("--kv", default="bf16", show_default=True, help="KV-cache format: bf16 fp16 fp8-e4m3 fp8-e5m2 int8 "
-              "int4 int2 (groups allowed, e.g. int4-g32-asym).")
+              "int4 int2 (groups allowed, e.g. int4-g32-asym), or fewbits' own cache with its residual written "
+              "out (int4-g32-r128, int2-r128, int8-r0, fp8-e4m3-r0): its true bytes, 16-bit window included.")
 @click.option("--activations", "-a", default="auto", show_default=True,
               type=click.Choice(["auto", "bf16", "fp16", "fp8", "int8", "fp4"]),
               help="Activation precision (W8A8: fp8 or int8); auto = fp8 for fp8 weights, BF16 otherwise.")

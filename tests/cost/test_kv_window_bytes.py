@@ -77,3 +77,18 @@ def test_weight_style_kv_specs_keep_their_meaning() -> None:
     assert float(q) == 129 * t.per_token and float(w) == 0
     with pytest.raises(ValueError, match="format 'int4-x3': cannot read the suffix 'x3'"):
         kv_terms(SPEC, "int4-x3", DEFAULT)
+
+
+def test_sweep_broadcasts_windowed_caches_like_plan() -> None:
+    from fewbits.cost.sweep import sweep
+
+    kvs = ("bf16", "int4-g32-r128", "int8-r0", "fp8-e4m3")
+    res = sweep("smollm2-135m", "h100", (1, 8), (100, 130, 512), ("bf16", "int4-g64"), kvs)
+    for j, kv in enumerate(kvs):
+        for ci, c in enumerate(res.context):
+            p = plan("smollm2-135m", "h100", batch=8, context=int(c), weights="int4-g64", kv=kv,
+                     table_weights=None, table_kv=None)
+            assert p.time_s == pytest.approx(float(res.time[1, j, 1, ci]), rel=1e-12)
+            assert p.kv_bytes == pytest.approx(float(res.kv_bytes[1, j, 1, ci]), rel=1e-12)
+    # at 130 tokens a KIVI int4 cache is all window: as many bytes as the 16-bit one
+    assert res.kv_bytes[0, 1, 0, 1] == res.kv_bytes[0, 0, 0, 1]
