@@ -5,7 +5,10 @@ A decode step over batch b with c cached tokens in total (c = b x context per se
     B = W_linear(w) + b d w_emb + (c + b) kappa,     kappa = 2 L n_kv d_h b_kv  (bytes per token, GQA)
 
 (linear weights incl. the LM head; one embedding row per sequence; the cache read, c kappa, and the new
-keys/values written, b kappa) and does F = 2 b P_lin + 4 L n_h d_h (c + b) FLOPs.  With n-way tensor
+keys/values written, b kappa) and does F = 2 b P_lin + 4 L n_h d_h (c + b) FLOPs.  A KV cache as fewbits
+stores it (`fewbits.cost.kvformat`, e.g. KIVI int4 with a 16-bit residual window of R tokens quantised
+G at a time) counts its true bytes instead: of a sequence's context, (context - R) // G * G tokens at
+the quantised kappa and the rest at the 16-bit one, each part at its own efficiency.  With n-way tensor
 parallelism weights, heads and KV heads split over the devices and each layer adds two ring
 all-reduces of the b x d activations, each 2 (n-1)/n * bytes / link + latency.  The step takes
 
@@ -17,7 +20,8 @@ with eta from the `Profile` per format family.  The two rooflines are summed, no
 because the kernels of a step run one after another: a batch whose linears are compute-bound still
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
 of the batch, and (measured hosts) the extra cost per call of the weight format's kernels and per
-layer of the KV format.  Mixture-of-experts layers read the experts the batch
+layer of the KV format, and the refill of the core cache each layer's stream (weights and 16-bit
+keys/values, x bytes) evicts: L E min(1, x / X) (`refill_time`).  Mixture-of-experts layers read the experts the batch
 touches: E (1 - (1 - k/E)^b) per layer in expectation under uniform routing.
 
 Everything is numpy and broadcasts: b and context may be arrays, and so may the per-format terms
