@@ -17,8 +17,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
    format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window at the
    16-bit rate) and the extra fixed cost of each quantised cache per layer;
-5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming an L2 cache's
-   worth of bytes of its own; the time the step's small operations lose (the streaming itself
+5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
+   cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them.  It is
    why a batch-1 step seems to pay more per cached byte than a batch-8 one: a small batch's cache
    evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.
@@ -213,7 +213,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     s_16); E: the time per layer the step's small operations lose when a layer's stream of x bytes of
     16-bit keys and values (`attention_layer_bytes`) evicts their working set from a core cache of X bytes
     (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out).  E is measured directly
-    (`refill_cost`: every layer streams X bytes of its own) and the fit is over t - E L min(1, x / X);
+    (`refill_cost`: every layer streams 2 X bytes of its own) and the fit is over t - E L min(1, x / X);
     with `measure_refill` False it is fitted with the rest (a fitted E < 0 is refitted as 0)."""
     from fewbits.generate import generate
 
@@ -230,7 +230,9 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
     x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
-    refill = max(refill_cost(model, spec, x_cache, steps=steps, rounds=rounds), 0.0) \
+    # streams of twice the L2 size: past the knee, where a real model's layer weights (2-7 MB for SmolLM2)
+    # and a large batch's cache lie (the loss keeps growing slowly beyond X: a stream of X alone undercounts)
+    refill = max(refill_cost(model, spec, 2 * x_cache, steps=steps, rounds=rounds), 0.0) \
         if measure_refill and x_cache > 0 else None
     return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill)
 
