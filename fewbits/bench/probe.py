@@ -157,11 +157,12 @@ def l2_cache_bytes() -> int:
 
 
 def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, context: int = 128, steps: int = 8,
-                rounds: int = 3) -> float:
+                rounds: int = 3, best: dict[bool, float] | None = None) -> float:
     """Seconds per layer that a batch-1 decode step of `model` (a skeleton) loses outside the streaming
     itself when every decoder layer first streams `stream_bytes` bytes of its own through the core (as a
     real model's weights or a large batch's cache do): the fastest step minus its streaming time, with
-    and without the streams, in interleaved rounds, divided by the layers."""
+    and without the streams, in interleaved rounds, divided by the layers.  `best` ({streaming: fastest
+    rest}) carries the fastest figures over calls, for rounds interleaved with other measurements."""
     from fewbits.generate import generate
 
     layers = list(model.model.layers)
@@ -183,7 +184,7 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
     handles = [model.register_forward_pre_hook(start)]
     handles += [layer.register_forward_pre_hook(stream(i)) for i, layer in enumerate(layers)]
     g = torch.Generator().manual_seed(1)
-    best = {False: float("inf"), True: float("inf")}
+    best = best if best is not None else {}
     try:
         for _ in range(rounds):
             for flag in (False, True):
@@ -192,7 +193,7 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
                 ids = torch.randint(0, spec.vocab_size, (1, context), generator=g)
                 res = generate(model, ids, steps + 1, kv="bf16")
                 rest = [t - s for t, s in zip(res.decode_step_s, spent[1:], strict=False)]  # spent[0]: prefill
-                best[flag] = min(best[flag], *rest)
+                best[flag] = min(best.get(flag, float("inf")), *rest)
     finally:
         for h in handles:
             h.remove()
@@ -220,7 +221,14 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     model = skeleton_model(spec)
     g = torch.Generator().manual_seed(0)
     fastest: dict[tuple[str, int, int], float] = {}
+    x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
+    rests: dict[bool, float] = {}
+    refill = None
     for _ in range(rounds):
+        # streams of twice the L2 size: past the knee, where a real model's layer weights (2-7 MB for SmolLM2)
+        # and a large batch's cache lie (the loss keeps growing slowly beyond X: a stream of X alone undercounts)
+        if measure_refill and x_cache > 0:
+            refill = max(refill_cost(model, spec, 2 * x_cache, steps=steps, rounds=1, best=rests), 0.0)
         for s in kv_specs:
             kvf = parse_kv_format(s)
             generate(model, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv=kvf)  # warm up
@@ -229,11 +237,6 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
                     t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
-    x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
-    # streams of twice the L2 size: past the knee, where a real model's layer weights (2-7 MB for SmolLM2)
-    # and a large batch's cache lie (the loss keeps growing slowly beyond X: a stream of X alone undercounts)
-    refill = max(refill_cost(model, spec, 2 * x_cache, steps=steps, rounds=rounds), 0.0) \
-        if measure_refill and x_cache > 0 else None
     return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill)
 
 
