@@ -15,8 +15,9 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    linears) per KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache
    as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed
    cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
-   format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window at the
-   16-bit rate) and the extra fixed cost of each quantised cache per layer;
+   format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which
+   the store copies every step, at its own rate) and the extra fixed cost of each
+   quantised cache per layer (a KIVI cache's dequantisation only once its window has overflowed);
 5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them.  It is
@@ -206,16 +207,18 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
-        t = a_f + p (b - 1) + s_f q + s_16 w + E L min(1, x / X)
+        t = a_f + o_f [holds quantised tokens] + p (b - 1) + s_f q + w_f w + E L min(1, x / X)
 
     q, w: the quantised and the 16-bit (window) cache bytes of the step as the cost model counts them
-    (`kv_step_bytes`, the store's true bytes); a_f: fixed time per step of format f; p: time per sequence
-    beyond the first; s_f, s_16: seconds per cached byte (every format's window and the 16-bit cache share
-    s_16); E: the time per layer the step's small operations lose when a layer's stream of x bytes of
-    16-bit keys and values (`attention_layer_bytes`) evicts their working set from a core cache of X bytes
-    (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out).  E is measured directly
-    (`refill_cost`: every layer streams 2 X bytes of its own) and the fit is over t - E L min(1, x / X);
-    with `measure_refill` False it is fitted with the rest (a fitted E < 0 is refitted as 0)."""
+    (`kv_step_bytes`, the store's true bytes; a 16-bit cache's bytes all count as q, at s_16); a_f: fixed
+    time per step of format f; o_f: more once a windowed (KIVI) cache holds quantised tokens and
+    dequantises them; p: time per sequence beyond the first; s_f, w_f: seconds per quantised and per
+    window byte (the store copies the window every step); E: the time per layer the step's small
+    operations lose when a layer's stream of x bytes of 16-bit keys and values (`attention_layer_bytes`)
+    evicts their working set from a core cache of X bytes (`l2_cache_bytes`; `refill_bytes` overrides it,
+    0 leaves E out).  E is measured directly (`refill_cost`: every layer streams 2 X bytes of its own)
+    and the fit is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest
+    (a fitted E < 0 is refitted as 0)."""
     from fewbits.generate import generate
 
     model = skeleton_model(spec)
@@ -243,50 +246,60 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
 def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[str, int, int], float],
                    steps: int, x_cache: int, refill_s: float | None = None) -> dict[str, dict[str, Any]]:
     """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt): seconds};
-    `refill_s` (E, measured) is taken as given, None fits it."""
+    `refill_s` (E, measured) is taken as given, None fits it.  A column the measurements cannot tell
+    apart (no quantised bytes, a window that never overflows or always has) is left out: its cost is 0."""
     batches = sorted({b for _, b, _ in fastest})
     contexts = sorted({c for _, _, c in fastest})
-    quantised = [s for s in kv_specs if parse_kv_format(s).is_quantized]
-    names = [f"a:{s}" for s in kv_specs] + ["p", "s16"] + [f"s:{s}" for s in quantised] + ["E"]
-    rows, ys, points = [], [], {s: [] for s in kv_specs}
+    rows: list[dict[str, float]] = []
+    ys: list[float] = []
+    points: dict[str, list[tuple[int, int, float, float]]] = {s: [] for s in kv_specs}
     for s in kv_specs:
-        terms = kv_terms(spec, parse_kv_format(s).full_spec, DEFAULT)
+        kvf = parse_kv_format(s)
+        terms = kv_terms(spec, kvf.full_spec, DEFAULT)
         for b in batches:
             for c in contexts:
                 ctx = c + (steps + 1) // 2  # mean context of the timed steps
                 kb = {k: float(v) for k, v in kv_step_bytes(terms, b, ctx).items()}
                 q, w = kb["read_q"] + kb["write_q"], kb["read_w"] + kb["write_w"]
-                if s not in quantised:  # a 16-bit cache: all of it streams at the 16-bit rate
-                    q, w = 0.0, q + w
                 x = float(attention_layer_bytes(spec, b * (ctx + 1)))
-                row = dict.fromkeys(names, 0.0)
-                row.update({f"a:{s}": 1.0, "p": b - 1.0, "s16": w * 1e-9,
-                            "E": spec.n_layers * min(1.0, x / x_cache) if x_cache > 0 else 0.0})
-                if s in quantised:
-                    row[f"s:{s}"] = q * 1e-9  # bytes in GB: a well-conditioned fit
-                rows.append([row[n] for n in names])
+                row = {f"a:{s}": 1.0, "p": b - 1.0, "E": spec.n_layers * min(1.0, x / x_cache) if x_cache > 0 else 0.0}
+                if not kvf.is_quantized:  # a 16-bit cache: all of it streams at the 16-bit rate
+                    row["s16"] = (q + w) * 1e-9  # bytes in GB: a well-conditioned fit
+                else:
+                    row[f"s:{s}"] = q * 1e-9
+                    row[f"w:{s}"] = w * 1e-9  # the window: copied every step by the store, its own rate
+                    row[f"o:{s}"] = float(kvf.quantized_tokens(c + steps) > 0)  # dequantises only then
+                rows.append(row)
                 ys.append(fastest[(s, b, c)])
                 points[s].append((b, c, q + w, fastest[(s, b, c)]))  # batch, prompt, bytes, seconds
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    for n in list(names):  # columns the points cannot identify
+        col = [r.get(n, 0.0) for r in rows]
+        own = [r.get(n, 0.0) for r in rows if f"a:{n[2:]}" in r] if n[:2] == "o:" else col
+        if not any(col) or (n[:2] == "o:" and all(own)):
+            names.remove(n)
 
     def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
-        x = torch.tensor([[r[names.index(n)] for n in cols] for r in rows], dtype=torch.float64)
-        y = torch.tensor([t - known_e * r[-1] for t, r in zip(ys, rows, strict=True)], dtype=torch.float64)
+        x = torch.tensor([[r.get(n, 0.0) for n in cols] for r in rows], dtype=torch.float64)
+        y = torch.tensor([t - known_e * r["E"] for t, r in zip(ys, rows, strict=True)], dtype=torch.float64)
         return dict(zip(cols, torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist(), strict=True))
 
-    has_e = x_cache > 0 and any(r[names.index("E")] for r in rows)
-    if refill_s is not None or not has_e:
-        refill = refill_s if has_e and refill_s is not None else 0.0
-        sol = fit(names[:-1], refill)
+    no_e = [n for n in names if n != "E"]
+    if refill_s is not None or "E" not in names:
+        refill = refill_s if "E" in names and refill_s is not None else 0.0
+        sol = fit(no_e, refill)
     else:
         sol = fit(names)
         if sol["E"] < 0:
-            sol = fit(names[:-1])
+            sol = fit(no_e)
         refill = sol.get("E", 0.0)
     out: dict[str, dict[str, Any]] = {}
+    s16 = sol.get("s16", 0.0) * 1e-9
     for s in kv_specs:
-        slope = sol[f"s:{s}"] if s in quantised else sol["s16"]
-        out[s] = {"fixed_s": sol[f"a:{s}"], "per_seq_s": sol["p"], "s_per_byte": slope * 1e-9,
-                  "window_s_per_byte": sol["s16"] * 1e-9, "refill_s": refill, "refill_bytes": x_cache,
+        out[s] = {"fixed_s": sol[f"a:{s}"], "per_seq_s": sol["p"],
+                  "s_per_byte": sol.get(f"s:{s}", 0.0) * 1e-9 if f"s:{s}" in sol else s16,
+                  "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,
+                  "quantized_s": sol.get(f"o:{s}", 0.0), "refill_s": refill, "refill_bytes": x_cache,
                   "points": points[s]}
     return out
 
@@ -340,13 +353,23 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
     kv_eff: dict[str, float] = {}
     kv_extra: dict[str, float] = {}
+    kv_window: dict[str, float] = {}
+    kv_dequant: dict[str, float] = {}
     for s, r in kv.items():
-        fam = format_family(parse_kv_format(s).cost_format(spec.head_dim))
+        kvf = parse_kv_format(s)
+        fam = format_family(kvf.cost_format(spec.head_dim))
         kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * bw)) if r["s_per_byte"] > 0 else 1.0)
+        extra = ""
         if r is not base:
             kv_extra.setdefault(fam, (r["fixed_s"] - base["fixed_s"]) / spec.n_layers)
+        if kvf.residual > 0:
+            w = r.get("window_s_per_byte", 0.0)
+            kv_window.setdefault(fam, _clamp(1.0 / (w * bw)) if w > 0 else 1.0)
+            kv_dequant.setdefault(fam, r.get("quantized_s", 0.0) / spec.n_layers)
+            extra = (f"; window {w * 1e12:.3f} ms per GB, +{r.get('quantized_s', 0.0) * 1e3:.2f} ms once it "
+                     "holds quantised tokens")
         log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
-            f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f})")
+            f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
     kv_eff.setdefault("float", 1.0)
     refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
     if refill > 0:
@@ -366,7 +389,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, kv_bandwidth_efficiency=kv_eff, compute_efficiency=comp_eff,
                    overhead_s=overhead, overhead_per_seq_s=per_seq, linear_call_overhead_s=call_extra,
-                   kv_layer_overhead_s=kv_extra, cache_refill_s=refill,
+                   kv_layer_overhead_s=kv_extra, kv_quantized_overhead_s=kv_dequant,
+                   kv_window_bandwidth_efficiency=kv_window, cache_refill_s=refill,
                    cache_refill_bytes=refill_bytes if refill > 0 else 0.0,
                    memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,

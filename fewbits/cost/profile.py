@@ -26,6 +26,8 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "overhead_per_seq_s": 0.0,              # added per sequence of the batch beyond the first
       "linear_call_overhead_s": {"int4": 2e-6},  # extra time per linear call of a weight family (vs float)
       "kv_layer_overhead_s": {"int8": 5e-5},  # extra time per layer and step of a KV family (vs float)
+      "kv_quantized_overhead_s": {"int4": 2e-4},  # more per layer while the cache holds quantised tokens
+      "kv_window_bandwidth_efficiency": {"int4": 0.3},  # the 16-bit window of a KIVI cache (copied each step)
       "cache_refill_s": 1e-4,                 # per layer: small operations re-fetching what the layer's
       "cache_refill_bytes": 2097152,          #   stream evicted, x min(1, layer bytes / cache_refill_bytes)
       "memory_headroom": 0.1,                 # fraction of device memory not available to weights+KV
@@ -39,7 +41,8 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
 
 The overhead terms make the step model fit hosts where a step is not only bytes: on a CPU
 with an eager framework, every call of a quantised kernel costs more than a 16-bit matmul call and
-a quantised KV cache quantises and dequantises on every layer.  And a step's thousands of small
+a quantised KV cache quantises and dequantises on every layer (a KIVI cache only once its 16-bit
+window has overflowed, and it copies the window every step).  And a step's thousands of small
 operations run from the core's cache until a layer streams its weights and keys/values through it:
 each layer then pays ``cache_refill_s`` x min(1, bytes it streams / ``cache_refill_bytes``) to fetch
 their working set again (on a CPU the stream of a small batch's cache is what sets this apart from
@@ -105,6 +108,8 @@ class Profile:
     overhead_per_seq_s: float = 0.0
     linear_call_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_layer_overhead_s: dict[str, float] = field(default_factory=dict)
+    kv_quantized_overhead_s: dict[str, float] = field(default_factory=dict)
+    kv_window_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
     cache_refill_s: float = 0.0
     cache_refill_bytes: float = 0.0
     memory_headroom: float = 0.0
@@ -126,7 +131,11 @@ class Profile:
                     raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
                 if not 0 < v <= 1:
                     raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not in (0, 1]")
-        for table in ("linear_call_overhead_s", "kv_layer_overhead_s"):
+        for k, v in self.kv_window_bandwidth_efficiency.items():
+            if k not in FAMILIES or not 0 < v <= 1:
+                raise ProfileError(f"profile {self.name!r}: kv_window_bandwidth_efficiency[{k!r}] = {v}: a family of "
+                                   f"{FAMILIES} and a value in (0, 1]")
+        for table in ("linear_call_overhead_s", "kv_layer_overhead_s", "kv_quantized_overhead_s"):
             for k, v in getattr(self, table).items():
                 if k not in FAMILIES:
                     raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
@@ -159,6 +168,15 @@ class Profile:
         """Extra seconds per layer and step of a KV cache in `family` (0 when not measured)."""
         return _lookup(self.kv_layer_overhead_s, family, 0.0)
 
+    def kv_quantized_overhead(self, family: str) -> float:
+        """Further seconds per layer and step while a cache in `family` holds quantised tokens (a cache
+        with a 16-bit window holds none until the window first overflows; 0 when not measured)."""
+        return _lookup(self.kv_quantized_overhead_s, family, 0.0)
+
+    def kv_window_eff(self, family: str) -> float:
+        """Bandwidth efficiency of the 16-bit window of a cache in `family` (default: the 16-bit cache's)."""
+        return _lookup(self.kv_window_bandwidth_efficiency, family, self.kv_eff("float"))
+
     def to_dict(self) -> dict[str, Any]:
         return {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": self.name,
                 "description": self.description, "bandwidth_efficiency": dict(self.bandwidth_efficiency),
@@ -167,6 +185,8 @@ class Profile:
                 "overhead_per_seq_s": self.overhead_per_seq_s,
                 "linear_call_overhead_s": dict(self.linear_call_overhead_s),
                 "kv_layer_overhead_s": dict(self.kv_layer_overhead_s),
+                "kv_quantized_overhead_s": dict(self.kv_quantized_overhead_s),
+                "kv_window_bandwidth_efficiency": dict(self.kv_window_bandwidth_efficiency),
                 "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
@@ -192,7 +212,8 @@ class Profile:
         for t in ("bandwidth_efficiency", "kv_bandwidth_efficiency", "compute_efficiency"):
             if t in vals:
                 vals[t] = {**getattr(base, t), **{str(k): float(v) for k, v in vals[t].items()}}
-        for t in ("linear_call_overhead_s", "kv_layer_overhead_s"):
+        for t in ("linear_call_overhead_s", "kv_layer_overhead_s", "kv_quantized_overhead_s",
+                  "kv_window_bandwidth_efficiency"):
             if t in vals:
                 vals[t] = {str(k): float(v) for k, v in vals[t].items()}
         if vals.get("device") is not None:

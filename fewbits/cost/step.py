@@ -82,7 +82,8 @@ class KVTerms:
     residual: float = 0.0  # R: most recent tokens kept in 16 bits
     block: float = 1.0  # G: tokens quantised together when they leave the window
     window_per_token: float = 0.0  # bytes per 16-bit window token over all layers, per device
-    window_eta: float = 1.0  # bandwidth efficiency of the window's bytes (the 16-bit cache's)
+    window_eta: float = 1.0  # bandwidth efficiency of the window's bytes
+    quantized_overhead_s: float = 0.0  # more per layer while the cache holds quantised tokens (measured hosts)
 
 
 def compute_precision(fmt: Format, activations: str, device: DeviceSpec, profile: Profile) -> str:
@@ -171,19 +172,20 @@ def kv_terms(model: ModelSpec, kv: str | Format | KVFormat, profile: Profile, de
     holds: `KVFormat.token_bytes` per quantised token (scales included) and 16 bits per window token."""
     fmt = resolve_kv(kv)
     kv_heads_per_device = math.ceil(model.n_kv_heads / devices)  # heads are replicated when n > n_kv
-    window_eta = profile.kv_eff("float")
     if isinstance(fmt, KVFormat):
         fmt.check_head_dim(model.head_dim)
         q, w = fmt.token_bytes(model.head_dim)
         fam = format_family(fmt.cost_format(model.head_dim))
         heads = model.n_layers * kv_heads_per_device
         return KVTerms(fmt.full_spec, fam, 8 * q / (2 * model.head_dim), heads * q, profile.kv_eff(fam),
-                       profile.kv_overhead(fam), float(fmt.residual), float(fmt.block), heads * w, window_eta)
+                       profile.kv_overhead(fam), float(fmt.residual), float(fmt.block), heads * w,
+                       profile.kv_window_eff(fam), profile.kv_quantized_overhead(fam))
     bits = fmt.bits_per_weight()
     per_token = 2 * model.n_layers * kv_heads_per_device * model.head_dim * bits / 8
     fam = format_family(fmt)
     return KVTerms(fmt.spec, fam, bits, per_token, profile.kv_eff(fam), profile.kv_overhead(fam),
-                   window_per_token=per_token, window_eta=window_eta)
+                   window_per_token=per_token, window_eta=profile.kv_window_eff(fam),
+                   quantized_overhead_s=profile.kv_quantized_overhead(fam) if fmt.is_quantized else 0.0)
 
 
 def kv_cache_bytes(kv: KVTerms, tokens: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
@@ -246,10 +248,13 @@ def attention_layer_bytes(model: ModelSpec, tokens: np.ndarray, devices: int = 1
 
 
 def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b: np.ndarray,
-              touched: np.ndarray, layer_bytes: np.ndarray) -> np.ndarray:
+              touched: np.ndarray, layer_bytes: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Fixed costs of a step whose cache holds `tokens` tokens per sequence."""
     calls = w.linear_calls + model.n_layers * touched * w.expert_linears
+    holds_quantized = quantized_tokens(tokens, np.asarray(kv.residual), np.asarray(kv.block)) > 0
     t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1) + calls * w.call_overhead_s
-         + model.n_layers * kv.layer_overhead_s + refill_time(model, profile, layer_bytes))
+         + model.n_layers * (kv.layer_overhead_s + np.where(holds_quantized, kv.quantized_overhead_s, 0.0))
+         + refill_time(model, profile, layer_bytes))
     return np.maximum(t, 0.0)
 
 
@@ -288,7 +293,7 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
                  lin_flops, att_flops)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, c + b, devices)
-    t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes)
+    t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, ctx + 1)
     time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
     return {"weight_bytes": weight_bytes, "kv_read_bytes": kv_read, "kv_write_bytes": kv_write,
             "kv_bytes": kv_read + kv_write, "bytes": weight_bytes + kv_read + kv_write,
@@ -316,7 +321,7 @@ def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTer
     ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, kv_q, kv_w, lin_flops, att_flops)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, tokens * model.hidden_size * ACT_BYTES)
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, tokens, devices)
-    t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes)
+    t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, p)
     time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
     return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": lin_flops + att_flops, **ph,
             "t_comm": t_comm, "t_overhead": t0, "time": time}

@@ -193,3 +193,34 @@ def test_refill_cost_streams_through_every_layer_and_leaves_no_hooks(monkeypatch
     e = refill_cost(model, TINY, 1 << 16, context=8, steps=2, rounds=1)
     assert math.isfinite(e) and seen == [3, 3]
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def test_step_costs_fit_recovers_the_kivi_window_rate_and_dequantisation_jump(monkeypatch):
+    """A KIVI cache costs more per window byte than the 16-bit cache (copied every step) and a fixed
+    dequantisation once its window has overflowed: at prompt 8 it never has, at 96 it has."""
+    import fewbits.generate
+    from fewbits.bench.probe import step_costs
+    from fewbits.cost.profile import DEFAULT
+    from fewbits.cost.step import kv_step_bytes, kv_terms
+    from fewbits.generate import GenerationResult
+    from fewbits.kvcache.format import parse_kv_format
+
+    kivi = "int4-g16-r16"
+
+    def fake_generate(model, ids, n, kv="bf16"):
+        b, c = ids.shape
+        kvf = parse_kv_format(kv)
+        kb = kv_step_bytes(kv_terms(TINY, kvf.full_spec, DEFAULT), b, c + n // 2)
+        q, w = float(kb["read_q"] + kb["write_q"]), float(kb["read_w"] + kb["write_w"])
+        if kvf.is_quantized:
+            t = 6e-3 + 2e-3 * (b - 1) + 4e-9 * q + 3e-9 * w + 1.5e-3 * (kvf.quantized_tokens(c + n - 1) > 0)
+        else:
+            t = 5e-3 + 2e-3 * (b - 1) + 1e-9 * (q + w)
+        return GenerationResult(ids[:, :1], c, 0.0, [t])
+
+    monkeypatch.setattr(fewbits.generate, "generate", fake_generate)
+    res = step_costs(TINY, ("bf16", kivi), contexts=(8, 96), steps=8, refill_bytes=0, measure_refill=False)
+    r = res[kivi]
+    assert r["fixed_s"] == pytest.approx(6e-3, rel=1e-6) and r["quantized_s"] == pytest.approx(1.5e-3, rel=1e-6)
+    assert r["s_per_byte"] == pytest.approx(4e-9, rel=1e-6) and r["window_s_per_byte"] == pytest.approx(3e-9, rel=1e-6)
+    assert res["bf16"]["quantized_s"] == 0 and res["bf16"]["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)

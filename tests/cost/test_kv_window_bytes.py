@@ -92,3 +92,23 @@ def test_sweep_broadcasts_windowed_caches_like_plan() -> None:
             assert p.kv_bytes == pytest.approx(float(res.kv_bytes[1, j, 1, ci]), rel=1e-12)
     # at 130 tokens a KIVI int4 cache is all window: as many bytes as the 16-bit one
     assert res.kv_bytes[0, 1, 0, 1] == res.kv_bytes[0, 0, 0, 1]
+
+
+def test_measured_window_rate_and_dequantisation_apply_to_windowed_caches() -> None:
+    from dataclasses import replace
+
+    from fewbits.cost.profile import Profile
+
+    prof = replace(DEFAULT, kv_quantized_overhead_s={"int4": 1e-4}, kv_window_bandwidth_efficiency={"int4": 0.2})
+    prof = Profile.from_dict(prof.to_dict())  # the new tables survive JSON
+    t = kv_terms(SPEC, "int4-g32-r128", prof)
+    assert t.window_eta == 0.2 and t.quantized_overhead_s == 1e-4
+    assert kv_terms(SPEC, "bf16", prof).quantized_overhead_s == 0 and kv_terms(SPEC, "bf16", prof).window_eta == 0.8
+
+    def over(c: int, kv: str = "int4-g32-r128") -> float:
+        return plan(SPEC, "h100", batch=1, context=c, kv=kv, profile=prof, table_weights=None, table_kv=None).overhead_s
+
+    # 150 cached tokens + the new one: all in the window; 159 + 1 = 160: the first group is quantised
+    assert over(150) == over(100) and over(159) == pytest.approx(over(100) + SPEC.n_layers * 1e-4)
+    with pytest.raises(ValueError, match="kv_window_bandwidth_efficiency"):
+        replace(DEFAULT, kv_window_bandwidth_efficiency={"int4": 1.5})
