@@ -304,6 +304,41 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     return out
 
 
+def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: float, log: Any = print
+                        ) -> dict[str, Any]:
+    """The `Profile` fields that the skeleton sweep (`step_costs`) measures, from its fit and the bandwidth."""
+    base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
+    overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
+    kv_eff: dict[str, float] = {}
+    kv_extra: dict[str, float] = {}
+    kv_window: dict[str, float] = {}
+    kv_dequant: dict[str, float] = {}
+    for s, r in kv.items():
+        kvf = parse_kv_format(s)
+        fam = format_family(kvf.cost_format(spec.head_dim))
+        kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * bw)) if r["s_per_byte"] > 0 else 1.0)
+        extra = ""
+        if r is not base:
+            kv_extra.setdefault(fam, (r["fixed_s"] - base["fixed_s"]) / spec.n_layers)
+        if kvf.residual > 0:
+            w = r.get("window_s_per_byte", 0.0)
+            kv_window.setdefault(fam, _clamp(1.0 / (w * bw)) if w > 0 else 1.0)
+            kv_dequant.setdefault(fam, r.get("quantized_s", 0.0) / spec.n_layers)
+            extra = (f"; window {w * 1e12:.3f} ms per GB, +{r.get('quantized_s', 0.0) * 1e3:.2f} ms once it "
+                     "holds quantised tokens")
+        log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
+            f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
+    kv_eff.setdefault("float", 1.0)
+    refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
+    if refill > 0:
+        log(f"  a layer streaming >= {refill_bytes / 2**20:.1f} MiB (the L2 cache) costs the step's small "
+            f"operations {refill * 1e6:.1f} us to refill (x {spec.n_layers} layers)")
+    return {"overhead_s": overhead, "overhead_per_seq_s": per_seq, "kv_bandwidth_efficiency": kv_eff,
+            "kv_layer_overhead_s": kv_extra, "kv_quantized_overhead_s": kv_dequant,
+            "kv_window_bandwidth_efficiency": kv_window, "cache_refill_s": refill,
+            "cache_refill_bytes": refill_bytes if refill > 0 else 0.0}
+
+
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
                   log: Any = print, bandwidth_bytes: int = 1 << 30, matmul_n: int = 1024,
@@ -349,32 +384,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
     kv = step_costs(spec, kv_specs, kv_contexts)
-    base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
-    overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
-    kv_eff: dict[str, float] = {}
-    kv_extra: dict[str, float] = {}
-    kv_window: dict[str, float] = {}
-    kv_dequant: dict[str, float] = {}
-    for s, r in kv.items():
-        kvf = parse_kv_format(s)
-        fam = format_family(kvf.cost_format(spec.head_dim))
-        kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * bw)) if r["s_per_byte"] > 0 else 1.0)
-        extra = ""
-        if r is not base:
-            kv_extra.setdefault(fam, (r["fixed_s"] - base["fixed_s"]) / spec.n_layers)
-        if kvf.residual > 0:
-            w = r.get("window_s_per_byte", 0.0)
-            kv_window.setdefault(fam, _clamp(1.0 / (w * bw)) if w > 0 else 1.0)
-            kv_dequant.setdefault(fam, r.get("quantized_s", 0.0) / spec.n_layers)
-            extra = (f"; window {w * 1e12:.3f} ms per GB, +{r.get('quantized_s', 0.0) * 1e3:.2f} ms once it "
-                     "holds quantised tokens")
-        log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
-            f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
-    kv_eff.setdefault("float", 1.0)
-    refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
-    if refill > 0:
-        log(f"  a layer streaming >= {refill_bytes / 2**20:.1f} MiB (the L2 cache) costs the step's small "
-            f"operations {refill * 1e6:.1f} us to refill (x {spec.n_layers} layers)")
+    fields = step_profile_fields(spec, kv, bw, log)
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     if rates.get("int8", 0) > rates["bf16"]:
@@ -387,11 +397,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                 "gemv_passes": passes, "step_costs": kv,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
-                   bandwidth_efficiency=bw_eff, kv_bandwidth_efficiency=kv_eff, compute_efficiency=comp_eff,
-                   overhead_s=overhead, overhead_per_seq_s=per_seq, linear_call_overhead_s=call_extra,
-                   kv_layer_overhead_s=kv_extra, kv_quantized_overhead_s=kv_dequant,
-                   kv_window_bandwidth_efficiency=kv_window, cache_refill_s=refill,
-                   cache_refill_bytes=refill_bytes if refill > 0 else 0.0,
-                   memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
+                   bandwidth_efficiency=bw_eff, compute_efficiency=comp_eff, linear_call_overhead_s=call_extra,
+                   **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
                    low_precision_compute="int8" in peak, device=dev, measured=measured)
