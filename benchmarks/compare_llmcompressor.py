@@ -11,7 +11,8 @@ too; without an accelerator it crashes within seconds (in `pin_memory`), which t
 
     python3 -m venv /tmp/lc && /tmp/lc/bin/pip install torch==2.13.0 \\
         && /tmp/lc/bin/pip install -c <(echo torch==2.13.0) llmcompressor
-    python benchmarks/compare_llmcompressor.py --lc-python /tmp/lc/bin/python [--skip-lc-awq] [--threads 1]
+    python benchmarks/compare_llmcompressor.py --lc-python /tmp/lc/bin/python [--skip-lc-awq] [--threads 1] \\
+        [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def lc_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     ids = load_file(args.calib)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     scheme = {"targets": ["Linear"],
               "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
@@ -94,6 +95,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp", help="where the calibration ids and dense weights go")
     ap.add_argument("--threads", type=int, default=0, help="torch threads for both tools (0: torch's default)")
     ap.add_argument("--skip-lc-awq", action="store_true", help="do not attempt llm-compressor's AWQ")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="dtype both tools load and calibrate the model in (scored in float32 either way)")
     ap.add_argument("--lc-method", default="gptq", help=argparse.SUPPRESS)
     ap.add_argument("--lc-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--calib", help=argparse.SUPPRESS)
@@ -145,16 +148,18 @@ def main() -> None:
 
     # fewbits, here: GPTQ and AWQ on the same ids
     for method in ("gptq", "awq"):
-        fb = copy.deepcopy(ref)
+        fb = copy.deepcopy(ref) if args.dtype == "float32" else load_model(args.model, dtype=args.dtype)[0]
         t0 = time.perf_counter()
         api.quantize(fb, Recipe.from_format(f"int4-g{GROUP}", method), data=ids, progress=False,
                      chooser=api.kernel_chooser("cached"))
         wall = time.perf_counter() - t0
-        score(f"fewbits {method.upper()}", fb, wall, wall)
+        score(f"fewbits {method.upper()}", fb.float(), wall, wall)
         del fb
 
     print(f"{args.model}, int4 group {GROUP} symmetric, lm_head and embeddings 16-bit; calibration "
-          f"{args.calib_windows} x {args.calib_len} identical token ids; torch threads {torch.get_num_threads()}")
+          f"{args.calib_windows} x {args.calib_len} identical token ids; torch threads {torch.get_num_threads()};\n"
+          f"both tools calibrate in {args.dtype}, "
+          "every row is scored in float32 against the float32 model")
     print(protocol.text())
     for note in notes:
         print(note)
@@ -182,7 +187,8 @@ def lc_run(args: argparse.Namespace, folder: str, calib: str, method: str, ref):
     t0 = time.perf_counter()
     proc = subprocess.run([args.lc_python, os.path.abspath(__file__), "--lc-worker", "--model", folder,
                            "--calib", calib, "--out", dense_path, "--lc-method", method,
-                           "--threads", str(args.threads)], capture_output=True, text=True, env=env)
+                           "--threads", str(args.threads), "--dtype", args.dtype],
+                          capture_output=True, text=True, env=env)
     total = time.perf_counter() - t0
     lines = [x for x in proc.stdout.splitlines() if x.startswith("LC_RESULT ")]
     if proc.returncode != 0 or not lines:

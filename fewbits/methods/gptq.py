@@ -171,7 +171,6 @@ def gptq_quantize(
         zero = torch.zeros(rows, cols // g) if not fmt.symmetric else None
 
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols)
-    W = W[:, perm]
     H = H[perm][:, perm]
     fac = inverse_hessian_factor(H, damp, max_tries, name)
     if fac is None:
@@ -183,43 +182,42 @@ def gptq_quantize(
     U, damp_used = fac
     cfmt = column_format(fmt)
     block = block_size if not grouped else max(g, -(-block_size // g) * g)
-    group_of = (perm // g) if static else None  # static group index of every permuted column
-    if static:  # per permuted column: its scale and zero point, (rows, cols)
-        col_scale = scale[:, group_of]
-        col_zero = zero[:, group_of] if zero is not None else None
+    # everything is held transposed, (cols, rows), in quantisation order: column i is the contiguous row
+    # WT[i], a lazy block is a slice of rows and its update a contiguous in-place matmul
+    WT = W[:, perm].T.contiguous()
+    if static:  # per permuted column: its scale and zero point
+        group_of = perm // g
+        ST = scale[:, group_of].T.contiguous()
+        ZT = zero[:, group_of].T.contiguous() if zero is not None else None
+    else:
+        ST = torch.empty(cols, rows)
+        ZT = torch.zeros(cols, rows) if zero is not None else None
     qlo, qhi, off = _int_range(fmt)
-    qcodes = torch.zeros(rows, cols)
+    QT = torch.empty(cols, rows)
     losses = torch.zeros(rows)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        n1 = i2 - i1
-        # the block transposed, so that column i is the contiguous row Wt[i]; row i of Hs is row i of the
-        # inverse factor divided by its diagonal, so the OBS update of eq. 2 is one rank-1 update per column
-        Wt = W[:, i1:i2].T.contiguous()
+        Wt, St = WT[i1:i2], ST[i1:i2]
+        Zt = ZT[i1:i2] if ZT is not None else None
+        # row i of Hs is row i of the inverse factor divided by its diagonal, so the OBS update of eq. 2
+        # is one rank-1 update per column
         Hinv1 = U[i1:i2, i1:i2]
         d = Hinv1.diagonal().clone()
         Hs = Hinv1 / d[:, None]
-        if static:
-            St = col_scale[:, i1:i2].T.contiguous()
-            Zt = col_zero[:, i1:i2].T.contiguous() if col_zero is not None else None
-        else:
-            St = torch.empty(n1, rows)
-            Zt = torch.zeros(n1, rows) if zero is not None else None
         lo = qlo - Zt if Zt is not None else qlo  # clamp(round(x/s) + z, lo, hi) - z = clamp(round(x/s), lo-z, hi-z)
         hi = qhi - Zt if Zt is not None else qhi
         with _one_thread():  # small ops: OpenMP only adds waits (badly so when a core is busy)
-            _column_loop(Wt, St, Zt, lo, hi, Hs, i1, n1, static, g, scale, zero, cfmt, qlo, qhi)
+            _column_loop(Wt, St, Zt, lo, hi, Hs, i1, i2 - i1, static, g, scale, zero, cfmt, qlo, qhi)
         # Wt[i] is never changed after column i is quantised, so it still holds the value that was
         # rounded: codes and errors of the whole block come out in a few vectorised operations
         Q1 = torch.round(Wt / St)
         Q1 = (Q1 + Zt).clamp_(qlo, qhi) if Zt is not None else Q1.clamp_(qlo, qhi)
-        Err1 = (Wt - ((Q1 - Zt) if Zt is not None else Q1) * St) / d[:, None]  # (n1, rows)
+        Err1 = (Wt - ((Q1 - Zt) if Zt is not None else Q1) * St) / d[:, None]  # (block, rows)
         losses += (Err1**2).sum(0) / 2
-        qcodes[:, i1:i2] = Q1.T
-        W[:, i2:] -= Err1.T @ U[i1:i2, i2:]
-    codes = (qcodes + off).to(torch.uint8)
-    inv = torch.argsort(perm)
-    codes = codes[:, inv]
+        QT[i1:i2] = Q1
+        if i2 < cols:  # lazy update of every later column (eq. 4)
+            WT[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1)
+    codes = (QT + off).to(torch.uint8).T[:, torch.argsort(perm)].contiguous()
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,
