@@ -205,16 +205,23 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
     data = check_calibration_data(data, method)
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"damp": {}}
+    output_of = {lin: mod for mod, lin in arch.outputs}
     for run, planned in planned_blocks(model, data, by_block, progress, method):
         if awq:
             awq_block(run, planned, arch, clip=False, info=info)
+        staged: set[str] = set()
         for group, declared in _groups(arch, planned):
             mods = {p: run.module(p) for p in group}
+            # a module whose output linear is in this group, with every other planned linear of it already
+            # quantised, can be replayed from that linear's recorded input for the rest of the block
+            replay = tuple(p for p in group if p in output_of and run.record_budget_left(p) and all(
+                q in staged or q == p for q in planned if q.startswith(output_of[p] + ".")))
             if declared:  # a declared group shares one input: one Hessian serves every linear in it
-                first = run.collect({group[0]: mods[group[0]]}, want_hessian=True, want_abs=False)[group[0]]
+                first = run.collect({group[0]: mods[group[0]]}, want_hessian=True, want_abs=False,
+                                    record=replay)[group[0]]
                 stats = dict.fromkeys(group, first)
             else:
-                stats = run.collect(mods, want_hessian=True, stop_early=False, want_abs=False)
+                stats = run.collect(mods, want_hessian=True, stop_early=False, want_abs=False, record=replay)
             results = gptq_group({p: m.weight.detach() for p, m in mods.items()}, stats,
                                  {p: planned[p] for p in group})
             for p in group:
@@ -227,6 +234,9 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
                 elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
                     info["damp"][plan.name] = res.info["damp"]
                 run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
+                staged.add(p)
+            for p in replay:
+                run.replay(output_of[p], p)
     commit_outside(model, outside, commit, info)
     return info
 

@@ -31,6 +31,9 @@ log = logging.getLogger("fewbits.calib")
 
 #: fewest calibration tokens a calibrated method accepts
 MIN_CALIB_TOKENS = 128
+#: recorded linear inputs (for replaying a module) may take at most this many times the memory of a
+#: block's calibration hidden states
+REPLAY_BUDGET = 4.0
 
 
 class _Recorder(nn.Module):
@@ -91,6 +94,8 @@ class BlockRun:
     kwargs: list[dict[str, Any]]
     sample_ref: list[int] = field(default_factory=lambda: [0])
     deferred: list[Callable[[], None]] = field(default_factory=list)  # run after `advance`
+    recorded: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)  # linear -> sample -> input
+    replayed: list[nn.Module] = field(default_factory=list)  # modules whose forward is replayed
 
     def stage(self, path: str, w_hat: torch.Tensor, commit: Callable[[], None]) -> None:
         """Put the quantised values `w_hat` in the float linear `path` for the rest of this block's
@@ -113,13 +118,76 @@ class BlockRun:
                 pass
 
     def collect(self, modules: dict[str, nn.Module], want_hessian: bool = True, keep_samples: int = 0,
-                stop_early: bool = True, want_abs: bool = True) -> dict[str, InputStats]:
-        """Statistics of the inputs of `modules` (name -> linear) over all samples of all processes."""
-        with watch_inputs(modules, self.sample_ref, want_hessian, keep_samples, stop_early, self.prefix,
-                          want_abs) as stats:
-            self.forward_all()
+                stop_early: bool = True, want_abs: bool = True, record: tuple[str, ...] = ()
+                ) -> dict[str, InputStats]:
+        """Statistics of the inputs of `modules` (name -> linear) over all samples of all processes.
+
+        The inputs of the linears in `record` (paths inside the block) are kept, per sample, for `replay`."""
+        handles = [self.module(p).register_forward_pre_hook(self._recorder(p)) for p in record]
+        try:
+            with watch_inputs(modules, self.sample_ref, want_hessian, keep_samples, stop_early, self.prefix,
+                              want_abs) as stats:
+                self.forward_all()
+        finally:
+            for h in handles:
+                h.remove()
         reduce(stats.values())
         return stats
+
+    def _recorder(self, path: str) -> Callable:
+        store = self.recorded.setdefault(path, {})
+
+        def hook(mod: nn.Module, args: tuple) -> None:
+            store[self.sample_ref[0]] = args[0].detach()
+        return hook
+
+    def record_budget_left(self, path: str) -> bool:
+        """Whether recording the inputs of linear `path` keeps all recorded inputs within REPLAY_BUDGET
+        times the memory of the block's calibration hidden states."""
+        hidden = sum(h.numel() * h.element_size() for h in self.hidden)
+        held = sum(t.numel() * t.element_size() for r in self.recorded.values() for t in r.values())
+        tokens = sum(h.numel() // h.shape[-1] for h in self.hidden)
+        need = tokens * int(self.module(path).in_features) * self.hidden[0].element_size() if self.hidden else 0
+        return held + need <= REPLAY_BUDGET * hidden
+
+    def replay(self, module_path: str, linear_path: str) -> None:
+        """From now on (until the block is done) compute module `module_path` as linear `linear_path`
+        applied to its recorded input, instead of running the module again.
+
+        Valid when the module's output is that linear's output and nothing before the linear changes any
+        more (the architecture mapping declares the pairs; the caller checks every other planned linear of
+        the module is already quantised).  The first call runs the real module and checks that the replay
+        gives the identical tensor; if not, replay is switched off for the module with a log line."""
+        mod, lin, rec = self.module(module_path), self.module(linear_path), self.recorded[linear_path]
+        state: dict[str, Any] = {"checked": False, "rest": None}
+        real = mod.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            s = self.sample_ref[0]
+            if not state["checked"]:
+                out = real(*args, **kwargs)
+                first = out[0] if isinstance(out, tuple) else out
+                x = rec.get(s)
+                if x is not None and torch.equal(first, torch.nn.functional.linear(x, lin.weight, lin.bias)):
+                    state["checked"], state["rest"] = True, (out[1:] if isinstance(out, tuple) else None)
+                else:
+                    log.warning("%s.%s: replaying it from %s's recorded input does not reproduce its output; "
+                                "running it in full", self.prefix, module_path, linear_path)
+                    del mod.forward
+                    self.replayed.remove(mod)
+                return out
+            y = lin(rec[s])
+            return y if state["rest"] is None else (y, *state["rest"])
+
+        mod.forward = forward
+        self.replayed.append(mod)
+
+    def finish(self) -> None:
+        """Restore replayed modules and drop recorded inputs (the block is done)."""
+        for mod in self.replayed:
+            del mod.forward
+        self.replayed.clear()
+        self.recorded.clear()
 
     @torch.no_grad()
     def advance(self) -> list[torch.Tensor]:
@@ -183,5 +251,6 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
         run = BlockRun(b, f"{prefix}.{b}", blocks[b], samples, hidden, kwargs[b])
         yield run
         hidden = run.advance()
+        run.finish()
         for fn in run.deferred:
             fn()

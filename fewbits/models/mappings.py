@@ -34,6 +34,9 @@ class ArchMapping:
         quantisation quantises group k before collecting statistics for group k+1).
     smooth: the folding opportunities, in data-flow order.
     norm_plus_one: the RMSNorm multiplies by (1 + weight) instead of weight (Gemma families).
+    outputs: (module, linear) pairs where the module's output (first element, if it returns a tuple) is
+        that linear's output: once everything before the linear is quantised, the calibration can replay
+        the module from the linear's recorded input instead of running it again.
     """
 
     family: str
@@ -42,6 +45,7 @@ class ArchMapping:
     smooth: tuple[SmoothMapping, ...]
     norm_plus_one: bool = False
     model_types: tuple[str, ...] = field(default_factory=tuple)
+    outputs: tuple[tuple[str, str], ...] = (("self_attn", "self_attn.o_proj"), ("mlp", "mlp.down_proj"))
 
     @property
     def linears(self) -> tuple[str, ...]:

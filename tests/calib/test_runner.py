@@ -126,3 +126,51 @@ def test_wrong_format_fails_before_anything_changes(tiny, calib_ids) -> None:
         RUNNERS["gptq"](model, Recipe.from_format("nf4-g32", "gptq").plan(linear_shapes(model)), calib_ids,
                         lambda n, q: None, False)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_replaying_quantised_modules_gives_the_same_codes(tiny, calib_ids, family: str, method: str,
+                                                          monkeypatch, caplog) -> None:
+    """Attention and MLP replayed from their output linear's recorded input (once the linears before it are
+    quantised) give exactly the codes of running every pass in full; no replay is ever switched off."""
+    import dataclasses
+
+    from fewbits.models import mappings
+
+    def codes(replay: bool) -> dict[str, torch.Tensor]:
+        if not replay:
+            for k, a in list(mappings.ARCHITECTURES.items()):
+                monkeypatch.setitem(mappings.ARCHITECTURES, k, dataclasses.replace(a, outputs=()))
+        model = tiny(family, layers=4)
+        quantize(model, method, "int4-g32", calib_ids)
+        return {n: b for n, b in model.named_buffers() if "codes" in n or "scale" in n}
+
+    with caplog.at_level(logging.WARNING, logger="fewbits.calib"):
+        replayed = codes(True)
+    assert "does not reproduce" not in caplog.text
+    full = codes(False)
+    assert replayed.keys() == full.keys() and len(full) >= 2 * 4 * 7
+    for name, t in full.items():
+        assert torch.equal(replayed[name], t), name
+
+
+def test_a_wrongly_declared_replay_is_detected_and_switched_off(tiny, calib_ids, monkeypatch, caplog) -> None:
+    """Declaring a pair whose module output is not the linear's output (attention is not down_proj) must not
+    change the result: the first replayed call runs the real module, sees the mismatch and turns replay off."""
+    import dataclasses
+
+    from fewbits.models import mappings
+
+    model = tiny("llama")
+    ref_info = quantize(model, "gptq", "int4-g32", calib_ids)
+    ref = {n: b for n, b in model.named_buffers() if "codes" in n}
+    bad = dataclasses.replace(mappings.ARCHITECTURES["llama"], outputs=(("self_attn", "mlp.down_proj"),))
+    monkeypatch.setitem(mappings.ARCHITECTURES, "llama", bad)
+    model = tiny("llama")
+    with caplog.at_level(logging.WARNING, logger="fewbits.calib"):
+        info = quantize(model, "gptq", "int4-g32", calib_ids)
+    assert "does not reproduce its output" in caplog.text
+    assert info.keys() == ref_info.keys()
+    for name, t in ((n, b) for n, b in model.named_buffers() if "codes" in n):
+        assert torch.equal(ref[name], t), name
