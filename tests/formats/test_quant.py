@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 
-
 def test_all_finite_sees_every_nan_and_inf() -> None:
     from fewbits.formats.quant import all_finite
 
