@@ -236,10 +236,12 @@ def format_breakdown(r: PlanResult) -> str:
              f"({r.crossover_tokens / r.batch:,.0f} per sequence)",
              f"  prefill of the whole batch: {_ms(r.prefill_batch_s)}"]
     if r.table:
-        lines += ["", f"{'weights':<14}{'KV':<10}{'step':>11}{'tok/s':>9}{'speedup':>9}"
+        ww = max(14, *(len(t.weights) + 1 for t in r.table))  # long specs (int4-g32-r128) keep columns aligned
+        kw = max(10, *(len(t.kv) + 1 for t in r.table))
+        lines += ["", f"{'weights':<{ww}}{'KV':<{kw}}{'step':>11}{'tok/s':>9}{'speedup':>9}"
                       f"{'W GB':>8}{'KV GB':>8}  bound    fits"]
         for t in r.table:
-            lines.append(f"{t.weights:<14}{t.kv:<10}{_ms(t.time_s):>11}{t.tokens_per_s:>9.0f}{t.speedup:>8.2f}x"
+            lines.append(f"{t.weights:<{ww}}{t.kv:<{kw}}{_ms(t.time_s):>11}{t.tokens_per_s:>9.0f}{t.speedup:>8.2f}x"
                          f"{t.weight_bytes / 1e9:>8.2f}{t.kv_bytes / 1e9:>8.2f}  {t.bound:<8} "
                          f"{'yes' if t.fits else 'no'}")
     lines += ["", *(f"note: {n}" for n in r.notes)]
