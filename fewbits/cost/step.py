@@ -6,7 +6,7 @@ A decode step over batch b with c cached tokens in total (c = b x context per se
 
 (linear weights incl. the LM head; one embedding row per sequence; the cache read, c kappa, and the new
 keys/values written, b kappa) and does F = 2 b P_lin + 4 L n_h d_h (c + b) FLOPs.  A KV cache as fewbits
-stores it (`fewbits.cost.kvformat`, e.g. KIVI int4 with a 16-bit residual window of R tokens quantised
+stores it (`fewbits.formats.kvformat`, e.g. KIVI int4 with a 16-bit residual window of R tokens quantised
 G at a time) counts its true bytes instead: of a sequence's context, (context - R) // G * G tokens at
 the quantised kappa and the rest at the 16-bit one, each part at its own efficiency.  With n-way tensor
 parallelism weights, heads and KV heads split over the devices and each layer adds two ring
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from fewbits.cost.devices import DeviceSpec
-from fewbits.cost.kvformat import KVFormat, parse_kv_format, quantized_tokens
 from fewbits.cost.profile import Profile, format_family
 from fewbits.formats.format import Format, FormatError, parse_format
+from fewbits.formats.kvformat import KVFormat, parse_kv_format, quantized_tokens
 from fewbits.models.spec import ModelSpec
 
 ACT_BYTES = 2  # activations exchanged by all-reduces stay 16-bit
@@ -151,7 +151,7 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
 
 def resolve_kv(kv: str | Format | KVFormat) -> Format | KVFormat:
     """A KV spec: a weight-style format (``bf16``, ``fp8-e4m3``, ``int4``, ``int4-g32-asym``: its bits per
-    value, no window) or, where the string is not one, a KV-cache format of `fewbits.cost.kvformat` written
+    value, no window) or, where the string is not one, a KV-cache format of `fewbits.formats.kvformat` written
     with its residual (``int4-g32-r128``, ``int2-r128``, ``int8-r0``, ``fp8-e4m3-r0``: `KVFormat.full_spec`,
     what `fewbits bench` passes), whose bytes are the store's own."""
     if isinstance(kv, (Format, KVFormat)):

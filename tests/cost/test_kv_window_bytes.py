@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from fewbits.cost.kvformat import KV_SPECS, parse_kv_format, quantized_tokens
 from fewbits.cost.plan import plan
 from fewbits.cost.profile import DEFAULT
 from fewbits.cost.step import kv_cache_bytes, kv_terms
+from fewbits.formats.kvformat import KV_SPECS, parse_kv_format, quantized_tokens
 from fewbits.kvcache.store import KVStore
 from fewbits.models.spec import ModelSpec
 
