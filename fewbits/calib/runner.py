@@ -5,7 +5,9 @@
    receives (masks, rotary embeddings: Gemma 3 gives sliding and global layers different ones).
    The pass stops at the last block, so no logits are ever computed.
 2. For each block, a method collects statistics with hooks (`BlockRun.collect`), quantises the block's
-   linears, and `BlockRun.advance` feeds the *quantised* block's outputs to the next block.
+   linears, and `BlockRun.advance` feeds the *quantised* block's outputs to the next block.  Once the
+   linears up to a module's output linear are quantised, `BlockRun.replay` computes that module (attention,
+   MLP: declared pairs) from the linear's recorded input for the block's remaining passes.
 Live memory is one block's activations for the calibration samples (plus the model itself).
 
 Samples run one at a time (batch 1), so the arithmetic for a sample is the same whichever process runs
