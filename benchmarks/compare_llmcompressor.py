@@ -147,7 +147,7 @@ def main() -> None:
     # two tools are timed in turns and compared by their medians); quality is scored on the first run
     gptq_walls: dict[str, list[float]] = {"llm-compressor GPTQ": [], "fewbits GPTQ": []}
     for r in range(args.repeat):
-        model, info, failure = lc_run(args, folder, calib, "gptq", ref)
+        model, info, _ = lc_run(args, folder, calib, "gptq", ref)  # a GPTQ failure exits in lc_run
         gptq_walls["llm-compressor GPTQ"].append(info["wall_s"])
         if r == 0:
             score("llm-compressor GPTQ", model, info["wall_s"], info["total_s"])
@@ -171,7 +171,7 @@ def main() -> None:
     score("fewbits AWQ", fb.float(), wall, wall)
     del fb
 
-    print(f"{args.model}, int4 group {GROUP} symmetric, lm_head and embeddings 16-bit; calibration "
+    print(f"{args.model}, int4 group {GROUP} symmetric, lm_head and embeddings unquantised; calibration "
           f"{args.calib_windows} x {args.calib_len} identical token ids; torch threads {torch.get_num_threads()};\n"
           f"both tools calibrate in {args.dtype}, "
           "every row is scored in float32 against the float32 model")
