@@ -28,11 +28,14 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
+from fewbits.methods.gptq_loop import obs_columns
+from fewbits.methods.linalg import cholesky_lower, lower_inverse
 from fewbits.methods.rtn import rtn_quantize
 
 log = logging.getLogger("fewbits.gptq")
@@ -68,10 +71,10 @@ def inverse_hessian_factor(
         # inverse is J L^-T L^-1 J = U^T U with U = J L^-1 J upper triangular: one factorisation and one
         # triangular inverse instead of factorise, invert, factorise again
         with _one_thread():
-            L, info = torch.linalg.cholesky_ex((H + ratio * mean_diag * eye).flip(0, 1))
-            ok = int(info) == 0
+            L, info = cholesky_lower((H + ratio * mean_diag * eye).flip(0, 1))
+            ok = info == 0
             if ok:
-                U = torch.linalg.solve_triangular(L, eye, upper=False).flip(0, 1)
+                U = lower_inverse(L).flip(0, 1)
                 ok = all_finite(U) and bool((U.diagonal() > 0).all())
         if ok:
             return U, ratio
@@ -90,30 +93,31 @@ def _int_range(fmt: Format) -> tuple[int, int, int]:
     return 0, 2**fmt.bits - 1, 0
 
 
+_NO_RANGE = np.zeros((1, 1), dtype=np.float32)
+
+
 def _column_loop(Wt: torch.Tensor, St: torch.Tensor, Zt: torch.Tensor | None, lo: torch.Tensor | int,
                  hi: torch.Tensor | int, Hs: torch.Tensor, i1: int, n1: int, static: bool, g: int,
                  scale: torch.Tensor, zero: torch.Tensor | None, cfmt: Format, qlo: int, qhi: int) -> None:
     """Quantise the columns of one lazy block in order (Wt: block transposed, one column per row), each
     one's rounding error spread over the columns after it (eq. 2); group scales of a non-static format
     are taken from the updated weights when the loop reaches the group.  Works in place."""
-    for i in range(n1):
-        j = i1 + i
-        if not static and j % g == 0:  # a new group: scales from the current (updated) weights
-            s_, z_ = compute_scales(Wt[i:i + g].T, cfmt)
+    step = n1 if static else g  # a non-static block is a whole number of groups, starting at a group
+    per_element = Zt is not None
+    W_, S_, Hs_ = Wt.numpy(), St.numpy(), Hs.numpy()
+    LO, HI = (lo.numpy(), hi.numpy()) if per_element else (_NO_RANGE, _NO_RANGE)
+    for a in range(0, n1, step):
+        if not static:  # a new group: scales from the current (updated) weights
+            j = i1 + a
+            s_, z_ = compute_scales(Wt[a:a + g].T, cfmt)
             scale[:, j // g] = s_[:, 0]
-            St[i:i + g] = s_[:, 0]
+            St[a:a + g] = s_[:, 0]
             if zero is not None:
                 zero[:, j // g] = z_[:, 0]
-                Zt[i:i + g] = z_[:, 0]
-                lo[i:i + g] = qlo - z_[:, 0]
-                hi[i:i + g] = qhi - z_[:, 0]
-        if i + 1 == n1:
-            break  # the last column of a block has nothing left in the block to update
-        col, s = Wt[i], St[i]
-        r = torch.round(col / s)  # the integer grid of fewbits.formats.quant (same float operations)
-        r = r.clamp_(lo[i], hi[i]) if Zt is not None else r.clamp_(qlo, qhi)
-        # OBS update of the columns not yet quantised: w_k -= (w_i - q_i) H^-1_ik / H^-1_ii
-        Wt[i + 1:].addr_(Hs[i, i + 1:], torch.addcmul(col, r, s, value=-1), alpha=-1)
+                Zt[a:a + g] = z_[:, 0]
+                lo[a:a + g] = qlo - z_[:, 0]
+                hi[a:a + g] = qhi - z_[:, 0]
+        obs_columns(W_, S_, LO, HI, Hs_, a, a + step, np.float32(qlo), np.float32(qhi), per_element)
 
 
 def gptq_quantize(
