@@ -43,7 +43,10 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, misfit: str | None,
                  dtype: str, calib_windows: int, calib_seq_len: int, out: str, overwrite: bool, quiet: bool) -> None:
-    """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT."""
+    """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT.
+
+    OUT loads with fewbits.api.load_quantized_model on the fast kernels (the dispatcher) by default;
+    `fewbits eval OUT` measures it on the exact dequantised weights (--kernel cached)."""
     from pathlib import Path
 
     from fewbits import api
@@ -71,7 +74,8 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         data = None
         if any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
             data = calibration_ids(tok, calib_seq_len, calib_windows)
-        report = api.quantize(m, recipe, data=data, progress=not quiet)
+        # only saved: no fast kernels to pack (the reference path is built for free); loading prepares them
+        report = api.quantize(m, recipe, data=data, progress=not quiet, chooser=api.kernel_chooser("reference"))
         if distributed.rank() != 0:  # under torchrun every rank holds the same weights; rank 0 saves them
             return
         click.echo(report.text())
