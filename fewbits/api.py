@@ -12,12 +12,21 @@ whether it needs calibration data).  A method runner has the signature
   runner that commits each layer as soon as it is done never holds two copies of the weights;
 - the returned dict (JSON-able) lands in the report under "method_info".
 Every planned layer must be committed exactly once; `quantize` checks that.
+
+Kernels.  How a quantised layer runs its matmul is chosen by a *kernel chooser* (see `KERNELS`).  The
+layers are built on the reference path while a method runs (cheap, and exact for any calibration pass
+through them); when the model is complete, `quantize` and `load_quantized_model` prepare the chosen
+kernels once (`use_kernels`).  The default is the dispatcher ("auto"): the fastest correct path for the
+format, shape and device (bf16 activations on the CPU's int4/int8 paths), the reference path with a
+logged reason where there is none.  Quality measurements that must see the exact dequantised weights
+pass "cached" (dequantise once, exact) or "reference" (dequantise on every call, exact, no dense copy).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,10 +40,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fewbits.models.qlinear import KernelChooser, LayerMetaError, describe_layers, rebuild_layer
+from fewbits.models.qlinear import (
+    KernelChooser,
+    LayerMetaError,
+    QuantLinear,
+    describe_layers,
+    kernel_name,
+    rebuild_layer,
+    reference_chooser,
+)
 from fewbits.models.recipe import LayerPlan, Recipe, RecipeError
 from fewbits.models.swap import linear_shapes, model_nbytes, swap_in
 from fewbits.tensor import QuantizedTensor, quantize_tensor
+
+log = logging.getLogger("fewbits.api")
 
 Commit = Callable[[str, "QuantizedTensor | nn.Module"], None]
 MethodRunner = Callable[[nn.Module, Sequence[LayerPlan], "torch.Tensor | None", Commit, bool], "dict | None"]
@@ -71,13 +90,17 @@ METHODS: dict[str, MethodEntry] = {
 }
 
 
-#: how QuantLinear layers run their matmul: "reference" dequantises on every call; "cached" dequantises
-#: once and keeps the dense weight (same numbers, fast evaluation on CPU); "auto" is the kernel dispatcher
+#: how QuantLinear layers run their matmul: "auto" is the kernel dispatcher (fast paths, activations in
+#: bf16 on the CPU's int4/int8 kernels; the default); "cached" dequantises once and keeps the dense weight
+#: (exact: the reference numbers, fast evaluation on CPU, a dense copy in memory); "reference" dequantises
+#: on every call (exact, slow, no copy)
 KERNELS: dict[str, str] = {
     "reference": "fewbits.models.qlinear:reference_chooser",
     "cached": "fewbits.models.qlinear:dequantized_once_chooser",
     "auto": "fewbits.kernels.dispatch:prepare_linear",
 }
+#: the kernels `quantize` and `load_quantized_model` prepare when they are given no chooser
+DEFAULT_KERNEL = "auto"
 
 
 def kernel_chooser(name: str) -> KernelChooser:
@@ -86,6 +109,34 @@ def kernel_chooser(name: str) -> KernelChooser:
         raise ValueError(f"unknown kernel choice {name!r}; one of {', '.join(KERNELS)}")
     module, attr = KERNELS[name].split(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def use_kernels(model: nn.Module, chooser: KernelChooser | str | None = None) -> dict[str, int]:
+    """Prepare the matmul of every QuantLinear in `model` (those inside wrapper layers too) with `chooser`:
+    a KernelChooser, a name in KERNELS, or None for DEFAULT_KERNEL ("auto", the dispatcher).
+
+    Returns how many layers run on each kernel, e.g. {"cpu_int4pack": 210}; the dispatcher logs why a
+    layer falls back to the reference path.  Later moves (`model.to(device)`) prepare the same chooser again.
+    """
+    choose = chooser if callable(chooser) else kernel_chooser(chooser or DEFAULT_KERNEL)
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.chooser = choose
+            mod.kernel = choose(mod.qweight)
+    counts = kernels_in_use(model)
+    if counts:
+        log.info("fewbits.api: quantised layers run on %s", ", ".join(f"{n} x {k}" for k, n in counts.items()))
+    return counts
+
+
+def kernels_in_use(model: nn.Module) -> dict[str, int]:
+    """How many QuantLinear layers of `model` run on each kernel ("cpu_int4pack", "reference", "cached", ...)."""
+    counts: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            name = kernel_name(mod.kernel)
+            counts[name] = counts.get(name, 0) + 1
+    return counts
 
 
 class QuantizeError(RecipeError):
@@ -152,11 +203,17 @@ def plan_model(model: nn.Module, recipe: Recipe) -> list[LayerPlan]:
 
 
 def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None = None, progress: bool = True,
-             chooser: KernelChooser | None = None) -> QuantizeReport:
+             chooser: KernelChooser | str | None = None) -> QuantizeReport:
     """Quantise `model` in place with `recipe` (or a format spec such as "int4-g64").
 
     Every layer is planned first (a misfit or unknown method raises before any layer changes); then
     each method's runner quantises its layers one at a time.  Returns a `QuantizeReport`.
+
+    chooser: how the quantised layers run once the model is complete (`use_kernels`): None gives the
+    kernel dispatcher ("auto": fast paths, bf16 activations on the CPU's int4/int8 kernels), ready for
+    generation; "cached" (or `kernel_chooser("cached")`) keeps the exact dequantised weights, for quality
+    measurements; "reference" prepares nothing (dequantise on every call), for a model that is only saved.
+    While the method runs, layers use the reference path whatever the choice.
     """
     if isinstance(recipe, str):
         recipe = Recipe.from_format(recipe)
@@ -176,7 +233,7 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
             raise QuantizeError(f"layer {name} was not planned for quantisation")
         if name in after:
             raise QuantizeError(f"layer {name} was committed twice")
-        new = swap_in(model, name, q, chooser)
+        new = swap_in(model, name, q, reference_chooser)  # the chosen kernels are prepared at the end
         after[name] = q.nbytes if isinstance(q, QuantizedTensor) else model_nbytes(new)
 
     info: dict[str, Any] = {}
@@ -188,6 +245,7 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
     missing = [p.name for p in todo if p.name not in after]
     if missing:
         raise QuantizeError(f"method(s) did not quantise {len(missing)} planned layer(s): {', '.join(missing[:8])}")
+    use_kernels(model, chooser)
     rows = [{"name": p.name, "shape": list(p.shape), "action": p.action, "format": p.format, "method": p.method,
              "note": p.note, "bytes_before": before[p.name], "bytes_after": after.get(p.name, before[p.name])}
             for p in plans]
@@ -294,9 +352,13 @@ def read_saved_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | None = None
+def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | str | None = None
                          ) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """Read a directory written by `save_quantized_model` -> (model in eval mode, tokenizer or None, meta)."""
+    """Read a directory written by `save_quantized_model` -> (model in eval mode, tokenizer or None, meta).
+
+    chooser: how the quantised layers run (`use_kernels`, prepared once the weights are in): None gives
+    the kernel dispatcher ("auto": fast paths, bf16 activations on the CPU's int4/int8 kernels); pass
+    "cached" for the exact dequantised weights (evaluation), "reference" to dequantise on every call."""
     import transformers
     from safetensors import safe_open
     from transformers.initialization import no_init_weights
@@ -323,7 +385,7 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
         except AttributeError:
             raise SavedModelError(f"{wf}: layer {name} is not a linear layer of {meta['model_class']}") from None
         try:
-            new = rebuild_layer(lmeta, tensors, name, chooser)
+            new = rebuild_layer(lmeta, tensors, name)  # the reference path until the weights are in
         except LayerMetaError as e:
             raise SavedModelError(f"{wf}: {e}") from e
         if (new.out_features, new.in_features) != want:
@@ -340,6 +402,7 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
         for alias, name in meta["tied"].items():
             if state[alias].data_ptr() != state[name].data_ptr():
                 state[alias].copy_(state[name])  # the architecture did not tie them itself
+    use_kernels(model, chooser)
     tokenizer = None
     if any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(d)

@@ -21,8 +21,9 @@ from fewbits.cli.quantize import DTYPES
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
               help="dtype of the reference run")
 @click.option("--kernel", type=click.Choice(["cached", "reference", "auto"]), default="cached", show_default=True,
-              help="matmul of the quantised layers: reference numbers with the weight dequantised once "
-                   "(cached) or on every call (reference), or the fast kernel dispatcher (auto)")
+              help="matmul of the quantised layers: the exact dequantised weights, dequantised once (cached) "
+                   "or on every call (reference), or the fast kernel dispatcher (auto: bf16 activations on "
+                   "the CPU's int4/int8 paths; what fewbits.api.load_quantized_model gives by default)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write results as JSON")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="write KL vs bits/weight plot (PNG)")

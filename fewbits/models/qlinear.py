@@ -5,8 +5,10 @@ The packed tensors (codes, scales, zero points, tensor scale) are registered as 
 stored; the format and shape live in `qweight_meta` (JSON-able, the QuantizedTensor's `meta()`).
 
 The matmul runs through `self.kernel`, a callable ``kernel(x, bias) -> y`` prepared once per layer by a
-*chooser* ``chooser(qt) -> kernel``.  The default chooser gives the reference path, dequantise then
-matmul (`reference_linear`); a faster kernel dispatcher is injected by passing another chooser.
+*chooser* ``chooser(qt) -> kernel``.  A QuantLinear built without one runs the reference path,
+dequantise then matmul (`reference_linear`): cheap to build, exact.  The api (`fewbits.api.quantize`,
+`load_quantized_model`) prepares the kernel dispatcher on every layer of a finished model by default;
+`kernel_name` says which kernel a layer runs.
 
 Saved layers.  A module that replaces a linear layer describes itself for the saved metadata and is
 rebuilt from it, one mechanism for every such module: its class names a `layer_kind` listed in
@@ -47,8 +49,15 @@ def reference_linear(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | 
 
 
 def reference_chooser(qt: QuantizedTensor) -> LinearKernel:
-    """The default chooser: always the reference path."""
-    return partial(_call_reference, qt)
+    """QuantLinear's own default chooser: always the reference path (dequantise on every call)."""
+    kernel = partial(_call_reference, qt)
+    kernel.name = "reference"  # type: ignore[attr-defined]
+    return kernel
+
+
+def kernel_name(kernel: LinearKernel) -> str:
+    """The name of a prepared kernel: "reference", "cached", or the dispatcher's ("cpu_int4pack", ...)."""
+    return str(getattr(kernel, "name", None) or type(kernel).__name__)
 
 
 def _call_reference(qt: QuantizedTensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -62,6 +71,8 @@ class DequantizedOnce:
     holds a dense copy of the weight: use it for evaluation runs on the CPU, where dequantising every
     layer on every forward costs more than the matmul; never for measuring memory or kernel speed.
     """
+
+    name = "cached"
 
     def __init__(self, qt: QuantizedTensor) -> None:
         self.qt = qt
