@@ -22,7 +22,7 @@ def test_smollm2_fast_kernels_match_reference_path(smollm2):
     ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog because it was")])
     for spec, kernel in (("int4-g64", "cpu_int4pack"),):  # int8 is covered layer by layer
         m = copy.deepcopy(model)
-        quantize(m, Recipe.from_format(spec), progress=False)  # reference path
+        quantize(m, Recipe.from_format(spec), progress=False, chooser="reference")
         ref = log_probs(m(ids).logits[0])
         for mod in m.modules():  # same codes, fast kernels (bf16 activations)
             if hasattr(mod, "kernel"):
