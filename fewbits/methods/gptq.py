@@ -35,7 +35,7 @@ from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
 from fewbits.methods.gptq_loop import obs_columns
-from fewbits.methods.linalg import cholesky_lower, lower_inverse
+from fewbits.methods.linalg import inverse_upper_factor
 from fewbits.methods.rtn import rtn_quantize
 
 log = logging.getLogger("fewbits.gptq")
@@ -62,20 +62,14 @@ def inverse_hessian_factor(
     Damping is raised tenfold after every failed factorisation (logged); None after `max_tries`.
     """
     H = hessian.float()
-    n = H.shape[0]
     mean_diag = torch.diag(H).mean().clamp_min(1e-12)
-    eye = torch.eye(n, dtype=H.dtype)
     ratio = damp
     for _ in range(max_tries):
-        # with J the order-reversing permutation and J (H + lambda I) J = L L^T (lower Cholesky), the
-        # inverse is J L^-T L^-1 J = U^T U with U = J L^-1 J upper triangular: one factorisation and one
-        # triangular inverse instead of factorise, invert, factorise again
+        # one factorisation H = R R^T (R upper) and one triangular inverse U = R^-1 (fewbits.methods.linalg)
+        # instead of factorise, invert, factorise again
         with _one_thread():
-            L, info = cholesky_lower((H + ratio * mean_diag * eye).flip(0, 1))
-            ok = info == 0
-            if ok:
-                U = lower_inverse(L).flip(0, 1)
-                ok = all_finite(U) and bool((U.diagonal() > 0).all())
+            U, info = inverse_upper_factor(H, ratio * mean_diag)
+            ok = info == 0 and all_finite(U) and bool((U.diagonal() > 0).all())
         if ok:
             return U, ratio
         nxt = ratio * 10 if ratio > 0 else 1e-3
@@ -174,8 +168,9 @@ def gptq_quantize(
         scale = torch.zeros(rows, cols // g)
         zero = torch.zeros(rows, cols // g) if not fmt.symmetric else None
 
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols)
-    H = H[perm][:, perm]
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
+    if perm is not None:
+        H = H[perm][:, perm]
     fac = inverse_hessian_factor(H, damp, max_tries, name)
     if fac is None:
         log.warning("%s: Hessian stayed singular after %d damping increases; using round-to-nearest",
@@ -188,9 +183,9 @@ def gptq_quantize(
     block = block_size if not grouped else max(g, -(-block_size // g) * g)
     # everything is held transposed, (cols, rows), in quantisation order: column i is the contiguous row
     # WT[i], a lazy block is a slice of rows and its update a contiguous in-place matmul
-    WT = W[:, perm].T.contiguous()
+    WT = (W[:, perm] if perm is not None else W).T.contiguous()
     if static:  # per permuted column: its scale and zero point
-        group_of = perm // g
+        group_of = (perm if perm is not None else torch.arange(cols)) // g
         ST = scale[:, group_of].T.contiguous()
         ZT = zero[:, group_of].T.contiguous() if zero is not None else None
     else:
@@ -221,7 +216,8 @@ def gptq_quantize(
         QT[i1:i2] = Q1
         if i2 < cols:  # lazy update of every later column (eq. 4)
             WT[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1)
-    codes = (QT + off).to(torch.uint8).T[:, torch.argsort(perm)].contiguous()
+    codes = (QT + off).to(torch.uint8).T
+    codes = (codes[:, torch.argsort(perm)] if perm is not None else codes).contiguous()
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,

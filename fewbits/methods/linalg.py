@@ -1,11 +1,17 @@
-"""Cholesky factor and triangular inverse by recursive blocking on matrix products.
+"""The inverse-Hessian factor GPTQ needs, by recursive blocking on matrix products.
 
-GPTQ factors one Hessian per linear input (a 135M model: 120 of them, up to 1536 x 1536) and runs the
-factorisation on one thread so that its codes do not depend on the thread count.  On one thread LAPACK's
-float32 `potrf` reaches ~28 GFLOP/s here and a triangular solve against the identity ~80, while a matrix
-product reaches ~165: the recursive forms below move nearly all the work into products (LAPACK's own
-`potrf2` recursion, with the leaves handed back to LAPACK) and factor + invert a 1536 x 1536 Hessian in
-~37 ms instead of ~80, to the same accuracy (tests/methods/test_linalg.py checks both against float64).
+GPTQ wants the upper-triangular U with (H + lambda I)^-1 = U^T U.  With H = R R^T, R upper triangular (a
+Cholesky factorisation that starts from the last row instead of the first), U = R^-1.  Both steps recurse
+on 2 x 2 blocks until LAPACK takes a small leaf, so nearly all the work is matrix products:
+
+    H = [[H11, H12], [H21, H22]]:  R22 = rchol(H22),  R12 = H12 R22^-T,  R11 = rchol(H11 - R12 R12^T)
+    R = [[A, B], [0, D]]:          R^-1 = [[A^-1, -A^-1 B D^-1], [0, D^-1]]
+
+GPTQ factors one Hessian per linear input (a 135M model: 120 of them, up to 1536 x 1536) on one thread, so
+that its codes do not depend on the thread count.  On one thread here LAPACK's float32 `potrf` reaches ~28
+GFLOP/s and a triangular solve against the identity ~80, a matrix product ~165: the recursive form takes
+~37 ms for a 1536 x 1536 Hessian instead of ~80, to the same accuracy (tests/methods/test_linalg.py checks
+it against float64).  Everything is done in place in one buffer.
 """
 
 from __future__ import annotations
@@ -15,35 +21,45 @@ import torch
 LEAF = 192  # at or below this size the blocks go to LAPACK
 
 
-def cholesky_lower(m: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Lower Cholesky factor L of the symmetric matrix m (m = L L^T) and LAPACK's info: 0 on success,
-    else k > 0 when the leading minor of order k is not positive definite (L is then unusable)."""
-    n = m.shape[0]
+def _reverse_cholesky_(a: torch.Tensor) -> int:
+    """In place: a (symmetric; its upper triangle is read) becomes the upper R with a = R R^T.
+    Returns 0, or a positive number when a is not positive definite (a is then unusable)."""
+    n = a.shape[0]
     if n <= LEAF:
-        L, info = torch.linalg.cholesky_ex(m)
-        return L, int(info)
+        # J a J = L L^T (J reverses the order) gives a = (J L J)(J L J)^T with J L J upper triangular
+        L, info = torch.linalg.cholesky_ex(a.flip(0, 1))
+        a.copy_(L.flip(0, 1))
+        return int(info)
     h = n // 2
-    L11, info = cholesky_lower(m[:h, :h])
+    info = _reverse_cholesky_(a[h:, h:])
     if info:
-        return L11, info
-    # L21 L11^T = M21  <=>  L11 L21^T = M21^T
-    L21 = torch.linalg.solve_triangular(L11, m[h:, :h].T, upper=False).T
-    L22, info = cholesky_lower(torch.addmm(m[h:, h:], L21, L21.T, alpha=-1))  # Schur complement
-    if info:
-        return L22, info + h
-    L = m.new_zeros(n, n)
-    L[:h, :h], L[h:, :h], L[h:, h:] = L11, L21, L22
-    return L, 0
+        return info
+    r22 = a[h:, h:]
+    a[:h, h:] = torch.linalg.solve_triangular(r22, a[:h, h:].T, upper=True).T  # R12 R22^T = H12
+    a[:h, :h].addmm_(a[:h, h:], a[:h, h:].T, alpha=-1)  # Schur complement
+    a[h:, :h] = 0
+    return _reverse_cholesky_(a[:h, :h])
 
 
-def lower_inverse(L: torch.Tensor) -> torch.Tensor:
-    """Inverse of a non-singular lower-triangular matrix: [[A, 0], [C, D]]^-1 = [[A^-1, 0], [-D^-1 C A^-1, D^-1]]."""
-    n = L.shape[0]
+def _upper_inverse_(r: torch.Tensor) -> None:
+    """In place: the upper-triangular, non-singular r becomes r^-1."""
+    n = r.shape[0]
     if n <= LEAF:
-        return torch.linalg.solve_triangular(L, torch.eye(n, dtype=L.dtype), upper=False)
+        r.copy_(torch.linalg.solve_triangular(r, torch.eye(n, dtype=r.dtype), upper=True))
+        return
     h = n // 2
-    Ai, Di = lower_inverse(L[:h, :h]), lower_inverse(L[h:, h:])
-    X = L.new_zeros(n, n)
-    X[:h, :h], X[h:, h:] = Ai, Di
-    X[h:, :h] = -(Di @ (L[h:, :h] @ Ai))
-    return X
+    _upper_inverse_(r[:h, :h])
+    _upper_inverse_(r[h:, h:])
+    r[:h, h:] = -((r[:h, :h] @ r[:h, h:]) @ r[h:, h:])
+
+
+def inverse_upper_factor(h: torch.Tensor, shift: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, int]:
+    """(U, info): U upper triangular with (h + shift I)^-1 = U^T U for a symmetric positive-definite
+    h + shift I; info is 0, or positive when it is not positive definite (U is then unusable).
+    h is not modified."""
+    a = h.clone()
+    a.diagonal().add_(shift)
+    info = _reverse_cholesky_(a)
+    if info == 0:
+        _upper_inverse_(a)
+    return a, info
