@@ -3,15 +3,16 @@
 For every watched linear: the Hessian proxy H = sum_t x_t x_t^T (GPTQ), the per-channel abs-max
 (SmoothQuant, outlier detection) and mean |x| (AWQ), the token count, and optionally a bounded sample
 of the inputs themselves (AWQ searches, layer-error measurements), keyed by calibration-sample index so
-that the same tokens are kept whether samples are split across processes or not.
+that the same tokens are kept whether samples are split across processes or not.  A forward pass runs a
+batch of samples (`fewbits.calib.runner.sample_batches`); hooks are told which.
 
 Sums are accumulated in float64 and all-reduced across processes when torch.distributed is initialised
 (`reduce`), so every rank ends with the statistics of all samples.  The Hessian's products are summed
 in float32 first, inside the matrix product (`addmm_`), in HESSIAN_CHUNKS partial sums: sample i goes to
-partial i mod HESSIAN_CHUNKS, so with 1, 2 or 4 processes (sample i runs on rank i mod world size) every
-partial holds the same samples in the same order wherever it is computed, and the float64 total is the
-same.  (One float64 addition per sample instead cost a memory pass over the matrix per sample: 1.1 s of a
-SmolLM2 GPTQ.)
+partial i mod HESSIAN_CHUNKS (a batch holds samples of one class).  With 1, 2 or 4 processes (sample i
+runs on rank i mod world size) every partial holds the same samples in the same order wherever it is
+computed, and the float64 total is the same.  (One float64 addition per sample instead cost a memory
+pass over the matrix per sample: 1.1 s of a SmolLM2 GPTQ.)
 """
 
 from __future__ import annotations
@@ -53,20 +54,23 @@ class InputStats:
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # sample index -> (tokens, in)
     want_abs: bool = True  # per-channel abs-max and mean |x| (AWQ, SmoothQuant); GPTQ needs only H
 
-    def add(self, x: torch.Tensor, sample: int) -> None:
+    def add(self, x: torch.Tensor, samples: tuple[int, ...]) -> None:
+        """Add the input x of one forward pass over the calibration samples `samples` (one class
+        i mod HESSIAN_CHUNKS); x is (len(samples), tokens, in), or tokens x in when the layer saw them
+        pooled (e.g. routed to an expert)."""
         x2 = x.detach().reshape(-1, x.shape[-1])
         xf = x2.float()
         # NaN or inf anywhere in x shows in a reduction over tokens (diag H = sum x^2, abs-max), which is
         # far cheaper to check than x itself
         check: torch.Tensor | None = None
         if self.want_hessian:
-            k = sample % HESSIAN_CHUNKS
+            k = samples[0] % HESSIAN_CHUNKS
             acc = self.partial.get(k)
             if acc is None:
                 acc = self.partial[k] = xf.T @ xf
             else:
                 acc.addmm_(xf.T, xf)
-            check = acc.diagonal()  # NaN stays in the sum: this sample's (earlier ones have been checked)
+            check = acc.diagonal()  # NaN stays in the sum: these samples' (earlier ones have been checked)
         if self.want_abs:
             am = x2.abs().amax(0).float()
             check = am if check is None else check
@@ -74,11 +78,16 @@ class InputStats:
             s = xf.abs().sum(0).double()
             self.abssum = s if self.abssum is None else self.abssum + s
         if not all_finite(check if check is not None else x2):
-            raise CalibrationError(f"{self.name}: its input contains NaN or inf on calibration sample {sample} "
-                                   f"(shape {tuple(x.shape)}); the model overflows or the data is bad")
+            raise CalibrationError(f"{self.name}: its input contains NaN or inf on calibration sample(s) "
+                                   f"{list(samples)} (shape {tuple(x.shape)}); the model overflows or the data is bad")
         self.tokens += x2.shape[0]
-        if sample < self.keep_samples:
-            self.kept[sample] = x2.float().clone()
+        if any(s < self.keep_samples for s in samples):
+            if x.dim() >= 3 and x.shape[0] == len(samples):
+                for row, s in zip(x, samples, strict=True):
+                    if s < self.keep_samples:
+                        self.kept[s] = row.reshape(-1, x.shape[-1]).to(torch.float32, copy=True)
+            else:  # tokens not separable by sample: kept under the batch's first sample
+                self.kept[samples[0]] = x2.to(torch.float32, copy=True)
 
     @property
     def reached(self) -> bool:
@@ -142,27 +151,27 @@ def reduce(stats: Iterable[InputStats]) -> None:
 
 @contextmanager
 def watch_inputs(
-    modules: dict[str, nn.Module], sample_ref: list[int], want_hessian: bool = True, keep_samples: int = 0,
+    modules: dict[str, nn.Module], batch_ref: list[tuple[int, ...]], want_hessian: bool = True, keep_samples: int = 0,
     stop_when_all_seen: bool = False, prefix: str = "", want_abs: bool = True,
 ):
     """Hooks on `modules` (name -> linear) that feed `InputStats`; yields {name: InputStats}.
 
-    `sample_ref[0]` is read by the hooks as the index of the calibration sample being run.  With
+    `batch_ref[0]` is read by the hooks as the indices of the calibration samples being run.  With
     `stop_when_all_seen`, the forward pass is cut short (StopForward) once every module has seen
-    its input for the current sample: statistics of the first linears of a block need not run the rest.
+    its input for the current batch: statistics of the first linears of a block need not run the rest.
     """
     stats = {n: InputStats(f"{prefix}.{n}" if prefix else n, int(m.in_features), want_hessian, keep_samples,
                            want_abs=want_abs) for n, m in modules.items()}
     seen: set[str] = set()
-    current = [-1]
+    current: list[tuple[int, ...] | None] = [None]
 
     def make_hook(name: str) -> Callable:
         def hook(mod: nn.Module, args: tuple) -> None:
-            stats[name].add(args[0], sample_ref[0])
+            stats[name].add(args[0], batch_ref[0])
             if stop_when_all_seen:
-                if current[0] != sample_ref[0]:  # a new sample: start counting again
+                if current[0] != batch_ref[0]:  # a new batch: start counting again
                     seen.clear()
-                    current[0] = sample_ref[0]
+                    current[0] = batch_ref[0]
                 seen.add(name)
                 if len(seen) == len(stats):
                     seen.clear()

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from fewbits.calib.pipeline import run_awq, run_awq_gptq, run_gptq, run_hqq
-from fewbits.calib.runner import CalibrationError, iterate_blocks
+from fewbits.calib.runner import BATCH_TOKENS, CalibrationError, iterate_blocks, sample_batches
+from fewbits.calib.stats import HESSIAN_CHUNKS
 from fewbits.calib.w8a8 import run_llm_int8, run_smoothquant
 from fewbits.methods.common import MethodError
 from fewbits.models.recipe import Recipe
@@ -56,7 +57,9 @@ def test_replaying_blocks_reproduces_the_model(tiny, calib_ids, family: str) -> 
         ref = model(calib_ids, output_hidden_states=True)
         runs = list(iterate_blocks(model, calib_ids))  # each block's outputs feed the next
         outs = runs[-1].advance()
-    final = model.model.norm(torch.cat(outs))
+    order = torch.tensor([s for batch in runs[-1].batches for s in batch])  # batches group samples by class
+    assert sorted(order.tolist()) == list(range(calib_ids.shape[0]))
+    final = model.model.norm(torch.cat(outs))[torch.argsort(order)]
     assert torch.allclose(final, ref.hidden_states[-1], atol=1e-5), float((final - ref.hidden_states[-1]).abs().max())
 
 
@@ -174,3 +177,14 @@ def test_a_wrongly_declared_replay_is_detected_and_switched_off(tiny, calib_ids,
     assert info.keys() == ref_info.keys()
     for name, t in ((n, b) for n, b in model.named_buffers() if "codes" in n):
         assert torch.equal(ref[name], t), name
+
+
+@pytest.mark.parametrize("n,seq", [(16, 256), (6, 128), (3, 2048), (16, 16)])
+def test_batches_are_the_same_whatever_the_process_count(n: int, seq: int) -> None:
+    alone = sample_batches(list(range(n)), seq)
+    assert sorted(s for b in alone for s in b) == list(range(n))
+    assert all(len({s % HESSIAN_CHUNKS for s in b}) == 1 for b in alone)  # one Hessian partial per batch
+    assert all(len(b) * seq <= max(BATCH_TOKENS, seq) for b in alone)
+    for world in (2, 4):
+        ranks = [sample_batches(list(range(r, n, world)), seq) for r in range(world)]
+        assert sorted(b for r in ranks for b in r) == sorted(alone)

@@ -17,7 +17,7 @@ def test_hessian_is_the_sum_of_x_xT_and_the_abs_statistics_are_right() -> None:
     xs = _samples()
     st = InputStats("lin", 48)
     for i, x in enumerate(xs):
-        st.add(x, i)
+        st.add(x, (i,))
     X = torch.cat([x.reshape(-1, 48) for x in xs]).double()
     ref = X.T @ X
     h = st.hessian_mean().double() * st.tokens
@@ -35,11 +35,11 @@ def test_split_like_ranks_gives_the_same_float64_hessian(world: int) -> None:
     xs = _samples()
     alone = InputStats("lin", 48)
     for i, x in enumerate(xs):
-        alone.add(x, i)
+        alone.add(x, (i,))
     alone.fold()
     ranks = [InputStats("lin", 48) for _ in range(world)]
     for i, x in enumerate(xs):
-        ranks[i % world].add(x, i)
+        ranks[i % world].add(x, (i,))
     for r in ranks:
         r.fold()
     total = ranks[0].hessian.clone()
@@ -53,6 +53,15 @@ def test_nan_in_a_later_sample_is_reported_with_its_index() -> None:
     xs[5][0, 3, 7] = float("nan")
     st = InputStats("layers.2.mlp.down_proj", 48)
     for i in range(5):
-        st.add(xs[i], i)
-    with pytest.raises(CalibrationError, match=r"layers\.2\.mlp\.down_proj.*sample 5"):
-        st.add(xs[5], 5)
+        st.add(xs[i], (i,))
+    with pytest.raises(CalibrationError, match=r"layers\.2\.mlp\.down_proj.*sample\(s\) \[5\]"):
+        st.add(xs[5], (5,))
+
+
+def test_a_batch_keeps_the_inputs_of_its_first_samples_by_index() -> None:
+    xs = torch.stack([x[0] for x in _samples(n=4)])  # one forward pass over samples 0, 4, 8, 12
+    st = InputStats("lin", 48, keep_samples=5)
+    st.add(xs, (0, 4, 8, 12))
+    assert sorted(st.kept) == [0, 4]
+    assert torch.equal(st.inputs(), torch.cat([xs[0], xs[1]]))
+    assert st.tokens == 4 * 64
