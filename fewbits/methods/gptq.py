@@ -34,7 +34,7 @@ import torch
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
-from fewbits.methods.gptq_loop import obs_columns
+from fewbits.methods.gptq_loop import quantize_block_columns
 from fewbits.methods.linalg import inverse_upper_factor
 from fewbits.methods.rtn import rtn_quantize
 
@@ -85,33 +85,6 @@ def _int_range(fmt: Format) -> tuple[int, int, int]:
         L = 2 ** (fmt.bits - 1) - 1
         return -L, L, 2 ** (fmt.bits - 1)
     return 0, 2**fmt.bits - 1, 0
-
-
-_NO_RANGE = np.zeros((1, 1), dtype=np.float32)
-
-
-def _column_loop(Wt: torch.Tensor, St: torch.Tensor, Zt: torch.Tensor | None, lo: torch.Tensor | int,
-                 hi: torch.Tensor | int, Hs: torch.Tensor, i1: int, n1: int, static: bool, g: int,
-                 scale: torch.Tensor, zero: torch.Tensor | None, cfmt: Format, qlo: int, qhi: int) -> None:
-    """Quantise the columns of one lazy block in order (Wt: block transposed, one column per row), each
-    one's rounding error spread over the columns after it (eq. 2); group scales of a non-static format
-    are taken from the updated weights when the loop reaches the group.  Works in place."""
-    step = n1 if static else g  # a non-static block is a whole number of groups, starting at a group
-    per_element = Zt is not None
-    W_, S_, Hs_ = Wt.numpy(), St.numpy(), Hs.numpy()
-    LO, HI = (lo.numpy(), hi.numpy()) if per_element else (_NO_RANGE, _NO_RANGE)
-    for a in range(0, n1, step):
-        if not static:  # a new group: scales from the current (updated) weights
-            j = i1 + a
-            s_, z_ = compute_scales(Wt[a:a + g].T, cfmt)
-            scale[:, j // g] = s_[:, 0]
-            St[a:a + g] = s_[:, 0]
-            if zero is not None:
-                zero[:, j // g] = z_[:, 0]
-                Zt[a:a + g] = z_[:, 0]
-                lo[a:a + g] = qlo - z_[:, 0]
-                hi[a:a + g] = qhi - z_[:, 0]
-        obs_columns(W_, S_, LO, HI, Hs_, a, a + step, np.float32(qlo), np.float32(qhi), per_element)
 
 
 def gptq_quantize(
@@ -181,42 +154,37 @@ def gptq_quantize(
     U, damp_used = fac
     cfmt = column_format(fmt)
     block = block_size if not grouped else max(g, -(-block_size // g) * g)
-    # everything is held transposed, (cols, rows), in quantisation order: column i is the contiguous row
-    # WT[i], a lazy block is a slice of rows and its update a contiguous in-place matmul
+    # W held transposed, (cols, rows), in quantisation order: column j is the contiguous row WT[j], a
+    # lazy block a slice of rows and its update one in-place matmul; a non-static block is a whole number
+    # of groups starting at a group
     WT = (W[:, perm] if perm is not None else W).T.contiguous()
-    if static:  # per permuted column: its scale and zero point
-        group_of = (perm if perm is not None else torch.arange(cols)) // g
-        ST = scale[:, group_of].T.contiguous()
-        ZT = zero[:, group_of].T.contiguous() if zero is not None else None
-    else:
-        ST = torch.empty(cols, rows)
-        ZT = torch.zeros(cols, rows) if zero is not None else None
+    group_of = ((perm if perm is not None else torch.arange(cols)) // g).numpy()
     qlo, qhi, off = _int_range(fmt)
-    QT = torch.empty(cols, rows)
+    codesT = torch.empty(cols, rows, dtype=torch.uint8)
     losses = torch.zeros(rows)
-    for i1 in range(0, cols, block):
-        i2 = min(i1 + block, cols)
-        Wt, St = WT[i1:i2], ST[i1:i2]
-        Zt = ZT[i1:i2] if ZT is not None else None
-        # row i of Hs is row i of the inverse factor divided by its diagonal, so the OBS update of eq. 2
-        # is one rank-1 update per column
-        Hinv1 = U[i1:i2, i1:i2]
-        d = Hinv1.diagonal().clone()
-        Hs = Hinv1 / d[:, None]
-        lo = qlo - Zt if Zt is not None else qlo  # clamp(round(x/s) + z, lo, hi) - z = clamp(round(x/s), lo-z, hi-z)
-        hi = qhi - Zt if Zt is not None else qhi
-        with _one_thread():  # small ops: OpenMP only adds waits (badly so when a core is busy)
-            _column_loop(Wt, St, Zt, lo, hi, Hs, i1, i2 - i1, static, g, scale, zero, cfmt, qlo, qhi)
-        # Wt[i] is never changed after column i is quantised, so it still holds the value that was
-        # rounded: codes and errors of the whole block come out in a few vectorised operations
-        Q1 = torch.round(Wt / St)
-        Q1 = (Q1 + Zt).clamp_(qlo, qhi) if Zt is not None else Q1.clamp_(qlo, qhi)
-        Err1 = (Wt - ((Q1 - Zt) if Zt is not None else Q1) * St) / d[:, None]  # (block, rows)
-        losses += (Err1**2).sum(0) / 2
-        QT[i1:i2] = Q1
-        if i2 < cols:  # lazy update of every later column (eq. 4)
-            WT[i2:].addmm_(U[i1:i2, i2:].T, Err1, alpha=-1)
-    codes = (QT + off).to(torch.uint8).T
+    S_, C_ = scale.numpy(), codesT.numpy()
+    Z_ = zero.numpy() if zero is not None else np.zeros((1, 1), dtype=np.float32)
+    for b0 in range(0, cols, block):
+        b1 = min(b0 + block, cols)
+        step = b1 - b0 if static else g
+        # row i of Hs is row i of the inverse factor divided by its diagonal: eq. 2 for column i is
+        # w_k -= e_i Hs[i, k] for the block's later columns k
+        d = U[b0:b1, b0:b1].diagonal().contiguous()
+        Hs = (U[b0:b1, b0:b1] / d[:, None]).contiguous()
+        ET = torch.empty(b1 - b0, rows)
+        for a in range(b0, b1, step):
+            if not static:  # a new group: scales from the current (updated) weights
+                s_, z_ = compute_scales(WT[a:a + g].T, cfmt)
+                scale[:, a // g] = s_[:, 0]
+                if zero is not None:
+                    zero[:, a // g] = z_[:, 0]
+            quantize_block_columns(WT[b0:b1].numpy(), S_, Z_, zero is not None, group_of, Hs.numpy(), d.numpy(),
+                                   b0, a, a + step, np.float32(qlo), np.float32(qhi), np.float32(off), C_,
+                                   ET.numpy())
+        losses += (ET**2).sum(0) / 2
+        if b1 < cols:  # lazy update of every later column (eq. 4)
+            WT[b1:].addmm_(U[b0:b1, b1:].T, ET, alpha=-1)
+    codes = codesT.T
     codes = (codes[:, torch.argsort(perm)] if perm is not None else codes).contiguous()
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)

@@ -6,41 +6,64 @@ import numpy as np
 import pytest
 import torch
 
-from fewbits.methods.gptq_loop import obs_columns
+from fewbits.methods.gptq_loop import quantize_block_columns
 
 
-def _torch_loop(W, S, lo, hi, Hs, start, stop):
-    """Reference: round with torch.round (half to even), clamp, spread the error over later columns."""
-    n = W.shape[0]
-    for i in range(start, min(stop, n - 1)):
-        q = torch.clamp(torch.round(W[i] / S[i]), lo[i], hi[i])
-        err = W[i] - q * S[i]
-        W[i + 1:] -= Hs[i, i + 1:, None] * err[None, :]
+def _torch_loop(W, scale, zero, group_of, Hs, d, b0, start, stop, qlo, qhi, off, codes, E):
+    """Reference (natural layout, all rows at once): round with torch.round (half to even), clamp, spread
+    the error over the block's later columns."""
+    nb = Hs.shape[0]
+    for j in range(start, stop):
+        i, gi = j - b0, int(group_of[j])
+        s = scale[:, gi]
+        z = zero[:, gi] if zero is not None else torch.zeros_like(s)
+        q = torch.maximum(torch.minimum(torch.round(W[:, j] / s), qhi - z), qlo - z)
+        e = W[:, j] - q * s
+        codes[:, j] = (q + z + off).to(torch.uint8)
+        E[:, i] = e / d[i]
+        W[:, b0 + i + 1:b0 + nb] -= e[:, None] * Hs[i, i + 1:][None, :]
 
 
-@pytest.mark.parametrize("per_element", [False, True])
-def test_matches_torch_loop_including_ties(per_element: bool) -> None:
+def _problem(asym: bool):
     g = torch.Generator().manual_seed(0)
-    n, rows = 24, 40
-    S = 2.0 ** torch.randint(-5, -2, (n, rows), generator=g).float()  # powers of two: ties stay exact
-    W = torch.randn(n, rows, generator=g) * 0.3
-    W[0] = (torch.randint(-6, 6, (rows,), generator=g) + 0.5) * S[0]  # column 0: every weight a tie
-    assert torch.equal(W[0] / S[0], torch.floor(W[0] / S[0]) + 0.5)
-    U = torch.linalg.cholesky(torch.eye(n) + 0.3 * torch.ones(n, n)).T.contiguous()  # upper, dense rows
-    Hs = U / U.diagonal()[:, None]
-    if per_element:  # asymmetric: the clamp range moves with a zero point per element
-        z = torch.randint(0, 16, (n, rows), generator=g).float()
-        lo, hi = (0 - z).contiguous(), (15 - z).contiguous()
-    else:
-        lo, hi = torch.full((n, rows), -7.0), torch.full((n, rows), 7.0)
-    ref = W.clone()
-    _torch_loop(ref, S, lo, hi, Hs, 0, n)
-    got = W.clone()
-    none = np.zeros((1, 1), dtype=np.float32)
-    LO, HI = (lo.numpy(), hi.numpy()) if per_element else (none, none)
-    for a in range(0, n, 8):  # in segments, as group scales split a block
-        obs_columns(got.numpy(), S.numpy(), LO, HI, Hs.numpy(), a, a + 8, np.float32(-7), np.float32(7), per_element)
-    assert torch.equal(got[0], W[0])  # a column is never changed once it is quantised
-    assert torch.allclose(got, ref, rtol=0, atol=1e-5)
-    # a tie rounded the other way moves the later columns by a whole step times Hs: far outside atol
-    assert float(Hs[0, 1:].abs().min()) * float(S[0].min()) > 1e-3
+    rows, cols, b0, nb, gs = 40, 48, 8, 32, 16  # block of 32 columns at 8, groups of 16
+    n_groups = cols // gs
+    scale = 2.0 ** torch.randint(-5, -2, (rows, n_groups), generator=g).float()  # powers of two: exact ties
+    W = torch.randn(rows, cols, generator=g) * 0.3
+    group_of = torch.arange(cols) // gs
+    W[:, b0] = (torch.randint(-6, 6, (rows,), generator=g) + 0.5) * scale[:, group_of[b0]]  # all ties
+    U = torch.linalg.cholesky(torch.eye(nb) + 0.3 * torch.ones(nb, nb)).T.contiguous()  # upper, dense rows
+    d = U.diagonal().contiguous()
+    Hs = (U / d[:, None]).contiguous()
+    zero = torch.randint(0, 16, (rows, n_groups), generator=g).float() if asym else None
+    return W, scale, zero, group_of, Hs, d, b0, nb
+
+
+def _compiled(W, scale, zero, group_of, Hs, d, b0, nb, qlo, qhi, off):
+    """The kernel on the transposed block, in two segments (as group scales split a block); results
+    returned in the natural layout."""
+    WT = W.T.contiguous()
+    codesT = torch.zeros(W.shape[1], W.shape[0], dtype=torch.uint8)
+    ET = torch.zeros(nb, W.shape[0])
+    z = zero.numpy() if zero is not None else np.zeros((1, 1), dtype=np.float32)
+    for a in (b0, b0 + nb // 2):
+        quantize_block_columns(WT[b0:b0 + nb].numpy(), scale.numpy(), z, zero is not None, group_of.numpy(),
+                               Hs.numpy(), d.numpy(), b0, a, a + nb // 2, np.float32(qlo), np.float32(qhi),
+                               np.float32(off), codesT.numpy(), ET.numpy())
+    return WT.T, codesT.T, ET.T
+
+
+@pytest.mark.parametrize("asym", [False, True])
+def test_matches_torch_loop_including_ties(asym: bool) -> None:
+    W, scale, zero, group_of, Hs, d, b0, nb = _problem(asym)
+    qlo, qhi, off = (0.0, 15.0, 0.0) if asym else (-7.0, 7.0, 8.0)
+    ref_w, ref_c, ref_e = W.clone(), torch.zeros(W.shape, dtype=torch.uint8), torch.zeros(W.shape[0], nb)
+    for a in (b0, b0 + nb // 2):
+        _torch_loop(ref_w, scale, zero, group_of, Hs, d, b0, a, a + nb // 2, qlo, qhi, off, ref_c, ref_e)
+    got_w, got_c, got_e = _compiled(W, scale, zero, group_of, Hs, d, b0, nb, qlo, qhi, off)
+    assert torch.equal(got_c[:, b0:b0 + nb], ref_c[:, b0:b0 + nb])
+    assert torch.equal(got_w[:, :b0], W[:, :b0]) and torch.equal(got_w[:, b0 + nb:], W[:, b0 + nb:])  # block only
+    assert torch.allclose(got_w, ref_w, rtol=0, atol=1e-5)
+    assert torch.allclose(got_e, ref_e, rtol=0, atol=1e-5)
+    # a tie rounded the other way would move the later columns by a whole step times Hs: far outside atol
+    assert float(Hs[0, 1:].abs().min()) * float(scale.min()) > 1e-3
