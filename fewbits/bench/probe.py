@@ -7,7 +7,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model (LM head
    included, in bf16 as fewbits keeps it) once per pass, replicated beyond the cache, through the
-   kernel dispatcher, at 1 and at 8 rows, and the same calls on a tiny shape.  Bandwidth efficiency
+   kernel dispatcher, at 1 and at 8 rows ((rows, 1, in) inputs, as the model passes them; the fastest of
+   samples that each cover a whole step's linears), and the same calls on a tiny shape.  Bandwidth efficiency
    of a family = bytes / (time - time of the tiny calls) / beta; where 8 rows take longer than 1 row
    the pass is compute-limited, and compute efficiency = FLOPs / (time x peak); the extra time of a
    tiny call over a 16-bit one is the family's cost per linear call;
@@ -98,30 +99,43 @@ def head_shape(spec: ModelSpec) -> tuple[int, int]:
 TINY = (16, 64)  # a shape every CPU kernel accepts: the per-call cost of a kernel without the bytes
 
 
+def step_inputs(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype = torch.bfloat16
+                ) -> dict[int, torch.Tensor]:
+    """Inputs as a decode step hands them to its linears: (batch, 1 new token, in_features) hidden states."""
+    return {k: x.reshape(rows, 1, k) for k, x in inputs_for(shapes, rows, dtype).items()}
+
+
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 60) -> dict[str, dict[str, Any]]:
+                rounds: int = 30) -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's shapes) at 1 and 8 rows,
-    with the per-call cost (the same number of calls on a tiny shape) measured separately."""
+    with the per-call cost (the same number of calls on a tiny shape) measured separately.
+
+    Measured the way the step runs them, so that the figure is the one `fewbits bench` reports: each
+    sample is a whole step's linears (the next copies, cold) and the fastest sample counts (the bench keeps
+    its fastest step; the sum over layers of each layer's fastest sample is lower, by 8-20% here: a step
+    never finds all its layers at their quietest), and the inputs are (rows, 1, in) as in the model (a 16-bit
+    linear on a 3-d input costs ~5-7 us more per call than on a 2-d one here)."""
     shapes = layer_shapes(spec)
     results: dict[str, dict[str, Any]] = {}
+    per_step = len(shapes) * spec.n_layers
     for f in formats:
         body = build_set(f, shapes, min_bytes)
         tiny = build_set(f, (TINY,) * len(shapes), 0)
         res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers}
         for m in rows:
-            xs = inputs_for(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16)
-            # one sample = the linears of one layer (the next copy, cold), or the same calls on tiny shapes
-            t = time_interleaved({"body": body.sampler(xs, len(shapes)), "tiny": tiny.sampler(xs, len(shapes))},
+            xs = step_inputs(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16)
+            # one sample = the linears of one step (the next copies, cold), or the same calls on tiny shapes
+            t = time_interleaved({"body": body.sampler(xs, per_step), "tiny": tiny.sampler(xs, per_step)},
                                  min_time=0.0, rounds=rounds)
-            t_body = t["body"] * spec.n_layers
-            t_calls = t["tiny"] * spec.n_layers
+            t_body = t["body"]
+            t_calls = t["tiny"]
             res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": max(t_body - t_calls, 1e-9),
                                "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
         results[f] = res
     head = build_set("bf16", (head_shape(spec),), min_bytes)
     for m in rows:
-        xs = inputs_for((head_shape(spec),), m)
-        t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 4))["head"]
+        xs = step_inputs((head_shape(spec),), m)
+        t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 2))["head"]
         results.setdefault("lm_head_bf16", {"bytes": head.nbytes})[f"rows{m}"] = {"t_s": t}
     return results
 

@@ -224,3 +224,39 @@ def test_step_costs_fit_recovers_the_kivi_window_rate_and_dequantisation_jump(mo
     assert r["fixed_s"] == pytest.approx(6e-3, rel=1e-6) and r["quantized_s"] == pytest.approx(1.5e-3, rel=1e-6)
     assert r["s_per_byte"] == pytest.approx(4e-9, rel=1e-6) and r["window_s_per_byte"] == pytest.approx(3e-9, rel=1e-6)
     assert res["bf16"]["quantized_s"] == 0 and res["bf16"]["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+
+
+def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
+    """The fastest sample must cover a whole step's linears (the statistic the bench reports: its fastest
+    step), not one layer scaled by the depth, and the kernels must see (rows, 1, in) inputs as in the model."""
+    from fewbits.bench import probe
+
+    seen_shapes: set[tuple[int, ...]] = set()
+    per_sample: list[int] = []
+    real_build = probe.build_set
+
+    def spy_build(spec, shapes, min_bytes=0, seed=0):
+        ws = real_build(spec, shapes, 0, seed)
+        real_sampler = ws.sampler
+
+        def sampler(xs, n):
+            per_sample.append(n)
+            seen_shapes.update(tuple(x.shape) for x in xs.values())
+            return real_sampler(xs, n)
+
+        ws.sampler = sampler
+        return ws
+
+    def fake_interleaved(fns, min_time=0.0, rounds=7, warmup=2, statistic="min"):
+        for fn in fns.values():
+            fn()
+        return {name: {"body": 3e-3, "tiny": 1e-3, "head": 5e-4}[name] for name in fns}
+
+    monkeypatch.setattr(probe, "build_set", spy_build)
+    monkeypatch.setattr(probe, "time_interleaved", fake_interleaved)
+    res = probe.gemv_passes(TINY, ("bf16",), 0, rows=(1, 8))
+    n_linears = len(layer_shapes(TINY))
+    assert n_linears * TINY.n_layers in per_sample and n_linears not in per_sample
+    assert res["bf16"]["rows1"]["t_s"] == pytest.approx(3e-3)  # one sample = one step: not x n_layers
+    assert res["bf16"]["rows8"]["t_bytes_s"] == pytest.approx(2e-3)
+    assert all(len(s) == 3 and s[1] == 1 and s[0] in (1, 8) for s in seen_shapes)
