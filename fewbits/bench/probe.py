@@ -21,7 +21,9 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    quantised cache per layer (a KIVI cache's dequantisation only once its window has overflowed);
 5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
-   subtracted) per layer is what a real model's weights, or a large batch's cache, cost them.  It is
+   subtracted) per layer is what a real model's weights, or a large batch's cache, cost them; measured
+   at streams of 0.5-8 L2 sizes, the refill curve the cost model interpolates (it is not a ramp that
+   stops at the L2 size: here 1 MiB 0.14 ms, 2 MiB 0.23, 4 MiB 0.26, 8 MiB 0.32 per layer).  It is
    why a batch-1 step seems to pay more per cached byte than a batch-8 one: a small batch's cache
    evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.
 """
@@ -34,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fewbits.bench.gemv import build_set, inputs_for
@@ -47,6 +50,8 @@ from fewbits.models.spec import ModelSpec
 
 WEIGHT_SPECS = ("bf16", "int8", "int4-g64", "fp8-e4m3")
 KV_SPECS = ("bf16", "fp8-e4m3", "int8", "int4", "int2")
+#: stream sizes (x the L2 size) at which the probe measures the refill curve
+REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def _clamp(x: float) -> float:
@@ -217,7 +222,8 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
 
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
-               refill_bytes: int | None = None, measure_refill: bool = True) -> dict[str, dict[str, Any]]:
+               refill_bytes: int | None = None, measure_refill: bool = True,
+               refill_sizes: tuple[float, ...] = REFILL_SIZES) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
@@ -232,20 +238,26 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     evicts their working set from a core cache of X bytes (`l2_cache_bytes`; `refill_bytes` overrides it,
     0 leaves E out).  E is measured directly (`refill_cost`: every layer streams 2 X bytes of its own)
     and the fit is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest
-    (a fitted E < 0 is refitted as 0)."""
+    (a fitted E < 0 is refitted as 0).  The refill is also measured at streams of `refill_sizes` x X
+    bytes (the refill curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead)."""
     from fewbits.generate import generate
 
     model = skeleton_model(spec)
     g = torch.Generator().manual_seed(0)
     fastest: dict[tuple[str, int, int], float] = {}
     x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
-    rests: dict[bool, float] = {}
+    rests: dict[float, dict[bool, float]] = {f: {} for f in (2.0, *refill_sizes)}
     refill = None
+    curve: list[tuple[float, float]] = []
     for _ in range(rounds):
         # streams of twice the L2 size: past the knee, where a real model's layer weights (2-7 MB for SmolLM2)
         # and a large batch's cache lie (the loss keeps growing slowly beyond X: a stream of X alone undercounts)
         if measure_refill and x_cache > 0:
-            refill = max(refill_cost(model, spec, 2 * x_cache, steps=steps, rounds=1, best=rests), 0.0)
+            for f in rests:  # E(x): the loss grows ~linearly to about 2 X here, then slowly (1.8 MB <-> 7 MB: 2x)
+                e = refill_cost(model, spec, int(f * x_cache), steps=steps, rounds=1, best=rests[f])
+                if f == 2.0:
+                    refill = max(e, 0.0)
+            curve = refill_curve(x_cache, rests, spec.n_layers)
         for s in kv_specs:
             kvf = parse_kv_format(s)
             generate(model, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv=kvf)  # warm up
@@ -254,18 +266,35 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                     ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
                     t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
-    return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill)
+    return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill, curve if len(refill_sizes) else None)
+
+
+def refill_curve(x_cache: int, rests: dict[float, dict[bool, float]], n_layers: int) -> list[tuple[float, float]]:
+    """[(stream bytes, refill seconds per layer)] from `refill_cost`'s fastest steps ({streaming: seconds})
+    per stream size (a multiple of `x_cache`), sorted by bytes, clamped at 0 and made non-decreasing (a
+    longer stream evicts at least as much; a dip is noise)."""
+    out: list[tuple[float, float]] = []
+    top = 0.0
+    for f in sorted(rests):
+        r = rests[f]
+        if True in r and False in r:
+            top = max(top, (r[True] - r[False]) / n_layers)
+            out.append((float(int(f * x_cache)), top))
+    return out
 
 
 def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[str, int, int], float],
-                   steps: int, x_cache: int, refill_s: float | None = None) -> dict[str, dict[str, Any]]:
+                   steps: int, x_cache: int, refill_s: float | None = None,
+                   refill_curve: list[tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
     """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt): seconds};
-    `refill_s` (E, measured) is taken as given, None fits it.  A column the measurements cannot tell
+    `refill_s` (E, measured) is taken as given, None fits it; with `refill_curve` (measured E(x), seconds
+    per layer) the fit subtracts L E(x) instead of L E min(1, x / X).  A column the measurements cannot tell
     apart (no quantised bytes, a window that never overflows or always has) is left out: its cost is 0."""
     batches = sorted({b for _, b, _ in fastest})
     contexts = sorted({c for _, _, c in fastest})
     rows: list[dict[str, float]] = []
     ys: list[float] = []
+    stream: list[float] = []  # x of each row: a layer's 16-bit keys and values
     points: dict[str, list[tuple[int, int, float, float]]] = {s: [] for s in kv_specs}
     for s in kv_specs:
         kvf = parse_kv_format(s)
@@ -284,6 +313,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
                     row[f"w:{s}"] = w * 1e-9  # the window: copied every step by the store, its own rate
                     row[f"o:{s}"] = float(kvf.quantized_tokens(c + steps) > 0)  # dequantises only then
                 rows.append(row)
+                stream.append(x)
                 ys.append(fastest[(s, b, c)])
                 points[s].append((b, c, q + w, fastest[(s, b, c)]))  # batch, prompt, bytes, seconds
     names = list(dict.fromkeys(k for r in rows for k in r))
@@ -293,13 +323,22 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         if not any(col) or (n[:2] == "o:" and all(own)):
             names.remove(n)
 
+    if refill_curve:  # the measured E(x) per row, all layers
+        cx, cy = [0.0] + [p[0] for p in refill_curve], [0.0] + [p[1] for p in refill_curve]
+        known = [spec.n_layers * float(np.interp(x, cx, cy)) for x in stream]
+    else:
+        known = [r["E"] for r in rows]
+
     def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
         x = torch.tensor([[r.get(n, 0.0) for n in cols] for r in rows], dtype=torch.float64)
-        y = torch.tensor([t - known_e * r["E"] for t, r in zip(ys, rows, strict=True)], dtype=torch.float64)
+        y = torch.tensor([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=torch.float64)
         return dict(zip(cols, torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist(), strict=True))
 
     no_e = [n for n in names if n != "E"]
-    if refill_s is not None or "E" not in names:
+    if refill_curve:
+        refill = refill_s if refill_s is not None else 0.0
+        sol = fit(no_e, 1.0)
+    elif refill_s is not None or "E" not in names:
         refill = refill_s if "E" in names and refill_s is not None else 0.0
         sol = fit(no_e, refill)
     else:
@@ -314,6 +353,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
                   "s_per_byte": sol.get(f"s:{s}", 0.0) * 1e-9 if f"s:{s}" in sol else s16,
                   "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,
                   "quantized_s": sol.get(f"o:{s}", 0.0), "refill_s": refill, "refill_bytes": x_cache,
+                  "refill_curve": [list(p) for p in refill_curve or []],
                   "points": points[s]}
     return out
 
@@ -344,13 +384,17 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
             f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
     kv_eff.setdefault("float", 1.0)
     refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
+    curve = tuple((float(b), float(e)) for b, e in base.get("refill_curve", []))
+    if curve:
+        log("  refill per layer by the bytes it streams: " + ", ".join(
+            f"{b / 2**20:.1f} MiB {e * 1e6:.0f} us" for b, e in curve))
     if refill > 0:
         log(f"  a layer streaming >= {refill_bytes / 2**20:.1f} MiB (the L2 cache) costs the step's small "
             f"operations {refill * 1e6:.1f} us to refill (x {spec.n_layers} layers)")
     return {"overhead_s": overhead, "overhead_per_seq_s": per_seq, "kv_bandwidth_efficiency": kv_eff,
             "kv_layer_overhead_s": kv_extra, "kv_quantized_overhead_s": kv_dequant,
             "kv_window_bandwidth_efficiency": kv_window, "cache_refill_s": refill,
-            "cache_refill_bytes": refill_bytes if refill > 0 else 0.0}
+            "cache_refill_bytes": refill_bytes if refill > 0 else 0.0, "cache_refill_curve": curve}
 
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,

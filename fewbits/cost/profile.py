@@ -30,6 +30,8 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "kv_window_bandwidth_efficiency": {"int4": 0.3},  # the 16-bit window of a KIVI cache (copied each step)
       "cache_refill_s": 1e-4,                 # per layer: small operations re-fetching what the layer's
       "cache_refill_bytes": 2097152,          #   stream evicted, x min(1, layer bytes / cache_refill_bytes)
+      "cache_refill_curve": [[1048576, 1.1e-4], [4194304, 2.7e-4]],  # measured [layer bytes, seconds per
+                                              #   layer] points; when given, replaces the line above
       "memory_headroom": 0.1,                 # fraction of device memory not available to weights+KV
       "weight_bytes": "exact" | "ideal",      # Format.nbytes(shape) vs Format.bits_per_weight()
       "quantize_lm_head": false, "quantize_embeddings": false,
@@ -46,7 +48,10 @@ window has overflowed, and it copies the window every step).  And a step's thous
 operations run from the core's cache until a layer streams its weights and keys/values through it:
 each layer then pays ``cache_refill_s`` x min(1, bytes it streams / ``cache_refill_bytes``) to fetch
 their working set again (on a CPU the stream of a small batch's cache is what sets this apart from
-a large batch's; ``cache_refill_bytes`` is the core's L2 size).  `fewbits probe` measures them; the
+a large batch's; ``cache_refill_bytes`` is the core's L2 size).  Where the probe measured the refill at
+several stream sizes (``cache_refill_curve``), it is interpolated linearly between them instead (0 at
+0 bytes, flat beyond the last point): the loss is not a ramp that stops at the L2 size, it keeps
+growing to about twice that and slowly after.  `fewbits probe` measures them; the
 built-in profiles leave them at zero.
 
 Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int8", "int4"
@@ -112,6 +117,7 @@ class Profile:
     kv_window_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
     cache_refill_s: float = 0.0
     cache_refill_bytes: float = 0.0
+    cache_refill_curve: tuple[tuple[float, float], ...] = ()
     memory_headroom: float = 0.0
     weight_bytes: str = "exact"
     quantize_lm_head: bool = False
@@ -144,6 +150,11 @@ class Profile:
         if not (math.isfinite(self.cache_refill_s) and math.isfinite(self.cache_refill_bytes)) \
                 or self.cache_refill_s < 0 or self.cache_refill_bytes < 0:
             raise ProfileError(f"profile {self.name!r}: cache_refill_s and cache_refill_bytes must be finite and >= 0")
+        curve = self.cache_refill_curve
+        if any(len(pt) != 2 or not all(math.isfinite(v) and v >= 0 for v in pt) for pt in curve) \
+                or any(b[0] <= a[0] for a, b in zip(curve, curve[1:], strict=False)):
+            raise ProfileError(f"profile {self.name!r}: cache_refill_curve must be [bytes, seconds] pairs, finite, "
+                               f">= 0, bytes increasing; got {list(curve)}")
         if self.overhead_per_seq_s < 0:
             raise ProfileError(f"profile {self.name!r}: overhead_per_seq_s must be >= 0")
         if self.overhead_s < 0 or not 0 <= self.memory_headroom < 1:
@@ -188,6 +199,7 @@ class Profile:
                 "kv_quantized_overhead_s": dict(self.kv_quantized_overhead_s),
                 "kv_window_bandwidth_efficiency": dict(self.kv_window_bandwidth_efficiency),
                 "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
+                "cache_refill_curve": [list(pt) for pt in self.cache_refill_curve],
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
                 "count_norms_and_biases": self.count_norms_and_biases,
@@ -216,6 +228,12 @@ class Profile:
                   "kv_window_bandwidth_efficiency"):
             if t in vals:
                 vals[t] = {str(k): float(v) for k, v in vals[t].items()}
+        if "cache_refill_curve" in vals:
+            try:
+                vals["cache_refill_curve"] = tuple((float(a), float(b)) for a, b in vals["cache_refill_curve"])
+            except (TypeError, ValueError):
+                raise ProfileError(f"{source}: cache_refill_curve must be a list of [bytes, seconds] pairs, "
+                                   f"got {vals['cache_refill_curve']!r}") from None
         if vals.get("device") is not None:
             vals["device"] = DeviceSpec.from_dict(vals["device"])
         try:

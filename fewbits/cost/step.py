@@ -21,8 +21,9 @@ because the kernels of a step run one after another: a batch whose linears are c
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
 of the batch, and (measured hosts) the extra cost per call of the weight format's kernels and per
 layer of the KV format, and the refill of the core cache each layer's stream (weights and 16-bit
-keys/values, x bytes) evicts: L E min(1, x / X) (`refill_time`).  Mixture-of-experts layers read the experts the batch
-touches: E (1 - (1 - k/E)^b) per layer in expectation under uniform routing.
+keys/values, x bytes) evicts: L E min(1, x / X), or L E(x) from a measured curve (`refill_time`).
+Mixture-of-experts layers read the experts the batch touches: E (1 - (1 - k/E)^b) per layer in
+expectation under uniform routing.
 
 Everything is numpy and broadcasts: b and context may be arrays, and so may the per-format terms
 (`WeightTerms`/`KVTerms` fields), which is what `fewbits.cost.sweep` uses.
@@ -235,7 +236,14 @@ def _attention_peak(device: DeviceSpec, profile: Profile, w: WeightTerms) -> flo
 def refill_time(model: ModelSpec, profile: Profile, layer_bytes: np.ndarray) -> np.ndarray:
     """Time the step's many small operations lose re-fetching their working set, which each layer's
     stream of `layer_bytes` (its weights and its 16-bit keys and values) evicts from the core's cache:
-    L x refill x min(1, layer_bytes / refill_bytes).  Zero where the profile does not measure it."""
+    L x refill x min(1, layer_bytes / refill_bytes), or L x the profile's measured refill curve
+    (`Profile.cache_refill_curve`, interpolated linearly from 0 at 0 bytes, flat beyond its last point)
+    where it has one.  Zero where the profile does not measure it."""
+    x = np.asarray(layer_bytes, dtype=float)
+    if profile.cache_refill_curve:
+        xs = [0.0] + [float(pt[0]) for pt in profile.cache_refill_curve]
+        ys = [0.0] + [float(pt[1]) for pt in profile.cache_refill_curve]
+        return model.n_layers * np.interp(x, xs, ys)
     if profile.cache_refill_s == 0 or profile.cache_refill_bytes <= 0:
         return np.zeros_like(np.asarray(layer_bytes, dtype=float))
     return model.n_layers * profile.cache_refill_s * np.minimum(1.0, layer_bytes / profile.cache_refill_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from fewbits.bench.decode import BenchRow, format_row, summary
@@ -112,7 +113,7 @@ def test_bench_cli_rejects_bad_lists(bad):
     assert out.exit_code != 0
 
 
-def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=1):
+def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=1, curve=None):
     """Replace `generate` with a step time built from the model the probe fits (true cache bytes)."""
     import fewbits.generate
     from fewbits.cost.profile import DEFAULT
@@ -131,6 +132,8 @@ def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=
         x = float(attention_layer_bytes(TINY, b * (ctx + 1)))
         t = (fixed[kvf.spec] + per_seq * (b - 1) + s16 * w + s_q.get(kvf.spec, 0.0) * q
              + refill * TINY.n_layers * min(1.0, x / refill_bytes))
+        if curve:  # a measured refill curve E(x) per layer, interpolated from 0 at 0 bytes
+            t += TINY.n_layers * float(np.interp(x, [0.0] + [p[0] for p in curve], [0.0] + [p[1] for p in curve]))
         return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-3, t, t + 2e-3])
 
     monkeypatch.setattr(fewbits.generate, "generate", fake_generate)
@@ -260,3 +263,32 @@ def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
     assert res["bf16"]["rows1"]["t_s"] == pytest.approx(3e-3)  # one sample = one step: not x n_layers
     assert res["bf16"]["rows8"]["t_bytes_s"] == pytest.approx(2e-3)
     assert all(len(s) == 3 and s[1] == 1 and s[0] in (1, 8) for s in seen_shapes)
+
+
+def test_refill_curve_per_layer_sorted_and_non_decreasing():
+    from fewbits.bench.probe import refill_curve
+
+    rests = {2.0: {False: 1.0, True: 1.0 + 30 * 1.5e-4},  # a dip below the 1 x point: noise
+             0.5: {False: 1.0, True: 1.0 + 30 * 1e-4}, 1.0: {False: 2.0, True: 2.0 + 30 * 2e-4}, 4.0: {False: 1.0}}
+    got = refill_curve(1000, rests, 30)
+    assert [b for b, _ in got] == [500.0, 1000.0, 2000.0]
+    assert [e for _, e in got] == pytest.approx([1e-4, 2e-4, 2e-4], rel=1e-9)
+
+
+def test_step_costs_fit_subtracts_the_measured_refill_curve(monkeypatch):
+    """Steps whose refill follows a curve (steep to the L2 size, flat after): the fit that subtracts the
+    curve recovers the fixed and per-byte costs; the ramp E min(1, x / X) through the 2 X point does not."""
+    from fewbits.bench.probe import fit_step_costs, step_costs
+
+    x_cache = 8 * 128 * 40
+    curve = [(x_cache / 2, 0.3e-4), (x_cache, 0.5e-4), (2 * x_cache, 1e-4), (8 * x_cache, 1.2e-4)]
+    _fake_steps(monkeypatch, {"bf16": 5e-3, "int8": 5.5e-3}, 2e-3, 1e-9, {"int8": 2e-9}, curve=curve)
+    res = step_costs(TINY, ("bf16", "int8"), contexts=(32, 96), steps=8, refill_bytes=x_cache, measure_refill=False)
+    fastest = {(s, b, c): t for s, r in res.items() for b, c, _, t in r["points"]}
+    fit = fit_step_costs(TINY, ("bf16", "int8"), fastest, 8, x_cache, refill_s=1e-4, refill_curve=curve)
+    assert fit["bf16"]["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
+    assert fit["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6)
+    assert fit["bf16"]["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
+    assert fit["bf16"]["refill_curve"] == [list(p) for p in curve]
+    ramp = fit_step_costs(TINY, ("bf16", "int8"), fastest, 8, x_cache, refill_s=1e-4)
+    assert abs(ramp["bf16"]["fixed_s"] - 5e-3) > 1e-5 or abs(ramp["bf16"]["per_seq_s"] - 2e-3) > 1e-5
