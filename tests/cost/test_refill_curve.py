@@ -54,3 +54,18 @@ def test_profile_curve_round_trips_and_rejects_bad_points() -> None:
         replace(DEFAULT, cache_refill_curve=((1e6, -1e-4),))
     with pytest.raises(ProfileError, match="cache_refill_curve"):
         Profile.from_dict({**prof.to_dict(), "cache_refill_curve": [[1e6]]})
+
+
+def test_sweep_with_a_curve_matches_plan_point_by_point() -> None:
+    """The curve broadcasts over the sweep's (weights, kv, batch, context) arrays."""
+    from fewbits.cost import plan
+    from fewbits.cost.sweep import sweep
+
+    prof = replace(DEFAULT, name="curve", cache_refill_s=3e-4, cache_refill_bytes=2e6, cache_refill_curve=CURVE)
+    res = sweep(SMOL, "h100", batch=(1, 8), context=(128, 2048), weights=("bf16", "int4-g64"), kv=("bf16",),
+                profile=prof)
+    for i, w in enumerate(("bf16", "int4-g64")):
+        for j, b in enumerate((1, 8)):
+            for k, c in enumerate((128, 2048)):
+                one = plan(SMOL, "h100", b, c, w, profile=prof, table_weights=None, table_kv=None)
+                assert res.time[i, 0, j, k] == pytest.approx(one.time_s, rel=1e-9)
