@@ -20,6 +20,8 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "name": "my-h100",                      # shown in reports
       "description": "...",
       "bandwidth_efficiency": {"float": 0.8, "fp8": 0.52, "int8": 0.5, "int4": 0.34, "fp4": 0.34},
+      "head_bandwidth_efficiency": 0.66,      # the 16-bit parts every format keeps (LM head, router, norms)
+                                              #   where measured apart from the 16-bit linears; 0: "float"'s
       "kv_bandwidth_efficiency": {"float": 0.8, "fp8": 0.75, ...},   # by the family of the KV format
       "compute_efficiency": {"float": 0.65, ...},                    # by the family of the weights
       "overhead_s": 0.0003,                   # fixed time per step (launches, sampling, scheduling)
@@ -115,6 +117,7 @@ class Profile:
     kv_layer_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_quantized_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_window_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
+    head_bandwidth_efficiency: float = 0.0
     cache_refill_s: float = 0.0
     cache_refill_bytes: float = 0.0
     cache_refill_curve: tuple[tuple[float, float], ...] = ()
@@ -147,6 +150,9 @@ class Profile:
                     raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
                 if not math.isfinite(v):
                     raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not finite")
+        if not 0 <= self.head_bandwidth_efficiency <= 1:
+            raise ProfileError(f"profile {self.name!r}: head_bandwidth_efficiency = {self.head_bandwidth_efficiency} "
+                               "is not in (0, 1] (or 0: not measured)")
         if not (math.isfinite(self.cache_refill_s) and math.isfinite(self.cache_refill_bytes)) \
                 or self.cache_refill_s < 0 or self.cache_refill_bytes < 0:
             raise ProfileError(f"profile {self.name!r}: cache_refill_s and cache_refill_bytes must be finite and >= 0")
@@ -164,6 +170,12 @@ class Profile:
 
     def bw_eff(self, family: str) -> float:
         return _lookup(self.bandwidth_efficiency, family, self.bandwidth_efficiency["float"])
+
+    def head_eff(self) -> float:
+        """Bandwidth efficiency of the 16-bit parts every weight format keeps (the LM head, a router, norms):
+        its own where measured (a large 2-d GEMV streams faster than a step's many 16-bit linears),
+        else the 16-bit linears' `bw_eff("float")`."""
+        return self.head_bandwidth_efficiency or self.bw_eff("float")
 
     def kv_eff(self, family: str) -> float:
         return _lookup(self.kv_bandwidth_efficiency, family, self.kv_bandwidth_efficiency["float"])
@@ -198,6 +210,7 @@ class Profile:
                 "kv_layer_overhead_s": dict(self.kv_layer_overhead_s),
                 "kv_quantized_overhead_s": dict(self.kv_quantized_overhead_s),
                 "kv_window_bandwidth_efficiency": dict(self.kv_window_bandwidth_efficiency),
+                "head_bandwidth_efficiency": self.head_bandwidth_efficiency,
                 "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
                 "cache_refill_curve": [list(pt) for pt in self.cache_refill_curve],
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,

@@ -61,7 +61,7 @@ class WeightTerms:
     precision: str  # the precision the matrix multiplies run in
     peak: float  # dense FLOP/s of that precision on the device
     eta_w: float  # bandwidth efficiency of the quantised weights
-    eta_f: float  # bandwidth efficiency of the 16-bit parts
+    eta_f: float  # bandwidth efficiency of the 16-bit parts (`Profile.head_eff`)
     eta_c: float  # compute efficiency
     linear_calls: float = 0.0  # calls of quantised non-expert linears per step
     expert_linears: float = 0.0  # linears of one expert in one layer (calls per touched expert)
@@ -146,7 +146,7 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
     per_expert_layer = expert / (model.n_layers * model.n_experts) if model.is_moe else 0.0
     return WeightTerms(fmt.spec, fam, dense_q / n, dense_f / n, per_expert_layer / n,
                        model.hidden_size * emb_bpv / n, stored / n, 2.0 * active_lin / n, prec, device.peak_flops[prec],
-                       profile.bw_eff(fam), profile.bw_eff("float"), profile.compute_eff(fam), calls / n,
+                       profile.bw_eff(fam), profile.head_eff(), profile.compute_eff(fam), calls / n,
                        expert_linears, profile.call_overhead(fam))
 
 

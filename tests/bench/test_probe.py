@@ -62,7 +62,9 @@ def _canned(monkeypatch):
 def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     bw = _canned(monkeypatch)
     prof = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None)
-    assert prof.bw_eff("float") == pytest.approx((8e6 + 1e6) / (2e-3 + 1e-3) / bw)  # body + LM head
+    # the 16-bit linears and the 16-bit LM head each at their own rate (not one blend of both)
+    assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
+    assert prof.head_eff() == pytest.approx(1e6 / 1e-3 / bw)
     assert prof.bw_eff("int8") == pytest.approx(4e6 / 1e-3 / bw)
     assert prof.bw_eff("int4") == pytest.approx(2e6 / 0.8e-3 / bw)
     # int8 takes 4x longer at 8 rows: compute-limited; (8e6 body + 2*8*256*64 head FLOPs) / (6 ms * 5e11)
@@ -80,6 +82,7 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     save_profile(prof, path)
     loaded = load_profile(str(path))
     assert all(loaded.bw_eff(f) == prof.bw_eff(f) for f in prof.bandwidth_efficiency)
+    assert loaded.head_bandwidth_efficiency == prof.head_eff() == pytest.approx(0.1)
     assert loaded.device == prof.device
     r = plan(TINY, batch=1, context=128, weights="int8", kv="int8-g16", profile=loaded,
              table_weights=None, table_kv=None)
@@ -292,3 +295,20 @@ def test_step_costs_fit_subtracts_the_measured_refill_curve(monkeypatch):
     assert fit["bf16"]["refill_curve"] == [list(p) for p in curve]
     ramp = fit_step_costs(TINY, ("bf16", "int8"), fastest, 8, x_cache, refill_s=1e-4)
     assert abs(ramp["bf16"]["fixed_s"] - 5e-3) > 1e-5 or abs(ramp["bf16"]["per_seq_s"] - 2e-3) > 1e-5
+
+
+def test_16_bit_model_time_unchanged_and_quantised_head_at_its_own_rate(monkeypatch):
+    """Splitting the 16-bit efficiency into linears and LM head reproduces the 16-bit model's measured
+    linears + head time exactly, and charges a quantised model's 16-bit head its own measured time."""
+    from fewbits.bench.probe import linear_efficiencies
+
+    bw = 10e9
+    passes = {"bf16": {"kernels": ["k"], "bytes": 8e6,
+                       "rows1": {"t_s": 2.1e-3, "t_calls_s": 1e-4, "t_bytes_s": 2e-3, "flops": 1e6},
+                       "rows8": {"t_s": 2.1e-3, "t_calls_s": 1e-4, "t_bytes_s": 2e-3, "flops": 8e6}},
+              "lm_head_bf16": {"bytes": 1e6, "rows1": {"t_s": 1e-4}, "rows8": {"t_s": 2e-4}}}
+    bw_eff, head, _, _ = linear_efficiencies(TINY, passes, bw, 5e11, log=lambda _: None)
+    # 16-bit model: body / (eta bw) + head / (eta_head bw) = 2 ms + 0.1 ms, the two measured times
+    assert 8e6 / (bw_eff["float"] * bw) + 1e6 / (head * bw) == pytest.approx(2.1e-3, rel=1e-12)
+    # the blended rate (9 MB / 2.1 ms) would have charged the head 0.233 ms, not its 0.1 ms
+    assert 1e6 / (head * bw) == pytest.approx(1e-4, rel=1e-12)
