@@ -11,8 +11,10 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    samples that each cover a whole step's linears), and the same calls on a tiny shape.  Bandwidth efficiency
    of a family = bytes / (time - time of the tiny calls) / beta (the 16-bit LM head every format keeps at
    its own: head bytes / head time / beta); where 8 rows take longer than 1 row
-   the pass is compute-limited, and compute efficiency = FLOPs / (time x peak); the extra time of a
-   tiny call over a 16-bit one is the family's cost per linear call;
+   the pass is compute-limited, and compute efficiency = FLOPs / (time x peak); a quantised family's cost
+   per linear call is its tiny calls' time less the time the skeleton step (4.) spends in its own 16-bit
+   linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
+   pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;
 4. decode steps of a skeleton model (the model's depth, heads, head size and vocabulary, 16-wide
    linears) per KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache
    as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed
@@ -41,11 +43,11 @@ import numpy as np
 import torch
 
 from fewbits.bench.gemv import build_set, inputs_for
+from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost
 from fewbits.bench.timing import time_call, time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, format_family
 from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
-from fewbits.formats.format import parse_format
 from fewbits.kvcache.format import parse_kv_format
 from fewbits.models.spec import ModelSpec
 
@@ -398,38 +400,6 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
             "cache_refill_bytes": refill_bytes if refill > 0 else 0.0, "cache_refill_curve": curve}
 
 
-def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: float, peak_bf16: float,
-                        log: Any = print) -> tuple[dict[str, float], float, dict[str, float], dict[str, float]]:
-    """From `gemv_passes`: (bandwidth efficiency per family, of the 16-bit LM head, compute efficiency per
-    family, extra seconds per linear call per family).  The 16-bit linears ("float") and the LM head every
-    format keeps in 16 bits each stream at their own measured rate (here ~6.7 against ~8.4 GB/s: charging a
-    quantised model's head at the rate of the 16-bit linears over-counted it ~1.3 ms per step); together
-    they give the 16-bit model's time exactly as one blended efficiency did."""
-    bw_eff: dict[str, float] = {}
-    comp_eff: dict[str, float] = {}
-    h = passes["lm_head_bf16"]
-    head_flops8 = 2 * 8 * head_shape(spec)[0] * head_shape(spec)[1]
-    calls = len(layer_shapes(spec)) * spec.n_layers  # linear calls per step
-    call_extra: dict[str, float] = {}
-    for f, r in passes.items():
-        if f == "lm_head_bf16":
-            continue
-        fam = format_family(parse_format(f))
-        t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
-        bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
-        if fam != "float":  # the skeleton step below already pays a 16-bit call per linear
-            call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - passes["bf16"]["rows1"]["t_calls_s"]) / calls)
-        if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
-            # the step model divides all linear FLOPs (LM head included) by one compute rate per family
-            flops = r["rows8"]["flops"] + head_flops8
-            comp_eff.setdefault(fam, _clamp(flops / ((t8 + h["rows8"]["t_s"]) * peak_bf16)))
-        log(f"  {f:>9}: {r['bytes'] / 1e6:6.1f} MB of linears per step: 1 row {t1 * 1e3:7.2f} ms "
-            f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
-    log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
-        f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
-    return bw_eff, _clamp(h["bytes"] / h["rows1"]["t_s"] / bw), comp_eff, call_extra
-
-
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
                   log: Any = print, bandwidth_bytes: int = 1 << 30, matmul_n: int = 1024,
@@ -446,10 +416,12 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
     log(f"GEMV passes over {spec.name}'s linears ...")
     passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes)
-    bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(spec, passes, bw, rates["bf16"], log)
-    comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
     kv = step_costs(spec, kv_specs, kv_contexts)
+    skel_lin = skeleton_linear_cost(spec)
+    log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
+    bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(spec, passes, bw, rates["bf16"], log, skel_lin)
+    comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     fields = step_profile_fields(spec, kv, bw, log)
     mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
@@ -460,7 +432,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                      source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "bandwidth": bw, "matmul_flops": rates,
-                "gemv_passes": passes, "step_costs": kv,
+                "gemv_passes": passes, "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, compute_efficiency=comp_eff,

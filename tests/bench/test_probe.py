@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from fewbits.bench.decode import BenchRow, format_row, summary
 from fewbits.bench.gemv import build_set, effective_spec
@@ -51,6 +52,8 @@ def _canned(monkeypatch):
         return out
 
     monkeypatch.setattr(probe, "gemv_passes", passes)
+    # the skeleton step spends 0.15 ms in its own 16-bit linears
+    monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec: 1.5e-4)
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
     monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx: {
         s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": [], "refill_s": 2e-5,
@@ -73,8 +76,11 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.kv_eff("int8") == pytest.approx(0.05) and prof.overhead_s == 0.02
     assert prof.overhead_per_seq_s == 1e-3
     assert prof.kv_overhead("int8") == pytest.approx(0.001 / TINY.n_layers)
-    # int8 kernel calls take 0.14 ms longer than 16-bit ones over 7 linears x 2 layers
-    assert prof.call_overhead("int8") == pytest.approx(1.4e-4 / 14) and prof.call_overhead("int4") == 0
+    # 7 linears x 2 layers: int8 kernel calls take 0.24 ms, the skeleton's 16-bit linears 0.15 ms (not the
+    # 16-bit tiny calls' 0.1 ms); int4 calls 0.1 ms: cheaper than the skeleton's, a negative extra
+    assert prof.call_overhead("int8") == pytest.approx(0.9e-4 / 14)
+    assert prof.call_overhead("int4") == pytest.approx(-0.5e-4 / 14)
+    assert prof.measured["skeleton_linears_s"] == 1.5e-4
     assert prof.device is not None and prof.device.peak_flops["int8"] == 1e12 and prof.low_precision_compute
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
     assert layer_shapes(TINY) == layer
@@ -93,7 +99,7 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     # + the refill after each layer's stream (its int8 weights and 129 tokens of 16-bit keys and values)
     layer_bytes = (64 * 64 * 2 + 32 * 64 * 2 + 128 * 64 * 3) + 128 * 2 * 4 + 129 * 2 * 2 * 16 * 2
     refill = 2 * 2e-5 * layer_bytes / (1 << 21)
-    assert r.overhead_s == pytest.approx(0.02 + 14 * 1e-5 + 2 * 5e-4 + refill)
+    assert r.overhead_s == pytest.approx(0.02 + 0.9e-4 + 2 * 5e-4 + refill)
     r8 = plan(TINY, batch=8, context=128, weights="int8", kv="int8-g16", profile=loaded,
               table_weights=None, table_kv=None)
     assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3 + 2 * 2e-5 * 7 * 129 * 2 * 2 * 16 * 2 / (1 << 21))
@@ -300,7 +306,7 @@ def test_step_costs_fit_subtracts_the_measured_refill_curve(monkeypatch):
 def test_16_bit_model_time_unchanged_and_quantised_head_at_its_own_rate(monkeypatch):
     """Splitting the 16-bit efficiency into linears and LM head reproduces the 16-bit model's measured
     linears + head time exactly, and charges a quantised model's 16-bit head its own measured time."""
-    from fewbits.bench.probe import linear_efficiencies
+    from fewbits.bench.probe_calls import linear_efficiencies
 
     bw = 10e9
     passes = {"bf16": {"kernels": ["k"], "bytes": 8e6,
@@ -312,3 +318,15 @@ def test_16_bit_model_time_unchanged_and_quantised_head_at_its_own_rate(monkeypa
     assert 8e6 / (bw_eff["float"] * bw) + 1e6 / (head * bw) == pytest.approx(2.1e-3, rel=1e-12)
     # the blended rate (9 MB / 2.1 ms) would have charged the head 0.233 ms, not its 0.1 ms
     assert 1e6 / (head * bw) == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_skeleton_linear_cost_measures_the_skeletons_own_linears():
+    from fewbits.bench.probe_calls import _ZeroLinear, skeleton_linear_cost
+
+    z = _ZeroLinear(5)
+    out = z(torch.ones(2, 1, 3, dtype=torch.bfloat16))
+    assert out.shape == (2, 1, 5) and out.dtype == torch.bfloat16 and not out.any()
+    assert z(torch.ones(2, 1, 3, dtype=torch.bfloat16)) is out  # no allocation per call
+    t = skeleton_linear_cost(TINY, context=8, steps=2, rounds=2)
+    # 14 bf16 linear calls of a step take microseconds each, well under a second
+    assert math.isfinite(t) and 0 <= t < 0.1

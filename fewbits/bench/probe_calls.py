@@ -1,0 +1,93 @@
+"""The probe's figures for linear layers: efficiencies and per-call costs from the GEMV passes
+(`linear_efficiencies`), and the time the skeleton step spends in its own 16-bit linears
+(`skeleton_linear_cost`), which the per-call cost of a quantised family is measured against."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fewbits.cost.profile import format_family
+from fewbits.formats.format import parse_format
+from fewbits.models.spec import ModelSpec
+
+
+def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: float, peak_bf16: float,
+                        log: Any = print, skeleton_linears_s: float | None = None
+                        ) -> tuple[dict[str, float], float, dict[str, float], dict[str, float]]:
+    """From `gemv_passes`: (bandwidth efficiency per family, of the 16-bit LM head, compute efficiency per
+    family, extra seconds per linear call per family).  The 16-bit linears ("float") and the LM head every
+    format keeps in 16 bits each stream at their own measured rate (here ~6.7 against ~8.4 GB/s: charging a
+    quantised model's head at the rate of the 16-bit linears over-counted it ~1.3 ms per step); together
+    they give the 16-bit model's time exactly as one blended efficiency did.  The extra cost per call of a
+    quantised family is its tiny calls' time less what the skeleton step (which every prediction starts
+    from) spends in its own 16-bit linears: `skeleton_linears_s` where measured (`skeleton_linear_cost`,
+    ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else the 16-bit tiny
+    calls' time (0.8 ms here)."""
+    from fewbits.bench.probe import _clamp, head_shape, layer_shapes
+
+    bw_eff: dict[str, float] = {}
+    comp_eff: dict[str, float] = {}
+    h = passes["lm_head_bf16"]
+    head_flops8 = 2 * 8 * head_shape(spec)[0] * head_shape(spec)[1]
+    calls = len(layer_shapes(spec)) * spec.n_layers  # linear calls per step
+    call_extra: dict[str, float] = {}
+    for f, r in passes.items():
+        if f == "lm_head_bf16":
+            continue
+        fam = format_family(parse_format(f))
+        t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
+        bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
+        if fam != "float":  # the skeleton step below already pays a 16-bit call per linear
+            base = passes["bf16"]["rows1"]["t_calls_s"] if skeleton_linears_s is None else skeleton_linears_s
+            call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - base) / calls)
+        if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
+            # the step model divides all linear FLOPs (LM head included) by one compute rate per family
+            flops = r["rows8"]["flops"] + head_flops8
+            comp_eff.setdefault(fam, _clamp(flops / ((t8 + h["rows8"]["t_s"]) * peak_bf16)))
+        log(f"  {f:>9}: {r['bytes'] / 1e6:6.1f} MB of linears per step: 1 row {t1 * 1e3:7.2f} ms "
+            f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
+    log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
+        f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
+    return bw_eff, _clamp(h["bytes"] / h["rows1"]["t_s"] / bw), comp_eff, call_extra
+
+
+class _ZeroLinear(torch.nn.Module):
+    """Stands in for a linear layer at no cost: the same zero output every call."""
+
+    def __init__(self, out_features: int) -> None:
+        super().__init__()
+        self.out_features = out_features
+        self.outs: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        key = (*x.shape[:-1], x.dtype)
+        if key not in self.outs:
+            self.outs[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+        return self.outs[key]
+
+
+def skeleton_linear_cost(spec: ModelSpec, context: int = 128, steps: int = 8, rounds: int = 5) -> float:
+    """Seconds a batch-1 decode step of `skeleton_model` spends in its decoder layers' own 16-bit linears:
+    its fastest step less that of the same skeleton with each of them replaced by a zero output, in
+    interleaved rounds (>= 0).  The skeleton's step, which the cost model starts from, pays this; a model
+    whose linears run a quantised kernel does not (its calls cost what the GEMV passes measure)."""
+    from fewbits.bench.probe import skeleton_model
+    from fewbits.generate import generate
+
+    models = [skeleton_model(spec), skeleton_model(spec)]
+    for layer in models[1].model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for n, mod in list(parent.named_children()):
+                if isinstance(mod, torch.nn.Linear):
+                    setattr(parent, n, _ZeroLinear(mod.out_features))
+    g = torch.Generator().manual_seed(2)
+    best = [float("inf"), float("inf")]
+    for m in models:
+        generate(m, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv="bf16")  # warm up
+    for _ in range(rounds):
+        for i, m in enumerate(models):
+            ids = torch.randint(0, spec.vocab_size, (1, context), generator=g)
+            best[i] = min(best[i], *generate(m, ids, steps + 1, kv="bf16").decode_step_s)
+    return max(best[0] - best[1], 0.0)
