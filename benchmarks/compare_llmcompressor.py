@@ -125,6 +125,7 @@ def main() -> None:
     folder = str(ensure_converted(args.model))
     ref, tok = load_model(args.model, dtype="float32")
     ids = calibration_ids(tok, args.calib_windows, args.calib_len).long().contiguous()
+    os.makedirs(args.workdir, exist_ok=True)
     calib = os.path.join(args.workdir, "calib_ids.safetensors")
     save_file({"input_ids": ids}, calib)
     windows, protocol = make_windows(tok, load_texts("eval"), seq_len=args.eval_len, n_windows=args.eval_windows)

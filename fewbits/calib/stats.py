@@ -13,21 +13,54 @@ partial i mod HESSIAN_CHUNKS (a batch holds samples of one class).  With 1, 2 or
 runs on rank i mod world size) every partial holds the same samples in the same order wherever it is
 computed, and the float64 total is the same.  (One float64 addition per sample instead cost a memory
 pass over the matrix per sample: 1.1 s of a SmolLM2 GPTQ.)
+
+Inputs that arrive in bfloat16 are exact in bfloat16, so their products are taken on oneDNN's bfloat16
+path (`bf16_products`: float32 in and out, the products exact, the sums in float32), which on CPUs with
+AMX runs ~3x faster than a float32 GEMM; other dtypes use the float32 GEMM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+from numba import njit
 from torch import nn
 
 from fewbits.calib import distributed as dist_util
 from fewbits.formats.quant import all_finite
 
 HESSIAN_CHUNKS = 4
+
+
+@contextmanager
+def bf16_products(enabled: bool = True) -> Iterator[None]:
+    """Within the block, float32 matrix products whose operands are all exact in bfloat16 may run on
+    oneDNN's bfloat16 path (products exact, sums in float32; AMX where the CPU has it).  Only for
+    operands known to be bfloat16 values: others would be rounded."""
+    flags = torch.backends.mkldnn.matmul
+    old = flags.fp32_precision
+    if enabled:
+        flags.fp32_precision = "bf16"
+    try:
+        yield
+    finally:
+        flags.fp32_precision = old
+
+
+@njit(cache=True, nogil=True)
+def _mean_of_partials(parts: tuple, tokens: np.float64, out: np.ndarray) -> None:
+    """out = float32(((p0 + p1) + ...) / tokens), the sum in float64 in the order given."""
+    n, m = out.shape
+    for i in range(n):
+        for j in range(m):
+            acc = np.float64(parts[0][i, j])
+            for k in range(1, len(parts)):
+                acc += np.float64(parts[k][i, j])
+            out[i, j] = np.float32(acc / tokens)
 
 
 class CalibrationError(ValueError):
@@ -66,10 +99,11 @@ class InputStats:
         if self.want_hessian:
             k = samples[0] % HESSIAN_CHUNKS
             acc = self.partial.get(k)
-            if acc is None:
-                acc = self.partial[k] = xf.T @ xf
-            else:
-                acc.addmm_(xf.T, xf)
+            with bf16_products(x2.dtype == torch.bfloat16):
+                if acc is None:
+                    acc = self.partial[k] = xf.T @ xf
+                else:
+                    acc.addmm_(xf.T, xf)
             check = acc.diagonal()  # NaN stays in the sum: these samples' (earlier ones have been checked)
         if self.want_abs:
             am = x2.abs().amax(0).float()
@@ -107,7 +141,15 @@ class InputStats:
                 self.hessian.add_(p)
 
     def hessian_mean(self) -> torch.Tensor:
-        """H / tokens in float32 (scale does not matter to GPTQ; this keeps the numbers moderate)."""
+        """H / tokens in float32 (scale does not matter to GPTQ; this keeps the numbers moderate).
+
+        The same numbers as `fold` then a float64 division, in one pass over the float32 partials when
+        nothing was folded yet (the float64 passes cost 0.5 s of a SmolLM2 GPTQ)."""
+        if self.hessian is None and self.partial:
+            parts = tuple(self.partial[k].contiguous().numpy() for k in sorted(self.partial))
+            out = torch.empty(parts[0].shape, dtype=torch.float32)
+            _mean_of_partials(parts, np.float64(max(self.tokens, 1)), out.numpy())
+            return out
         self.fold()
         return (self.hessian / max(self.tokens, 1)).float()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fewbits.calib.stats import HESSIAN_CHUNKS, CalibrationError, InputStats
+from fewbits.calib.stats import HESSIAN_CHUNKS, CalibrationError, InputStats, bf16_products
 
 
 def _samples(n: int = 16, tokens: int = 64, d: int = 48) -> list[torch.Tensor]:
@@ -25,6 +25,38 @@ def test_hessian_is_the_sum_of_x_xT_and_the_abs_statistics_are_right() -> None:
     assert float((h - ref).norm() / ref.norm()) < 1e-6
     assert torch.allclose(st.absmax, X.abs().amax(0).float())
     assert torch.allclose(st.mean_abs.double(), X.abs().mean(0), rtol=1e-6)
+
+
+def test_bfloat16_inputs_take_the_bf16_path_to_float32_accuracy_and_others_do_not() -> None:
+    """bfloat16 inputs are exact in bfloat16, so their products on the bfloat16 path keep float32
+    accuracy; float32 inputs keep the plain float32 product (the path would round them); the flag is
+    restored afterwards."""
+    xs = [x.bfloat16() for x in _samples(d=320)]
+    st = InputStats("lin", 320)
+    for i, x in enumerate(xs):
+        st.add(x, (i,))
+    X = torch.cat([x.reshape(-1, 320) for x in xs]).double()
+    ref = X.T @ X
+    assert float(((st.hessian_mean().double() * st.tokens - ref).norm() / ref.norm())) < 1e-6
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+    xf = torch.randn(64, 320) * 3
+    plain = InputStats("lin", 320)
+    plain.add(xf[None], (0,))
+    assert torch.equal(plain.partial[0], xf.T @ xf)
+    with bf16_products():
+        assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    assert torch.backends.mkldnn.matmul.fp32_precision == "none"
+
+
+def test_hessian_mean_in_one_pass_equals_fold_then_divide() -> None:
+    xs = _samples()
+    a, b = InputStats("lin", 48), InputStats("lin", 48)
+    for i, x in enumerate(xs[:7]):  # classes with 2, 2, 2 and 1 samples
+        a.add(x, (i,))
+        b.add(x, (i,))
+    b.fold()
+    assert torch.equal(a.hessian_mean(), (b.hessian / b.tokens).float())
+    assert torch.equal(a.hessian_mean(), b.hessian_mean())  # a second call gives the same
 
 
 @pytest.mark.parametrize("world", [2, 4])
