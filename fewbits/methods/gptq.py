@@ -25,8 +25,6 @@ Deviations and additions:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -41,19 +39,6 @@ from fewbits.methods.rtn import rtn_quantize
 log = logging.getLogger("fewbits.gptq")
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """Run LAPACK on one thread: its blocked factorisations round differently with different thread
-    counts, and GPTQ turns a one-ulp change of the factor into different codes at rounding ties.  One
-    thread makes the codes depend on the data alone (a torchrun rank and a lone process agree)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def inverse_hessian_factor(
     hessian: torch.Tensor, damp: float = 0.01, max_tries: int = 6, name: str = "layer"
 ) -> tuple[torch.Tensor, float] | None:
@@ -66,10 +51,9 @@ def inverse_hessian_factor(
     ratio = damp
     for _ in range(max_tries):
         # one factorisation H = R R^T (R upper) and one triangular inverse U = R^-1 (fewbits.methods.linalg)
-        # instead of factorise, invert, factorise again
-        with _one_thread():
-            U, info = inverse_upper_factor(H, ratio * mean_diag)
-            ok = info == 0 and all_finite(U) and bool((U.diagonal() > 0).all())
+        # instead of factorise, invert, factorise again; the same bits on any thread count
+        U, info = inverse_upper_factor(H, ratio * mean_diag)
+        ok = info == 0 and all_finite(U) and bool((U.diagonal() > 0).all())
         if ok:
             return U, ratio
         nxt = ratio * 10 if ratio > 0 else 1e-3

@@ -7,18 +7,36 @@ on 2 x 2 blocks until LAPACK takes a small leaf, so nearly all the work is matri
     H = [[H11, H12], [H21, H22]]:  R22 = rchol(H22),  R12 = H12 R22^-T,  R11 = rchol(H11 - R12 R12^T)
     R = [[A, B], [0, D]]:          R^-1 = [[A^-1, -A^-1 B D^-1], [0, D^-1]]
 
-GPTQ factors one Hessian per linear input (a 135M model: 120 of them, up to 1536 x 1536) on one thread, so
-that its codes do not depend on the thread count.  On one thread here LAPACK's float32 `potrf` reaches ~28
-GFLOP/s and a triangular solve against the identity ~80, a matrix product ~165: the recursive form takes
-~37 ms for a 1536 x 1536 Hessian instead of ~80, to the same accuracy (tests/methods/test_linalg.py checks
-it against float64).  Everything is done in place in one buffer.
+GPTQ factors one Hessian per linear input (a 135M model: 120 of them, up to 1536 x 1536), and its codes
+should not depend on the thread count: a one-ulp change of the factor moves codes at rounding ties.  LAPACK's
+blocked `potrf` rounds differently on 1 and 2 threads (seen here at 192 x 192), the matrix products and
+triangular solves of the recursion do not (they split rows and columns, never the sum: checked bit for bit,
+1 vs 2 threads, tests/methods/test_linalg.py).  So the leaves run on one thread and the products on all of
+them.  On one thread here LAPACK's float32 `potrf` reaches ~28 GFLOP/s and a triangular solve against the
+identity ~80, a matrix product ~165: the recursive form takes ~31 ms for a 1536 x 1536 Hessian instead of
+~80 (~19 ms on two threads), to the same accuracy (checked against float64).  Everything is done in place
+in one buffer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 LEAF = 192  # at or below this size the blocks go to LAPACK
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """torch (and LAPACK under it) on one thread inside the block."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def _reverse_cholesky_(a: torch.Tensor) -> int:
@@ -27,8 +45,9 @@ def _reverse_cholesky_(a: torch.Tensor) -> int:
     n = a.shape[0]
     if n <= LEAF:
         # J a J = L L^T (J reverses the order) gives a = (J L J)(J L J)^T with J L J upper triangular
-        L, info = torch.linalg.cholesky_ex(a.flip(0, 1))
-        a.copy_(L.flip(0, 1))
+        with one_thread():
+            L, info = torch.linalg.cholesky_ex(a.flip(0, 1))
+            a.copy_(L.flip(0, 1))
         return int(info)
     h = n // 2
     info = _reverse_cholesky_(a[h:, h:])
@@ -45,7 +64,8 @@ def _upper_inverse_(r: torch.Tensor) -> None:
     """In place: the upper-triangular, non-singular r becomes r^-1."""
     n = r.shape[0]
     if n <= LEAF:
-        r.copy_(torch.linalg.solve_triangular(r, torch.eye(n, dtype=r.dtype), upper=True))
+        with one_thread():
+            r.copy_(torch.linalg.solve_triangular(r, torch.eye(n, dtype=r.dtype), upper=True))
         return
     h = n // 2
     _upper_inverse_(r[:h, :h])

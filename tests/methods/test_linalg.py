@@ -38,3 +38,19 @@ def test_not_positive_definite_is_reported(bad: int) -> None:
     assert int(torch.linalg.cholesky_ex(h.double())[1]) > 0
     assert inverse_upper_factor(h, 0.01)[1] > 0
     assert inverse_upper_factor(_spd(800, seed=1), 0.01)[1] == 0
+
+
+@pytest.mark.parametrize("n", [577, 1536])
+def test_the_factor_has_the_same_bits_on_any_thread_count(n: int) -> None:
+    """GPTQ codes at rounding ties follow the factor's last bit, so a lone process and torchrun ranks
+    (fewer threads each) must compute the same factor; only the LAPACK leaves need one thread for that."""
+    h = _spd(n, seed=2)
+    shift = 0.01 * float(h.diagonal().mean())
+    one = inverse_upper_factor(h, shift)[0]
+    n_before = torch.get_num_threads()
+    try:
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(inverse_upper_factor(h, shift)[0], one), threads
+    finally:
+        torch.set_num_threads(n_before)
