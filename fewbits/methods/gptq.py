@@ -141,12 +141,12 @@ def gptq_quantize(
     # W held transposed, (cols, rows), in quantisation order: column j is the contiguous row WT[j], a
     # lazy block a slice of rows and its update one in-place matmul; a non-static block is a whole number
     # of groups starting at a group
-    WT = (W[:, perm] if perm is not None else W).T.contiguous()
+    WT = (W.T.contiguous()[perm] if perm is not None else W.T.contiguous())
     group_of = ((perm if perm is not None else torch.arange(cols)) // g).numpy()
     qlo, qhi, off = _int_range(fmt)
     codesT = torch.empty(cols, rows, dtype=torch.uint8)
     losses = torch.zeros(rows)
-    S_, C_ = scale.numpy(), codesT.numpy()
+    S_, C_, L_ = scale.numpy(), codesT.numpy(), losses.numpy()
     Z_ = zero.numpy() if zero is not None else np.zeros((1, 1), dtype=np.float32)
     for b0 in range(0, cols, block):
         b1 = min(b0 + block, cols)
@@ -156,20 +156,18 @@ def gptq_quantize(
         d = U[b0:b1, b0:b1].diagonal().contiguous()
         Hs = (U[b0:b1, b0:b1] / d[:, None]).contiguous()
         ET = torch.empty(b1 - b0, rows)
+        WT_, Hs_, d_, ET_ = WT[b0:b1].numpy(), Hs.numpy(), d.numpy(), ET.numpy()
         for a in range(b0, b1, step):
             if not static:  # a new group: scales from the current (updated) weights
                 s_, z_ = compute_scales(WT[a:a + g].T, cfmt)
                 scale[:, a // g] = s_[:, 0]
                 if zero is not None:
                     zero[:, a // g] = z_[:, 0]
-            quantize_block_columns(WT[b0:b1].numpy(), S_, Z_, zero is not None, group_of, Hs.numpy(), d.numpy(),
-                                   b0, a, a + step, np.float32(qlo), np.float32(qhi), np.float32(off), C_,
-                                   ET.numpy())
-        losses += (ET**2).sum(0) / 2
+            quantize_block_columns(WT_, S_, Z_, zero is not None, group_of, Hs_, d_, b0, a, a + step,
+                                   np.float32(qlo), np.float32(qhi), np.float32(off), C_, ET_, L_)
         if b1 < cols:  # lazy update of every later column (eq. 4)
             WT[b1:].addmm_(U[b0:b1, b1:].T, ET, alpha=-1)
-    codes = codesT.T
-    codes = (codes[:, torch.argsort(perm)] if perm is not None else codes).contiguous()
+    codes = (codesT[torch.argsort(perm)] if perm is not None else codesT).T.contiguous()
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,

@@ -45,12 +45,13 @@ def _compiled(W, scale, zero, group_of, Hs, d, b0, nb, qlo, qhi, off):
     WT = W.T.contiguous()
     codesT = torch.zeros(W.shape[1], W.shape[0], dtype=torch.uint8)
     ET = torch.zeros(nb, W.shape[0])
+    loss = torch.zeros(W.shape[0])
     z = zero.numpy() if zero is not None else np.zeros((1, 1), dtype=np.float32)
     for a in (b0, b0 + nb // 2):
         quantize_block_columns(WT[b0:b0 + nb].numpy(), scale.numpy(), z, zero is not None, group_of.numpy(),
                                Hs.numpy(), d.numpy(), b0, a, a + nb // 2, np.float32(qlo), np.float32(qhi),
-                               np.float32(off), codesT.numpy(), ET.numpy())
-    return WT.T, codesT.T, ET.T
+                               np.float32(off), codesT.numpy(), ET.numpy(), loss.numpy())
+    return WT.T, codesT.T, ET.T, loss
 
 
 @pytest.mark.parametrize("asym", [False, True])
@@ -60,10 +61,11 @@ def test_matches_torch_loop_including_ties(asym: bool) -> None:
     ref_w, ref_c, ref_e = W.clone(), torch.zeros(W.shape, dtype=torch.uint8), torch.zeros(W.shape[0], nb)
     for a in (b0, b0 + nb // 2):
         _torch_loop(ref_w, scale, zero, group_of, Hs, d, b0, a, a + nb // 2, qlo, qhi, off, ref_c, ref_e)
-    got_w, got_c, got_e = _compiled(W, scale, zero, group_of, Hs, d, b0, nb, qlo, qhi, off)
+    got_w, got_c, got_e, got_loss = _compiled(W, scale, zero, group_of, Hs, d, b0, nb, qlo, qhi, off)
     assert torch.equal(got_c[:, b0:b0 + nb], ref_c[:, b0:b0 + nb])
     assert torch.equal(got_w[:, :b0], W[:, :b0]) and torch.equal(got_w[:, b0 + nb:], W[:, b0 + nb:])  # block only
     assert torch.allclose(got_w, ref_w, rtol=0, atol=1e-5)
     assert torch.allclose(got_e, ref_e, rtol=0, atol=1e-5)
+    assert torch.allclose(got_loss, (ref_e**2).sum(1) / 2, rtol=1e-5, atol=0)  # the OBS loss of each row
     # a tie rounded the other way would move the later columns by a whole step times Hs: far outside atol
     assert float(Hs[0, 1:].abs().min()) * float(scale.min()) > 1e-3
