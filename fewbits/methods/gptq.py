@@ -97,10 +97,10 @@ def gptq_quantize(
         raise MethodError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match {cols} input columns")
     if not all_finite(hessian):
         raise MethodError(f"{name}: Hessian contains NaN or inf (were the calibration activations finite?)")
-    W = w.detach().float().clone()
+    W = w.detach().float()  # never written: the loop works on a transposed copy
     if not all_finite(W):
         raise MethodError(f"{name}: weight of shape {(rows, cols)} contains NaN or inf")
-    H = hessian.detach().float().clone()
+    H = hessian.detach().float()  # copied before any change below
     dead = torch.diag(H) <= 0
     if bool(dead.all()):
         log.warning("%s: calibration never reached this layer (Hessian is zero); using round-to-nearest", name)
@@ -108,6 +108,7 @@ def gptq_quantize(
         res.info.update(method="gptq", fallback="rtn: no calibration data")
         return res
     if dead.any():
+        H = H.clone()
         H[dead, :] = 0
         H[:, dead] = 0
         H[dead, dead] = torch.diag(H)[~dead].mean()
@@ -127,7 +128,7 @@ def gptq_quantize(
 
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     if perm is not None:
-        H = H[perm][:, perm]
+        H = H.index_select(0, perm).index_select(1, perm)
     fac = inverse_hessian_factor(H, damp, max_tries, name)
     if fac is None:
         log.warning("%s: Hessian stayed singular after %d damping increases; using round-to-nearest",
