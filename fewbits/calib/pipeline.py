@@ -196,6 +196,21 @@ def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], p
     return out
 
 
+def _freeze_norms(run: BlockRun, arch: ArchMapping, group: tuple[str, ...], staged: set[str],
+                  planned: dict[str, Any]) -> None:
+    """Freeze the norm feeding `group` when every planned linear before the group is quantised: its
+    input (the block input and the outputs of those linears) no longer changes in this block."""
+    before = arch.linears[:min((arch.linears.index(p) for p in group if p in arch.linears), default=0)]
+    if any(p in planned and p not in staged for p in before):
+        return
+    for m in arch.smooth:
+        if m.prev_kind == "norm" and any(p in m.linears for p in group):
+            try:
+                run.freeze(m.prev)
+            except AttributeError:
+                pass
+
+
 def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, commit: Commit,
              progress: bool = True, awq: bool = False) -> dict[str, Any]:
     """GPTQ with true-sequential order inside each block (statistics of a group of linears are taken
@@ -211,6 +226,7 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
             awq_block(run, planned, arch, clip=False, info=info)
         staged: set[str] = set()
         for group, declared in _groups(arch, planned):
+            _freeze_norms(run, arch, group, staged, planned)
             mods = {p: run.module(p) for p in group}
             # a module whose output linear is in this group, with every other planned linear of it already
             # quantised, can be replayed from that linear's recorded input for the rest of the block

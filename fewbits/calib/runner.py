@@ -7,7 +7,9 @@
 2. For each block, a method collects statistics with hooks (`BlockRun.collect`), quantises the block's
    linears, and `BlockRun.advance` feeds the *quantised* block's outputs to the next block.  Once the
    linears up to a module's output linear are quantised, `BlockRun.replay` computes that module (attention,
-   MLP: declared pairs) from the linear's recorded input for the block's remaining passes.
+   MLP: declared pairs) from the linear's recorded input for the block's remaining passes, and
+   `BlockRun.freeze` keeps a norm's output once nothing before it changes (each later pass of a block
+   would otherwise recompute the input norm it no longer uses and the MLP's norm it already computed).
 Live memory is one block's activations for the calibration samples (plus the model itself).
 
 Samples run in batches of about BATCH_TOKENS tokens (`sample_batches`): one batch holds samples of one
@@ -181,6 +183,7 @@ class BlockRun:
         gives the identical tensor; if not, replay is switched off for the module with a log line."""
         mod, lin, rec = self.module(module_path), self.module(linear_path), self.recorded[linear_path]
         state: dict[str, Any] = {"checked": False, "rest": None}
+        outputs: dict[Batch, torch.Tensor] = {}  # the linear's output per batch, computed once
         real = mod.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -197,8 +200,33 @@ class BlockRun:
                     del mod.forward
                     self.replayed.remove(mod)
                 return out
-            y = lin(rec[s])
+            y = outputs.get(s)
+            if y is None:
+                y = outputs[s] = lin(rec.pop(s))  # the input is not needed again
+            y = y.clone()  # a copy: the caller may change it in place
             return y if state["rest"] is None else (y, *state["rest"])
+
+        mod.forward = forward
+        self.replayed.append(mod)
+
+    def freeze(self, module_path: str) -> None:
+        """From now on (until the block is done) module `module_path` returns, for each batch, a copy of
+        the output it gave the first time.  Valid when nothing before the module changes any more (the
+        caller's to know: a norm whose input comes only from quantised linears and the block input).
+        A module that does not return a plain tensor is left alone."""
+        mod = self.module(module_path)
+        real = mod.forward
+        cache: dict[Batch, torch.Tensor] = {}
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            s = self.batch_ref[0]
+            out = cache.get(s)
+            if out is None:
+                out = real(*args, **kwargs)
+                if not isinstance(out, torch.Tensor):
+                    return out
+                cache[s] = out
+            return out.clone()  # a copy: the caller may change it in place
 
         mod.forward = forward
         self.replayed.append(mod)

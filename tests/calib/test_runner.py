@@ -136,15 +136,18 @@ def test_wrong_format_fails_before_anything_changes(tiny, calib_ids) -> None:
 def test_replaying_quantised_modules_gives_the_same_codes(tiny, calib_ids, family: str, method: str,
                                                           monkeypatch, caplog) -> None:
     """Attention and MLP replayed from their output linear's recorded input (once the linears before it are
-    quantised) give exactly the codes of running every pass in full; no replay is ever switched off."""
+    quantised), and norms frozen once nothing before them changes, give exactly the codes of running every
+    pass in full; no replay is ever switched off."""
     import dataclasses
 
+    from fewbits.calib import pipeline
     from fewbits.models import mappings
 
     def codes(replay: bool) -> dict[str, torch.Tensor]:
         if not replay:
             for k, a in list(mappings.ARCHITECTURES.items()):
                 monkeypatch.setitem(mappings.ARCHITECTURES, k, dataclasses.replace(a, outputs=()))
+            monkeypatch.setattr(pipeline, "_freeze_norms", lambda *a: None)
         model = tiny(family, layers=4)
         quantize(model, method, "int4-g32", calib_ids)
         return {n: b for n, b in model.named_buffers() if "codes" in n or "scale" in n}
@@ -156,6 +159,30 @@ def test_replaying_quantised_modules_gives_the_same_codes(tiny, calib_ids, famil
     assert replayed.keys() == full.keys() and len(full) >= 2 * 4 * 7
     for name, t in full.items():
         assert torch.equal(replayed[name], t), name
+
+
+def test_a_frozen_module_gives_copies_of_its_first_output_per_batch_until_the_block_is_done() -> None:
+    from fewbits.calib.runner import BlockRun
+
+    block = nn.Sequential(nn.LayerNorm(4))
+    run = BlockRun(0, "b", block, [(0,), (1,)], [], [])
+    x = {b: torch.randn(2, 4) for b in run.batches}
+    first = {}
+    run.freeze("0")
+    for b in run.batches:
+        run.batch_ref[0] = b
+        first[b] = block(x[b])
+    with torch.no_grad():
+        block[0].weight.mul_(3)  # a change the frozen output must not see
+    for b in run.batches:
+        run.batch_ref[0] = b
+        out = block(torch.zeros(2, 4))
+        assert torch.equal(out, first[b])
+        out.add_(1)  # the caller's copy: the next call is unchanged
+        assert torch.equal(block(torch.zeros(2, 4)), first[b])
+    run.finish()
+    run.batch_ref[0] = (0,)
+    assert not torch.equal(block(x[(0,)]), first[(0,)])  # the real module again
 
 
 def test_a_wrongly_declared_replay_is_detected_and_switched_off(tiny, calib_ids, monkeypatch, caplog) -> None:
