@@ -21,6 +21,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+#: columns whose errors reach the rest of the block together (`_tile_update` is written out for 8)
+TILE = 8
+
 
 @njit(cache=True, nogil=True)
 def quantize_block_columns(WT: np.ndarray, scale: np.ndarray, zero: np.ndarray, has_zero: bool,
@@ -38,10 +41,13 @@ def quantize_block_columns(WT: np.ndarray, scale: np.ndarray, zero: np.ndarray, 
     nb, rows = WT.shape
     s = np.empty(rows, dtype=np.float32)
     z = np.zeros(rows, dtype=np.float32)
-    err = np.empty(rows, dtype=np.float32)
+    E = np.empty((TILE, rows), dtype=np.float32)  # errors of the current tile of columns
+    qc = np.empty(rows, dtype=np.float32)  # stored codes as floats (converted in a loop of their own)
     current = -1
+    t0 = start
     for j in range(start, stop):
         i = j - b0
+        err = E[j - t0]
         if group_of[j] != current:  # this group's scales (and zero points) as contiguous vectors
             current = group_of[j]
             for r in range(rows):
@@ -51,21 +57,45 @@ def quantize_block_columns(WT: np.ndarray, scale: np.ndarray, zero: np.ndarray, 
         w = WT[i]
         c = codesT[j]
         e_out = ET[i]
-        for r in range(rows):
-            q = np.rint(w[r] / s[r])
-            lo = qlo - z[r]
-            hi = qhi - z[r]
-            if q < lo:
-                q = lo
-            elif q > hi:
-                q = hi
+        for r in range(rows):  # branch-free, so that it vectorises
+            q = min(max(np.rint(w[r] / s[r]), qlo - z[r]), qhi - z[r])
             e = w[r] - q * s[r]
             err[r] = e
-            c[r] = np.uint8(q + z[r] + off)
-            e_out[r] = e / d[i]
-            loss[r] += e_out[r] * e_out[r] * np.float32(0.5)
-        for k in range(i + 1, nb):
+            qc[r] = q + z[r] + off
+            eo = e / d[i]
+            e_out[r] = eo
+            loss[r] += eo * eo * np.float32(0.5)
+        for r in range(rows):
+            c[r] = np.uint8(qc[r])
+        t1 = min(t0 + TILE, stop)
+        for k in range(i + 1, t1 - b0):  # inside the tile: one column at a time
             h = Hs[i, k]
             wk = WT[k]
             for r in range(rows):
                 wk[r] -= err[r] * h
+        if j == t1 - 1:  # the tile is done: its errors reach the rest of the block together
+            _tile_update(WT, E, Hs, t0 - b0, t1 - t0)
+            t0 = t1
+
+
+@njit(cache=True, nogil=True)
+def _tile_update(WT: np.ndarray, E: np.ndarray, Hs: np.ndarray, i0: int, m: int) -> None:
+    """w_k -= sum_t E[t] Hs[i0 + t, k] for every column k of the block after the tile i0..i0+m-1: a full
+    tile in one pass over w_k with its TILE products summed first (w_k read once per tile, not once
+    per column), a partial tile column by column."""
+    nb, rows = WT.shape
+    for k in range(i0 + m, nb):
+        wk = WT[k]
+        if m == TILE:
+            h0, h1, h2, h3 = Hs[i0, k], Hs[i0 + 1, k], Hs[i0 + 2, k], Hs[i0 + 3, k]
+            h4, h5, h6, h7 = Hs[i0 + 4, k], Hs[i0 + 5, k], Hs[i0 + 6, k], Hs[i0 + 7, k]
+            e0, e1, e2, e3, e4, e5, e6, e7 = E[0], E[1], E[2], E[3], E[4], E[5], E[6], E[7]
+            for r in range(rows):
+                wk[r] -= (((e0[r] * h0 + e1[r] * h1) + (e2[r] * h2 + e3[r] * h3))
+                          + ((e4[r] * h4 + e5[r] * h5) + (e6[r] * h6 + e7[r] * h7)))
+        else:
+            for t in range(m):
+                h = Hs[i0 + t, k]
+                et = E[t]
+                for r in range(rows):
+                    wk[r] -= et[r] * h
