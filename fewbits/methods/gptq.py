@@ -32,7 +32,7 @@ import torch
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
-from fewbits.methods.gptq_loop import quantize_block_columns
+from fewbits.methods.gptq_loop import permuted_transpose, quantize_block_columns, symmetric_permute
 from fewbits.methods.linalg import inverse_upper_factor
 from fewbits.methods.rtn import rtn_quantize
 
@@ -128,7 +128,9 @@ def gptq_quantize(
 
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     if perm is not None:
-        H = H.index_select(0, perm).index_select(1, perm)
+        Hp = torch.empty_like(H)
+        symmetric_permute(H.contiguous().numpy(), perm.numpy(), Hp.numpy())
+        H = Hp
     fac = inverse_hessian_factor(H, damp, max_tries, name)
     if fac is None:
         log.warning("%s: Hessian stayed singular after %d damping increases; using round-to-nearest",
@@ -142,7 +144,8 @@ def gptq_quantize(
     # W held transposed, (cols, rows), in quantisation order: column j is the contiguous row WT[j], a
     # lazy block a slice of rows and its update one in-place matmul; a non-static block is a whole number
     # of groups starting at a group
-    WT = (W.T.contiguous()[perm] if perm is not None else W.T.contiguous())
+    WT = torch.empty(cols, rows)
+    permuted_transpose(W.contiguous().numpy(), (perm if perm is not None else torch.arange(cols)).numpy(), WT.numpy())
     group_of = ((perm if perm is not None else torch.arange(cols)) // g).numpy()
     qlo, qhi, off = _int_range(fmt)
     codesT = torch.empty(cols, rows, dtype=torch.uint8)

@@ -99,3 +99,29 @@ def _tile_update(WT: np.ndarray, E: np.ndarray, Hs: np.ndarray, i0: int, m: int)
                 et = E[t]
                 for r in range(rows):
                     wk[r] -= et[r] * h
+
+
+@njit(cache=True, nogil=True)
+def symmetric_permute(H: np.ndarray, p: np.ndarray, out: np.ndarray) -> None:
+    """out[i, j] = H[p[i], p[j]] in one pass (two torch index_selects over a 1536 x 1536 Hessian: ~8 ms
+    here, cold; this ~2.3 ms)."""
+    n = H.shape[0]
+    for i in range(n):
+        src = H[p[i]]
+        o = out[i]
+        for j in range(n):
+            o[j] = src[p[j]]
+
+
+@njit(cache=True, nogil=True)
+def permuted_transpose(W: np.ndarray, p: np.ndarray, out: np.ndarray) -> None:
+    """out[j, r] = W[r, p[j]] in one pass, in bands of 64 rows (the weight transposed with its columns in
+    quantisation order)."""
+    rows, cols = W.shape
+    for r0 in range(0, rows, 64):
+        r1 = min(r0 + 64, rows)
+        for j in range(cols):
+            c = p[j]
+            o = out[j]
+            for r in range(r0, r1):
+                o[r] = W[r, c]
