@@ -32,7 +32,12 @@ import torch
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
-from fewbits.methods.gptq_loop import permuted_transpose, quantize_block_columns, symmetric_permute
+from fewbits.methods.gptq_loop import (
+    gathered_transpose,
+    permuted_transpose,
+    quantize_block_columns,
+    symmetric_permute,
+)
 from fewbits.methods.linalg import inverse_upper_factor
 from fewbits.methods.rtn import rtn_quantize
 
@@ -171,7 +176,9 @@ def gptq_quantize(
                                    np.float32(qlo), np.float32(qhi), np.float32(off), C_, ET_, L_)
         if b1 < cols:  # lazy update of every later column (eq. 4)
             WT[b1:].addmm_(U[b0:b1, b1:].T, ET, alpha=-1)
-    codes = (codesT[torch.argsort(perm)] if perm is not None else codesT).T.contiguous()
+    codes = torch.empty(rows, cols, dtype=torch.uint8)
+    inv = torch.argsort(perm) if perm is not None else torch.arange(cols)
+    gathered_transpose(C_, inv.numpy(), codes.numpy())
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,

@@ -125,3 +125,16 @@ def permuted_transpose(W: np.ndarray, p: np.ndarray, out: np.ndarray) -> None:
             o = out[j]
             for r in range(r0, r1):
                 o[r] = W[r, c]
+
+
+@njit(cache=True, nogil=True)
+def gathered_transpose(CT: np.ndarray, p: np.ndarray, out: np.ndarray) -> None:
+    """out[r, c] = CT[p[c], r] in one pass, in bands of 64 rows of out (codes held transposed in
+    quantisation order, back to the weight's layout and column order)."""
+    cols, rows = CT.shape
+    for r0 in range(0, rows, 64):
+        r1 = min(r0 + 64, rows)
+        for c in range(cols):
+            src = CT[p[c]]
+            for r in range(r0, r1):
+                out[r, c] = src[r]
