@@ -37,7 +37,7 @@ def test_bfloat16_inputs_take_the_bf16_path_to_float32_accuracy_and_others_do_no
         st.add(x, (i,))
     X = torch.cat([x.reshape(-1, 320) for x in xs]).double()
     ref = X.T @ X
-    assert float(((st.hessian_mean().double() * st.tokens - ref).norm() / ref.norm())) < 1e-6
+    assert float((st.hessian_mean().double() * st.tokens - ref).norm() / ref.norm()) < 1e-6
     assert torch.backends.mkldnn.matmul.fp32_precision == "none"
     xf = torch.randn(64, 320) * 3
     plain = InputStats("lin", 320)
