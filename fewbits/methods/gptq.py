@@ -149,9 +149,10 @@ def gptq_quantize(
     # W held transposed, (cols, rows), in quantisation order: column j is the contiguous row WT[j], a
     # lazy block a slice of rows and its update one in-place matmul; a non-static block is a whole number
     # of groups starting at a group
+    order = perm if perm is not None else torch.arange(cols)
     WT = torch.empty(cols, rows)
-    permuted_transpose(W.contiguous().numpy(), (perm if perm is not None else torch.arange(cols)).numpy(), WT.numpy())
-    group_of = ((perm if perm is not None else torch.arange(cols)) // g).numpy()
+    permuted_transpose(W.contiguous().numpy(), order.numpy(), WT.numpy())
+    group_of = (order // g).numpy()
     qlo, qhi, off = _int_range(fmt)
     codesT = torch.empty(cols, rows, dtype=torch.uint8)
     losses = torch.zeros(rows)
@@ -177,8 +178,7 @@ def gptq_quantize(
         if b1 < cols:  # lazy update of every later column (eq. 4)
             WT[b1:].addmm_(U[b0:b1, b1:].T, ET, alpha=-1)
     codes = torch.empty(rows, cols, dtype=torch.uint8)
-    inv = torch.argsort(perm) if perm is not None else torch.arange(cols)
-    gathered_transpose(C_, inv.numpy(), codes.numpy())
+    gathered_transpose(C_, torch.argsort(order).numpy(), codes.numpy())
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,
