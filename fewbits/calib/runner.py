@@ -118,7 +118,7 @@ class BlockRun:
     batch_ref: list[Batch] = field(default_factory=lambda: [()])  # the batch being run (read by hooks)
     deferred: list[Callable[[], None]] = field(default_factory=list)  # run after `advance`
     recorded: dict[str, dict[Batch, torch.Tensor]] = field(default_factory=dict)  # linear -> batch -> input
-    replayed: list[nn.Module] = field(default_factory=list)  # modules whose forward is replayed
+    patched: list[nn.Module] = field(default_factory=list)  # modules replayed or frozen until `finish`
 
     def stage(self, path: str, w_hat: torch.Tensor, commit: Callable[[], None]) -> None:
         """Put the quantised values `w_hat` in the float linear `path` for the rest of this block's
@@ -198,7 +198,7 @@ class BlockRun:
                     log.warning("%s.%s: replaying it from %s's recorded input does not reproduce its output; "
                                 "running it in full", self.prefix, module_path, linear_path)
                     del mod.forward
-                    self.replayed.remove(mod)
+                    self.patched.remove(mod)
                 return out
             y = outputs.get(s)
             if y is None:
@@ -206,8 +206,7 @@ class BlockRun:
             y = y.clone()  # a copy: the caller may change it in place
             return y if state["rest"] is None else (y, *state["rest"])
 
-        mod.forward = forward
-        self.replayed.append(mod)
+        self._patch(mod, forward)
 
     def freeze(self, module_path: str) -> None:
         """From now on (until the block is done) module `module_path` returns, for each batch, a copy of
@@ -228,14 +227,18 @@ class BlockRun:
                 cache[s] = out
             return out.clone()  # a copy: the caller may change it in place
 
+        self._patch(mod, forward)
+
+    def _patch(self, mod: nn.Module, forward: Callable[..., Any]) -> None:
+        """Run `forward` instead of the module's own until `finish`."""
         mod.forward = forward
-        self.replayed.append(mod)
+        self.patched.append(mod)
 
     def finish(self) -> None:
-        """Restore replayed modules and drop recorded inputs (the block is done)."""
-        for mod in self.replayed:
+        """Restore replayed and frozen modules and drop recorded inputs (the block is done)."""
+        for mod in self.patched:
             del mod.forward
-        self.replayed.clear()
+        self.patched.clear()
         self.recorded.clear()
 
     @torch.no_grad()
