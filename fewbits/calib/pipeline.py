@@ -20,6 +20,7 @@ from torch import nn
 from fewbits.calib.runner import BlockRun, check_calibration_data, decoder_blocks, iterate_blocks
 from fewbits.calib.stats import InputStats
 from fewbits.formats.format import parse_format
+from fewbits.methods import workspace
 from fewbits.methods.awq import apply_clip, awq_search_scales, fold_scales, search_clip
 from fewbits.methods.common import QuantResult, check_method_format
 from fewbits.methods.gptq import gptq_quantize
@@ -179,20 +180,26 @@ def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], p
         fmt = parse_format(plans[p].format)
         key = (fmt.spec, tuple(sorted(_gptq_opts(plans[p]).items()))) if fmt.granularity != "tensor" else (p,)
         batches.setdefault(key, []).append(p)
+    means: dict[int, tuple[InputStats, torch.Tensor]] = {}  # one mean Hessian per distinct statistics
     for paths in batches.values():
         plan = plans[paths[0]]
         st = stats[paths[0]]
         if st.tokens < 2 * st.in_features:
             log.warning("%s: only %d calibration tokens for %d input features; GPTQ may fit the calibration text "
                         "(give more text, or raise damping)", plan.name, st.tokens, st.in_features)
+        if id(st) not in means:
+            means[id(st)] = (st, st.hessian_mean())
         w = torch.cat([weights[p].float() for p in paths])
-        res = gptq_quantize(w, stats[paths[0]].hessian_mean(), plan.format, name=plan.name, **_gptq_opts(plan))
+        res = gptq_quantize(w, means[id(st)][1], plan.format, name=plan.name, **_gptq_opts(plan))
         r0 = 0
         for p in paths:
             r1 = r0 + weights[p].shape[0]
             out[p] = QuantResult(res.codes[r0:r1], res.scale[r0:r1], None if res.zero is None else res.zero[r0:r1],
                                  res.fmt, dict(res.info))
             r0 = r1
+    for st, h in means.values():  # the last use of these statistics: their buffers serve the next group
+        st.release()
+        workspace.release(h)
     return out
 
 
@@ -221,38 +228,39 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"damp": {}}
     output_of = {lin: mod for mod, lin in arch.outputs}
-    for run, planned in planned_blocks(model, data, by_block, progress, method):
-        if awq:
-            awq_block(run, planned, arch, clip=False, info=info)
-        staged: set[str] = set()
-        for group, declared in _groups(arch, planned):
-            _freeze_norms(run, arch, group, staged, planned)
-            mods = {p: run.module(p) for p in group}
-            # a module whose output linear is in this group, with every other planned linear of it already
-            # quantised, can be replayed from that linear's recorded input for the rest of the block
-            replay = tuple(p for p in group if p in output_of and run.record_budget_left(p) and all(
-                q in staged or q == p for q in planned if q.startswith(output_of[p] + ".")))
-            if declared:  # a declared group shares one input: one Hessian serves every linear in it
-                first = run.collect({group[0]: mods[group[0]]}, want_hessian=True, want_abs=False,
-                                    record=replay)[group[0]]
-                stats = dict.fromkeys(group, first)
-            else:
-                stats = run.collect(mods, want_hessian=True, stop_early=False, want_abs=False, record=replay)
-            results = gptq_group({p: m.weight.detach() for p, m in mods.items()}, stats,
-                                 {p: planned[p] for p in group})
-            for p in group:
-                plan, res = planned[p], results[p]
-                if res is None:
-                    _rtn_commit(model, plan, commit, "calibration never reached this layer", info)
-                    continue
-                if res.info.get("fallback"):
-                    info.setdefault("rtn_fallback", {})[plan.name] = res.info["fallback"]
-                elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
-                    info["damp"][plan.name] = res.info["damp"]
-                run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
-                staged.add(p)
-            for p in replay:
-                run.replay(output_of[p], p)
+    with workspace.active():  # Hessians and GPTQ's scratch matrices reused from group to group
+        for run, planned in planned_blocks(model, data, by_block, progress, method):
+            if awq:
+                awq_block(run, planned, arch, clip=False, info=info)
+            staged: set[str] = set()
+            for group, declared in _groups(arch, planned):
+                _freeze_norms(run, arch, group, staged, planned)
+                mods = {p: run.module(p) for p in group}
+                # a module whose output linear is in this group, with every other planned linear of it
+                # already quantised, can be replayed from that linear's recorded input for the rest of the block
+                replay = tuple(p for p in group if p in output_of and run.record_budget_left(p) and all(
+                    q in staged or q == p for q in planned if q.startswith(output_of[p] + ".")))
+                if declared:  # a declared group shares one input: one Hessian serves every linear in it
+                    first = run.collect({group[0]: mods[group[0]]}, want_hessian=True, want_abs=False,
+                                        record=replay)[group[0]]
+                    stats = dict.fromkeys(group, first)
+                else:
+                    stats = run.collect(mods, want_hessian=True, stop_early=False, want_abs=False, record=replay)
+                results = gptq_group({p: m.weight.detach() for p, m in mods.items()}, stats,
+                                     {p: planned[p] for p in group})
+                for p in group:
+                    plan, res = planned[p], results[p]
+                    if res is None:
+                        _rtn_commit(model, plan, commit, "calibration never reached this layer", info)
+                        continue
+                    if res.info.get("fallback"):
+                        info.setdefault("rtn_fallback", {})[plan.name] = res.info["fallback"]
+                    elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
+                        info["damp"][plan.name] = res.info["damp"]
+                    run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
+                    staged.add(p)
+                for p in replay:
+                    run.replay(output_of[p], p)
     commit_outside(model, outside, commit, info)
     return info
 

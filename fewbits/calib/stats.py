@@ -32,6 +32,7 @@ from torch import nn
 
 from fewbits.calib import distributed as dist_util
 from fewbits.formats.quant import all_finite
+from fewbits.methods import workspace
 
 HESSIAN_CHUNKS = 4
 
@@ -101,7 +102,8 @@ class InputStats:
             acc = self.partial.get(k)
             with bf16_products(x2.dtype == torch.bfloat16):
                 if acc is None:
-                    acc = self.partial[k] = xf.T @ xf
+                    n = xf.shape[1]
+                    acc = self.partial[k] = torch.mm(xf.T, xf, out=workspace.empty(n, n))
                 else:
                     acc.addmm_(xf.T, xf)
             check = acc.diagonal()  # NaN stays in the sum: these samples' (earlier ones have been checked)
@@ -139,6 +141,7 @@ class InputStats:
                 self.hessian = p.double()
             else:
                 self.hessian.add_(p)
+            workspace.release(p)
 
     def hessian_mean(self) -> torch.Tensor:
         """H / tokens in float32 (scale does not matter to GPTQ; this keeps the numbers moderate).
@@ -147,11 +150,18 @@ class InputStats:
         nothing was folded yet (the float64 passes cost 0.5 s of a SmolLM2 GPTQ)."""
         if self.hessian is None and self.partial:
             parts = tuple(self.partial[k].contiguous().numpy() for k in sorted(self.partial))
-            out = torch.empty(parts[0].shape, dtype=torch.float32)
+            out = workspace.empty(*parts[0].shape)
             _mean_of_partials(parts, np.float64(max(self.tokens, 1)), out.numpy())
             return out
         self.fold()
         return (self.hessian / max(self.tokens, 1)).float()
+
+    def release(self) -> None:
+        """Drop the Hessian (its float32 partial sums go back to `fewbits.methods.workspace`): for the
+        last user of these statistics."""
+        for k in sorted(self.partial):
+            workspace.release(self.partial.pop(k))
+        self.hessian = None
 
     def inputs(self) -> torch.Tensor:
         """Kept inputs of all processes, in sample order: (tokens, in)."""

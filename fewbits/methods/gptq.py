@@ -31,6 +31,7 @@ import torch
 
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
+from fewbits.methods import workspace
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
 from fewbits.methods.gptq_loop import (
     gathered_transpose,
@@ -61,6 +62,7 @@ def inverse_hessian_factor(
         ok = info == 0 and all_finite(U) and bool((U.diagonal() > 0).all())
         if ok:
             return U, ratio
+        workspace.release(U)
         nxt = ratio * 10 if ratio > 0 else 1e-3
         log.warning("%s: Hessian is not positive definite with damping %.3g of its mean diagonal; "
                     "retrying with %.3g", name, ratio, nxt)
@@ -133,10 +135,12 @@ def gptq_quantize(
 
     perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
     if perm is not None:
-        Hp = torch.empty_like(H)
+        Hp = workspace.empty(cols, cols)
         symmetric_permute(H.contiguous().numpy(), perm.numpy(), Hp.numpy())
         H = Hp
     fac = inverse_hessian_factor(H, damp, max_tries, name)
+    if perm is not None:
+        workspace.release(Hp)
     if fac is None:
         log.warning("%s: Hessian stayed singular after %d damping increases; using round-to-nearest",
                     name, max_tries)
@@ -150,11 +154,12 @@ def gptq_quantize(
     # lazy block a slice of rows and its update one in-place matmul; a non-static block is a whole number
     # of groups starting at a group
     order = perm if perm is not None else torch.arange(cols)
-    WT = torch.empty(cols, rows)
+    WT = workspace.empty(cols, rows)
     permuted_transpose(W.contiguous().numpy(), order.numpy(), WT.numpy())
     group_of = (order // g).numpy()
     qlo, qhi, off = _int_range(fmt)
-    codesT = torch.empty(cols, rows, dtype=torch.uint8)
+    codesT = workspace.empty(cols, rows, dtype=torch.uint8)
+    ET_all = workspace.empty(min(block, cols), rows)  # one lazy block's errors, divided by the diagonal
     losses = torch.zeros(rows)
     S_, C_, L_ = scale.numpy(), codesT.numpy(), losses.numpy()
     Z_ = zero.numpy() if zero is not None else np.zeros((1, 1), dtype=np.float32)
@@ -165,7 +170,7 @@ def gptq_quantize(
         # w_k -= e_i Hs[i, k] for the block's later columns k
         d = U[b0:b1, b0:b1].diagonal().contiguous()
         Hs = (U[b0:b1, b0:b1] / d[:, None]).contiguous()
-        ET = torch.empty(b1 - b0, rows)
+        ET = ET_all[:b1 - b0]
         WT_, Hs_, d_, ET_ = WT[b0:b1].numpy(), Hs.numpy(), d.numpy(), ET.numpy()
         for a in range(b0, b1, step):
             if not static:  # a new group: scales from the current (updated) weights
@@ -179,6 +184,7 @@ def gptq_quantize(
             WT[b1:].addmm_(U[b0:b1, b1:].T, ET, alpha=-1)
     codes = torch.empty(rows, cols, dtype=torch.uint8)
     gathered_transpose(C_, torch.argsort(order).numpy(), codes.numpy())
+    workspace.release(U, WT, codesT, ET_all)
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,

@@ -25,6 +25,8 @@ from contextlib import contextmanager
 
 import torch
 
+from fewbits.methods import workspace
+
 LEAF = 192  # at or below this size the blocks go to LAPACK
 
 
@@ -76,8 +78,8 @@ def _upper_inverse_(r: torch.Tensor) -> None:
 def inverse_upper_factor(h: torch.Tensor, shift: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, int]:
     """(U, info): U upper triangular with (h + shift I)^-1 = U^T U for a symmetric positive-definite
     h + shift I; info is 0, or positive when it is not positive definite (U is then unusable).
-    h is not modified."""
-    a = h.clone()
+    h is not modified; U comes from `fewbits.methods.workspace`."""
+    a = workspace.empty(*h.shape, dtype=h.dtype).copy_(h)
     a.diagonal().add_(shift)
     info = _reverse_cholesky_(a)
     if info == 0:
