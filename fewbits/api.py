@@ -50,7 +50,7 @@ from fewbits.models.qlinear import (
     reference_chooser,
 )
 from fewbits.models.recipe import LayerPlan, Recipe, RecipeError
-from fewbits.models.swap import linear_shapes, model_nbytes, swap_in
+from fewbits.models.swap import linear_shapes, model_nbytes, swap_in, tied_parameters
 from fewbits.tensor import QuantizedTensor, quantize_tensor
 
 log = logging.getLogger("fewbits.api")
@@ -227,13 +227,14 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
     before = {p.name: _weight_bytes(model.get_submodule(p.name)) for p in plans}
     after: dict[str, int] = {}
     planned = {p.name: p for p in todo}
+    tied = tied_parameters(model)
 
     def commit(name: str, q: QuantizedTensor | nn.Module) -> None:
         if name not in planned:
             raise QuantizeError(f"layer {name} was not planned for quantisation")
         if name in after:
             raise QuantizeError(f"layer {name} was committed twice")
-        new = swap_in(model, name, q, reference_chooser)  # the chosen kernels are prepared at the end
+        new = swap_in(model, name, q, reference_chooser, tied)  # the chosen kernels are prepared at the end
         after[name] = q.nbytes if isinstance(q, QuantizedTensor) else model_nbytes(new)
 
     info: dict[str, Any] = {}

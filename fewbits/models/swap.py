@@ -41,11 +41,12 @@ def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
 
 
 def swap_in(model: nn.Module, name: str, replacement: QuantizedTensor | nn.Module,
-            chooser: KernelChooser | None = None) -> nn.Module:
+            chooser: KernelChooser | None = None, tied: set[int] | None = None) -> nn.Module:
     """Replace linear `name` by a QuantLinear over `replacement` (or by a ready module), keeping its bias.
 
     The old module's weight is released (set to None) so its memory is freed as soon as nothing
-    else refers to it.  Returns the new module.
+    else refers to it.  `tied`: `tied_parameters(model)` taken before the first swap, when swapping
+    many layers (otherwise every swap walks all parameters to find out).  Returns the new module.
     """
     old = model.get_submodule(name)
     if isinstance(replacement, QuantizedTensor):
@@ -58,13 +59,24 @@ def swap_in(model: nn.Module, name: str, replacement: QuantizedTensor | nn.Modul
     else:
         new = replacement
     replace_module(model, name, new)
-    if getattr(old, "weight", None) is not None and not _is_shared(model, old.weight):
+    if getattr(old, "weight", None) is not None and not _is_shared(model, old.weight, tied):
         old.weight = None  # release the full-precision weight now
     return new
 
 
-def _is_shared(model: nn.Module, p: torch.Tensor) -> bool:
-    """True when another module of `model` still holds parameter `p` (tied embeddings)."""
+def tied_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters that several modules of `model` hold (tied embeddings)."""
+    count: dict[int, int] = {}
+    for _, q in model.named_parameters(remove_duplicate=False):
+        count[id(q)] = count.get(id(q), 0) + 1
+    return {i for i, c in count.items() if c > 1}
+
+
+def _is_shared(model: nn.Module, p: torch.Tensor, tied: set[int] | None = None) -> bool:
+    """True when another module of `model` still holds parameter `p`; with `tied`, only parameters
+    listed there can be (swapping unties, never ties)."""
+    if tied is not None and id(p) not in tied:
+        return False
     return any(q is p for q in model.parameters())
 
 

@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from fewbits.models.qlinear import QuantLinear
-from fewbits.models.swap import linear_layers, linear_shapes, model_nbytes, replace_module, swap_in
+from fewbits.models.swap import (
+    linear_layers,
+    linear_shapes,
+    model_nbytes,
+    replace_module,
+    swap_in,
+    tied_parameters,
+)
 from fewbits.tensor import quantize_tensor
 
 
@@ -52,6 +59,17 @@ def test_swap_in_keeps_bias_releases_weight_and_matches():
     # tied weights are never released from under the embedding
     swap_in(m, "head", quantize_tensor(m.head.weight, "int8"))
     assert m.embed.weight is not None and m.embed.weight.shape == (32, 16)
+
+
+def test_swap_in_with_the_tied_set_releases_exactly_the_untied_weights():
+    m = Tiny(tie=True)
+    tied = tied_parameters(m)
+    assert tied == {id(m.embed.weight)} and tied_parameters(Tiny(tie=False)) == set()
+    head, up = m.head, m.block.up
+    swap_in(m, "head", quantize_tensor(head.weight, "int8"), tied=tied)
+    assert head.weight is m.embed.weight  # tied: the old head keeps it (the embedding still uses it)
+    swap_in(m, "block.up", quantize_tensor(up.weight, "int8"), tied=tied)
+    assert up.weight is None  # untied: released
 
 
 def test_swap_in_rejects_wrong_shape_and_accepts_modules():
