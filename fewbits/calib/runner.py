@@ -119,6 +119,8 @@ class BlockRun:
     deferred: list[Callable[[], None]] = field(default_factory=list)  # run after `advance`
     recorded: dict[str, dict[Batch, torch.Tensor]] = field(default_factory=dict)  # linear -> batch -> input
     patched: list[nn.Module] = field(default_factory=list)  # modules replayed or frozen until `finish`
+    # replays found exact, shared by the blocks of one run: (module path, class) -> the rest of its output
+    verified: dict[tuple[str, str], tuple | None] = field(default_factory=dict)
 
     def stage(self, path: str, w_hat: torch.Tensor, commit: Callable[[], None]) -> None:
         """Put the quantised values `w_hat` in the float linear `path` for the rest of this block's
@@ -180,9 +182,13 @@ class BlockRun:
         Valid when the module's output is that linear's output and nothing before the linear changes any
         more (the architecture mapping declares the pairs; the caller checks every other planned linear of
         the module is already quantised).  The first call runs the real module and checks that the replay
-        gives the identical tensor; if not, replay is switched off for the module with a log line."""
+        gives the identical tensor; if not, replay is switched off for the module with a log line.  Once
+        found exact, the same module path and class is not checked again in later blocks of the run (the
+        check ran each attention and MLP of the block in full once: ~0.35 s of a SmolLM2 GPTQ), unless its
+        output carries other tensors beside the linear's."""
         mod, lin, rec = self.module(module_path), self.module(linear_path), self.recorded[linear_path]
-        state: dict[str, Any] = {"checked": False, "rest": None}
+        key = (module_path, type(mod).__qualname__)
+        state: dict[str, Any] = {"checked": key in self.verified, "rest": self.verified.get(key)}
         outputs: dict[Batch, torch.Tensor] = {}  # the linear's output per batch, computed once
         real = mod.forward
 
@@ -194,6 +200,8 @@ class BlockRun:
                 x = rec.get(s)
                 if x is not None and torch.equal(first, torch.nn.functional.linear(x, lin.weight, lin.bias)):
                     state["checked"], state["rest"] = True, (out[1:] if isinstance(out, tuple) else None)
+                    if not any(isinstance(t, torch.Tensor) for t in state["rest"] or ()):
+                        self.verified[key] = state["rest"]
                 else:
                     log.warning("%s.%s: replaying it from %s's recorded input does not reproduce its output; "
                                 "running it in full", self.prefix, module_path, linear_path)
@@ -299,8 +307,9 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
     batches = sample_batches(dist_util.my_samples(int(data.shape[0])), int(data.shape[1]))
     hidden, kwargs = capture_block_inputs(model, blocks, data, batches)
     prefix = find_blocks_path([n for n, _ in model.named_modules()], decoder_blocks(model)[2])
+    verified: dict[tuple[str, str], tuple | None] = {}
     for b in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress, leave=False):
-        run = BlockRun(b, f"{prefix}.{b}", blocks[b], batches, hidden, kwargs[b])
+        run = BlockRun(b, f"{prefix}.{b}", blocks[b], batches, hidden, kwargs[b], verified=verified)
         yield run
         hidden = run.advance()
         run.finish()

@@ -185,6 +185,34 @@ def test_a_frozen_module_gives_copies_of_its_first_output_per_batch_until_the_bl
     assert not torch.equal(block(x[(0,)]), first[(0,)])  # the real module again
 
 
+def test_a_replay_found_exact_is_not_checked_again_in_later_blocks_of_the_run() -> None:
+    from fewbits.calib.runner import BlockRun
+
+    calls: list[int] = []
+
+    class Attn(nn.Module):  # its output is its linear's output
+        def __init__(self) -> None:
+            super().__init__()
+            self.o = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(1)
+            return self.o(x)
+
+    verified: dict = {}
+    for i in range(3):
+        block = nn.ModuleDict({"attn": Attn()})
+        run = BlockRun(i, f"b.{i}", block, [(0,)], [], [], verified=verified)
+        x = torch.randn(2, 4)
+        run.recorded["attn.o"] = {(0,): x}
+        run.batch_ref[0] = (0,)
+        run.replay("attn", "attn.o")
+        with torch.no_grad():
+            assert torch.equal(block["attn"](x), block["attn"].o(x))
+        run.finish()
+    assert len(calls) == 1  # block 0 ran the real module to check the replay; blocks 1 and 2 trusted it
+
+
 def test_a_wrongly_declared_replay_is_detected_and_switched_off(tiny, calib_ids, monkeypatch, caplog) -> None:
     """Declaring a pair whose module output is not the linear's output (attention is not down_proj) must not
     change the result: the first replayed call runs the real module, sees the mismatch and turns replay off."""
