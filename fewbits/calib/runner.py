@@ -13,11 +13,13 @@
 Live memory is one block's activations for the calibration samples (plus the model itself).
 
 Samples run in batches of about BATCH_TOKENS tokens (`sample_batches`): one batch holds samples of one
-class i mod HESSIAN_CHUNKS, which is also the Hessian partial they are summed into.  With 1, 2 or 4
+class i mod HESSIAN_CHUNKS, which is also the Hessian partial they are summed into.  With 1 or 2
 processes (sample i runs on rank i mod world size) a class lives on one rank, so every batch, and with it
 the arithmetic of every sample, is the same whichever process runs it; with torch.distributed each rank
-runs its share and the statistics are all-reduced.  (Batches rather than single samples: a SmolLM2 block
-pass over 16 x 256 tokens took 77-95 ms one sample at a time, 54-71 ms in four batches.)
+runs its share and the statistics are all-reduced (other process counts agree to float rounding).
+(Batches rather than single samples: a SmolLM2 block pass over 16 x 256 tokens took 77-95 ms one sample
+at a time, 54-71 ms in four batches; a SmolLM2 GPTQ took ~7.1 s in four batches of 1024 tokens, ~6.5 s
+in two of 2048, ~6.4 s in one of 4096, which no longer splits over two processes bit for bit.)
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ MIN_CALIB_TOKENS = 128
 #: block's calibration hidden states
 REPLAY_BUDGET = 4.0
 #: calibration samples run through a block in batches of about this many tokens (at least one sample)
-BATCH_TOKENS = 1024
+BATCH_TOKENS = 2048
 
 Batch = tuple[int, ...]  # indices of the calibration samples run together
 

@@ -9,7 +9,7 @@ batch of samples (`fewbits.calib.runner.sample_batches`); hooks are told which.
 Sums are accumulated in float64 and all-reduced across processes when torch.distributed is initialised
 (`reduce`), so every rank ends with the statistics of all samples.  The Hessian's products are summed
 in float32 first, inside the matrix product (`addmm_`), in HESSIAN_CHUNKS partial sums: sample i goes to
-partial i mod HESSIAN_CHUNKS (a batch holds samples of one class).  With 1, 2 or 4 processes (sample i
+partial i mod HESSIAN_CHUNKS (a batch holds samples of one class).  With 1 or 2 processes (sample i
 runs on rank i mod world size) every partial holds the same samples in the same order wherever it is
 computed, and the float64 total is the same.  (One float64 addition per sample instead cost a memory
 pass over the matrix per sample: 1.1 s of a SmolLM2 GPTQ.)
@@ -34,7 +34,7 @@ from fewbits.calib import distributed as dist_util
 from fewbits.formats.quant import all_finite
 from fewbits.methods import workspace
 
-HESSIAN_CHUNKS = 4
+HESSIAN_CHUNKS = 2
 
 
 @contextmanager

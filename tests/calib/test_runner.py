@@ -240,6 +240,6 @@ def test_batches_are_the_same_whatever_the_process_count(n: int, seq: int) -> No
     assert sorted(s for b in alone for s in b) == list(range(n))
     assert all(len({s % HESSIAN_CHUNKS for s in b}) == 1 for b in alone)  # one Hessian partial per batch
     assert all(len(b) * seq <= max(BATCH_TOKENS, seq) for b in alone)
-    for world in (2, 4):
+    for world in (w for w in (2, 4) if HESSIAN_CHUNKS % w == 0):  # a class on one rank
         ranks = [sample_batches(list(range(r, n, world)), seq) for r in range(world)]
         assert sorted(b for r in ranks for b in r) == sorted(alone)
