@@ -18,8 +18,9 @@ processes (sample i runs on rank i mod world size) a class lives on one rank, so
 the arithmetic of every sample, is the same whichever process runs it; with torch.distributed each rank
 runs its share and the statistics are all-reduced (other process counts agree to float rounding).
 (Batches rather than single samples: a SmolLM2 block pass over 16 x 256 tokens took 77-95 ms one sample
-at a time, 54-71 ms in four batches; a SmolLM2 GPTQ took ~7.1 s in four batches of 1024 tokens, ~6.5 s
-in two of 2048, ~6.4 s in one of 4096, which no longer splits over two processes bit for bit.)
+at a time, 54-71 ms in four batches.  A SmolLM2 GPTQ, alternating runs: ~7.1 s in four batches of 1024
+tokens, ~6.5 s in two of 2048; one batch of 4096 was ~0.2 s faster still, but a lone process and two no
+longer agree bit for bit.)
 """
 
 from __future__ import annotations

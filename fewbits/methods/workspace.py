@@ -3,10 +3,11 @@
 A calibrated method makes the same few large temporaries for every layer: the float32 Hessian partial
 sums, their mean, the permuted Hessian and its inverse factor, GPTQ's transposed weight and codes.  Fresh
 from the allocator, a matrix of several MB is fresh pages from the kernel, faulted in and zeroed on
-first touch: a SmolLM2 GPTQ took ~1.3 M page faults, ~0.9 s of system time, and ran 0.5 s faster when
-the C allocator was told to keep freed memory.  Here a run keeps its own: inside `active()`, `empty`
-hands out a released matrix of the same shape and dtype when there is one, and `release` gives one
-back; outside, `empty` is `torch.empty` and `release` does nothing.
+first touch: a SmolLM2 GPTQ took ~0.9 M page faults a run, 0.8-1.1 s of system time, and ran 0.5 s
+faster when the C allocator was told to keep freed memory (with this pool: ~0.2 s of system time).
+Here a run keeps its own: inside `active()`, `empty` hands out a released matrix of the same shape and
+dtype when there is one, and `release` gives one back; outside, `empty` is `torch.empty` and `release`
+does nothing.
 
 The pool belongs to the thread that opened it and is dropped when the block ends.  A released tensor
 must have no other live reference (the callers release only their own locals and popped entries).
