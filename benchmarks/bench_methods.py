@@ -1,7 +1,10 @@
 """Calibrated methods against round-to-nearest on the packaged models: mean KL to the float model,
 change in perplexity per text category, wall time of quantisation and peak memory.
 
-Every (model, format, method) runs in its own subprocess so the peak resident memory is that run's.
+Every (model, format, method) runs in its own subprocess so the peak resident memory is that run's:
+"peak MiB" is the process's peak when quantisation ends (the float reference model, its copy being
+quantised, the calibration), taken before the evaluation, whose full-vocabulary reference logits
+(Gemma-3: 262k entries a token) would otherwise set it; "eval peak" is the whole run's.
 Calibration: packaged calibration texts (verse, prose, code), N windows x L tokens (default 16 x 256).
 Evaluation: packaged evaluation texts (never the same passages), W windows of S tokens per category.
 
@@ -61,7 +64,6 @@ def run_one(model_name: str, spec: str, method: str, args: argparse.Namespace) -
     torch.set_num_threads(args.threads)
     ref, tok = load_model(model_name, dtype="float32")
     windows, protocol = make_windows(tok, load_texts("eval"), seq_len=args.eval_len, n_windows=args.eval_windows)
-    cache = fill_reference_cache(ref, windows, progress=False)
     data = calibration(tok, args.calib_windows, args.calib_len)
     model = copy.deepcopy(ref)
     options: dict = {}
@@ -77,13 +79,15 @@ def run_one(model_name: str, spec: str, method: str, args: argparse.Namespace) -
     # api's default became the fast kernels (bf16 activations, a packed copy of every weight)
     report = api.quantize(model, recipe, data, progress=False, chooser=api.kernel_chooser("reference"))
     seconds = time.perf_counter() - t0
-    res = compare(model, None, windows, ref_cache=cache, progress=False)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB (Linux reports KiB)
+    cache = fill_reference_cache(ref, windows, progress=False)
+    res = compare(model, None, windows, ref_cache=cache, progress=False)
+    eval_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"model": model_name, "format": spec_used, "method": method if not options else "w8a8",
             "kl_mean": res["overall"]["kl_mean"], "kl_p99": res["overall"]["kl_p99"],
             "delta_ppl": {c: s["delta_ppl"] for c, s in res["categories"].items()},
             "ref_ppl": {c: s["ref_ppl"] for c, s in res["categories"].items()},
-            "seconds": seconds, "peak_mib": peak, "bits_per_weight": report.bits_per_weight,
+            "seconds": seconds, "peak_mib": peak, "eval_peak_mib": eval_peak, "bits_per_weight": report.bits_per_weight,
             "calib": f"{data.shape[0]}x{data.shape[1]}", "protocol": protocol.text(),
             "threads": args.threads}
 
@@ -91,12 +95,12 @@ def run_one(model_name: str, spec: str, method: str, args: argparse.Namespace) -
 def table(rows: list[dict]) -> str:
     cats = sorted({c for r in rows for c in r["delta_ppl"]})
     head = f"{'model':<14} {'format':<14} {'method':<11} {'mean KL':>8} " + " ".join(f"{'dppl ' + c:>11}" for c in cats)
-    head += f" {'time s':>7} {'peak MiB':>9}"
+    head += f" {'time s':>7} {'peak MiB':>9} {'eval peak':>9}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['model']:<14} {r['format']:<14} {r['method']:<11} {r['kl_mean']:>8.4f} "
                      + " ".join(f"{r['delta_ppl'].get(c, float('nan')):>+11.3f}" for c in cats)
-                     + f" {r['seconds']:>7.1f} {r['peak_mib']:>9.0f}")
+                     + f" {r['seconds']:>7.1f} {r['peak_mib']:>9.0f} {r.get('eval_peak_mib', float('nan')):>9.0f}")
     return "\n".join(lines)
 
 
