@@ -8,12 +8,16 @@ Works with Hugging Face Llama/Gemma/Qwen-style models (any model whose forward t
 `Cache`): the cache is a `QuantizedKVCache` sized for prompt + new tokens, allocated once.  A batch of
 prompts of different lengths is passed left-padded with an attention mask (1 = real token); positions
 are counted from each sequence's first real token.
+
+Step times are wall-clock times of the work itself: on a GPU each timed step ends with a device
+synchronisation (`synchronizer`), since a forward pass there only queues kernels.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +48,36 @@ class GenerationResult:
     def tokens_per_s(self) -> float:
         """Decode throughput: batch tokens per mean step time."""
         return self.batch / self.mean_step_s if self.decode_step_s else float("nan")
+
+
+def _no_sync() -> None:
+    return None
+
+
+def synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """A callable that waits until the work queued on `device` is done: `torch.cuda.synchronize` for a
+    CUDA device, nothing for the CPU (whose operations return when they are done)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return lambda: torch.cuda.synchronize(dev)
+    return _no_sync
+
+
+def check_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, with a clear error when it cannot be used here (an unknown name, or a
+    CUDA device on a machine that has none or fewer)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"unknown device {device!r} ({exc}); use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this machine has no CUDA device (torch {torch.__version__})")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r}: fewbits measures on cpu or cuda only")
+    return dev
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -103,11 +137,14 @@ def generate(
     key = _cache_kwarg(model)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     pos = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T) positions from each first real token
+    sync = synchronizer(device)
 
+    sync()
     t0 = time.perf_counter()
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                 **{key: cache})
     nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+    sync()
     prefill_s = time.perf_counter() - t0
 
     tokens = [nxt]
@@ -128,6 +165,7 @@ def generate(
         if eos_token_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
             done |= nxt == eos_token_id
+        sync()
         steps.append(time.perf_counter() - t1)
         tokens.append(nxt)
     fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)

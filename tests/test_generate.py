@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fewbits.generate import generate, sample_next
+import fewbits.generate as gen_mod
+from fewbits.generate import check_device, generate, sample_next, synchronizer
 from fewbits.kvcache import parse_kv_format
 
 
@@ -89,3 +92,55 @@ def test_gemma3_sliding_window_layers_match_transformers():
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
                          pad_token_id=0)[:, 30:]
     assert torch.equal(generate(model, ids, 10, kv="fp32").tokens, ref)
+
+
+def test_every_timed_step_waits_for_the_device(tiny, monkeypatch):
+    """On a GPU a forward pass only queues kernels: each timed step (and the prefill) must end with the
+    device's synchronisation inside the timed window.  A sync that takes 20 ms shows in every step."""
+    calls = []
+
+    def slow_sync(device):
+        def sync():
+            calls.append(str(device))
+            time.sleep(0.02)
+        return sync
+
+    monkeypatch.setattr(gen_mod, "synchronizer", slow_sync)
+    res = generate(tiny, torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(5)), 4)
+    assert len(res.decode_step_s) == 3 and min(res.decode_step_s) >= 0.02 and res.prefill_s >= 0.02
+    assert calls == ["cpu"] * (2 + 3)  # before and after the prefill, after every decode step
+
+
+def test_synchronizer_per_device(monkeypatch):
+    assert synchronizer("cpu")() is None
+    seen = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: seen.append(device))
+    synchronizer("cuda:1")()
+    assert seen == [torch.device("cuda:1")]
+
+
+def test_check_device_names_what_is_wrong():
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        check_device("tpu")
+    with pytest.raises(ValueError, match="cpu or cuda only"):
+        check_device("meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device"):
+            check_device("cuda")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
+def test_cuda_generates_the_cpu_tokens(tiny, kv):
+    """The decode loop and the quantised cache are device-independent: same greedy tokens on the GPU."""
+    import copy
+
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(6))
+    cpu = generate(tiny, ids, 8, kv=kv)
+    gpu = generate(copy.deepcopy(tiny).cuda(), ids, 8, kv=kv)
+    assert torch.equal(gpu.tokens.cpu(), cpu.tokens) and gpu.kv_nbytes == cpu.kv_nbytes

@@ -4,6 +4,10 @@ Other processes can only add time to a sample, never remove it, so the fastest o
 best estimate of the machine's own speed (`statistic="min"`, the default); "median" is available for
 reporting typical times under load.  Side-by-side comparisons interleave the candidates round by round,
 so a burst of load from another process hits all of them alike instead of one.
+
+On a GPU the calls only queue work: pass `sync` (`fewbits.generate.synchronizer(device)`), which is
+called after the warm-up and at the end of every sample before the clock is read, so that a sample
+covers the work itself and not its launch.
 """
 
 from __future__ import annotations
@@ -15,13 +19,20 @@ from collections.abc import Callable
 STATS = {"min": min, "median": statistics.median}
 
 
+def _nothing() -> None:
+    """The `sync` of a device whose calls return when their work is done (the CPU)."""
+
+
 def time_call(fn: Callable[[], object], min_time: float = 0.05, rounds: int = 5, warmup: int = 2,
-              statistic: str = "min") -> float:
+              statistic: str = "min", sync: Callable[[], object] | None = None) -> float:
     """Seconds per call of `fn`: the fastest (or median) of `rounds` samples of at least `min_time` s each."""
+    sync = sync or _nothing
     for _ in range(warmup):
         fn()
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     once = max(time.perf_counter() - t0, 1e-7)
     n = max(1, int(min_time / once))
     samples = []
@@ -29,19 +40,24 @@ def time_call(fn: Callable[[], object], min_time: float = 0.05, rounds: int = 5,
         t0 = time.perf_counter()
         for _ in range(n):
             fn()
+        sync()
         samples.append((time.perf_counter() - t0) / n)
     return STATS[statistic](samples)
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], min_time: float = 0.03, rounds: int = 7,
-                     warmup: int = 2, statistic: str = "min") -> dict[str, float]:
+                     warmup: int = 2, statistic: str = "min", sync: Callable[[], object] | None = None
+                     ) -> dict[str, float]:
     """Seconds per call for each of `fns` (fastest or median sample), sampled in alternation."""
+    sync = sync or _nothing
     counts: dict[str, int] = {}
     for name, fn in fns.items():
         for _ in range(warmup):
             fn()
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         counts[name] = max(1, int(min_time / max(time.perf_counter() - t0, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(rounds):
@@ -50,5 +66,6 @@ def time_interleaved(fns: dict[str, Callable[[], object]], min_time: float = 0.0
             t0 = time.perf_counter()
             for _ in range(n):
                 fn()
+            sync()
             samples[name].append((time.perf_counter() - t0) / n)
     return {name: STATS[statistic](s) for name, s in samples.items()}
