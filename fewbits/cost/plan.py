@@ -94,12 +94,22 @@ def _f(x: Any) -> float:
     return float(x)
 
 
+def _bound(st: dict[str, Any]) -> str:
+    """What sets a step's time: "host" (launching it, on a GPU whose work overlaps), else "compute" or "memory"."""
+    if bool(st["host_bound"]):
+        return "host"
+    return "compute" if bool(st["compute_bound"]) else "memory"
+
+
 def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, batch: int = 1,
          context: int = 2048, weights: str = "bf16", kv: str = "bf16", devices: int = 1,
          profile: str | Path | Profile = "default", activations: str = "auto",
          table_weights: tuple[str, ...] | None = TABLE_WEIGHTS,
-         table_kv: tuple[str, ...] | None = TABLE_KV) -> PlanResult:
+         table_kv: tuple[str, ...] | None = TABLE_KV, misfit: str = "error") -> PlanResult:
     """Predict a decode step of `batch` sequences with `context` cached tokens each.
+
+    `misfit` is what a layer whose width the format's group size does not divide gets, as `fewbits quantize
+    --misfit` does it: "error" (the default), "regroup" (the largest group size that divides) or "keep" (16-bit).
 
     `device` defaults to the profile's measured device, else the H100 SXM.  `table_weights`/`table_kv`
     list the formats of the comparison table (the chosen `weights`/`kv` are always added); None skips it.
@@ -111,7 +121,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise PlanError(f"{what} must be a positive integer, got {v!r}")
     weights = parse_format(weights).spec
-    w = weight_terms(spec, weights, dev, prof, devices, activations)
+    w = weight_terms(spec, weights, dev, prof, devices, activations, misfit)
     k = kv_terms(spec, kv, prof, devices)
     kv = k.spec
     st = decode(spec, dev, prof, w, k, batch, context, devices)
@@ -128,7 +138,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
     if table_weights is not None and table_kv is not None:
         for wf in dict.fromkeys((*table_weights, weights)):
             try:
-                wt = weight_terms(spec, wf, dev, prof, devices, activations)
+                wt = weight_terms(spec, wf, dev, prof, devices, activations, misfit)
             except ValueError as e:  # a format whose groups do not divide this model's shapes
                 notes.append(f"table: {wf} skipped ({e})")
                 continue
@@ -138,7 +148,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
                 fit = memory(dev, prof, wt, kt, batch, context)["fits"]
                 rows.append(TableRow(wt.spec, kt.spec, _f(r["time"]), _f(r["tokens_per_s"]), t16 / _f(r["time"]),
                                      _f(r["weight_bytes"]) * n, _f(r["kv_bytes"]) * n,
-                                     "compute" if bool(r["compute_bound"]) else "memory", bool(fit)))
+                                     _bound(r), bool(fit)))
     return PlanResult(
         model=spec.name, device=dev.name, devices=n, profile=prof.name, weights=weights, kv=kv,
         precision=w.precision, batch=batch, context=context,
@@ -147,7 +157,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         flops=_f(st["flops"]) * n, t_memory_s=_f(st["t_memory"]), t_compute_s=_f(st["t_compute"]),
         t_linear_s=_f(st["t_linear"]), t_attention_s=_f(st["t_attention"]), t_comm_s=_f(st["t_comm"]),
         overhead_s=_f(st["t_overhead"]), time_s=_f(st["time"]),
-        bound="compute" if bool(st["compute_bound"]) else "memory", tokens_per_s=_f(st["tokens_per_s"]),
+        bound=_bound(st), tokens_per_s=_f(st["tokens_per_s"]),
         bf16_time_s=t16, speedup=t16 / _f(st["time"]),
         ttft_s=_f(prefill(spec, dev, prof, w, k, 1, context, devices)["time"]),
         prefill_batch_s=_f(prefill(spec, dev, prof, w, k, batch, context, devices)["time"]),

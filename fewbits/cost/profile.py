@@ -39,6 +39,8 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "quantize_lm_head": false, "quantize_embeddings": false,
       "count_norms_and_biases": true,         # read norm/bias vectors every step
       "low_precision_compute": true,          # W8A8/W4A4 maths on 8-/4-bit units where the device has them
+      "host_overlap": false,                  # true: the host queues work that a GPU runs meanwhile, so a step
+                                              #   takes max(overheads, device time) instead of their sum
       "device": null | {DeviceSpec.to_dict()},# measured figures replacing the datasheet
       "measured": {}                          # free-form provenance: host, date, method, raw numbers
     }
@@ -127,6 +129,7 @@ class Profile:
     quantize_embeddings: bool = False
     count_norms_and_biases: bool = True
     low_precision_compute: bool = True
+    host_overlap: bool = False
     device: DeviceSpec | None = None
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -216,7 +219,7 @@ class Profile:
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
                 "count_norms_and_biases": self.count_norms_and_biases,
-                "low_precision_compute": self.low_precision_compute,
+                "low_precision_compute": self.low_precision_compute, "host_overlap": self.host_overlap,
                 "device": self.device.to_dict() if self.device else None, "measured": dict(self.measured)}
 
     @classmethod

@@ -38,7 +38,7 @@ import numpy as np
 
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import Profile, format_family
-from fewbits.formats.format import Format, FormatError, parse_format
+from fewbits.formats.format import MISFIT_POLICIES, Format, FormatError, parse_format
 from fewbits.formats.kvformat import KVFormat, parse_kv_format, quantized_tokens
 from fewbits.models.spec import ModelSpec
 
@@ -109,21 +109,48 @@ def _linear_bytes(fmt: Format, shape: tuple[int, int], count: int, profile: Prof
     return float(count * fmt.nbytes(shape))
 
 
+def fitted_format(fmt: Format, shape: tuple[int, int], misfit: str, name: str) -> Format | None:
+    """The format a linear of `shape` is stored in under the misfit policy (as `Recipe` quantises it):
+    `fmt` when it fits; else "error" raises naming the layer, "regroup" takes the largest group size that
+    divides (`Format.regrouped`), and "keep" (or a block size that cannot change) keeps it 16-bit: None."""
+    if misfit not in MISFIT_POLICIES:
+        raise FormatError(f"misfit policy {misfit!r} is not one of {', '.join(MISFIT_POLICIES)}")
+    if fmt.granularity == "group" and shape[1] % fmt.group_size:
+        if misfit == "error":
+            raise FormatError(f"{name}: last dimension {shape[1]} of shape {tuple(shape)} is not divisible by the "
+                              f"group size {fmt.group_size} of format {fmt.spec} (misfit policy 'regroup' takes the "
+                              "largest group that divides, 'keep' leaves the layer 16-bit: --misfit)")
+        return fmt.regrouped(shape[1]) if misfit == "regroup" else None
+    fmt.check_shape(shape, name)
+    return fmt
+
+
 def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, profile: Profile,
-                 devices: int = 1, activations: str = "auto") -> WeightTerms:
-    """Bytes and FLOPs of `model` with its linear layers in `weights`, per device of `devices`."""
+                 devices: int = 1, activations: str = "auto", misfit: str = "error") -> WeightTerms:
+    """Bytes and FLOPs of `model` with its linear layers in `weights`, per device of `devices`.
+
+    misfit: what a layer whose width the group size does not divide gets, as in quantisation
+    (`fitted_format`): "error", "regroup" or "keep" (a kept layer's bytes stream with the 16-bit parts)."""
     fmt = parse_format(weights)
     base = fmt if fmt.kind == "float" else parse_format("bf16")
     n = devices
     dense_q = dense_f = expert = calls = expert_linears = 0.0
     for s in model.linear_shapes():
+        name = f"{model.name}.{s.name}"
         if s.role == "router" or (s.role == "lm_head" and not profile.quantize_lm_head):
-            dense_f += _linear_bytes(base, s.shape, s.count, profile, f"{model.name}.{s.name}")
-        elif s.role == "expert":
-            expert += _linear_bytes(fmt, s.shape, s.count, profile, f"{model.name}.{s.name}")
+            dense_f += _linear_bytes(base, s.shape, s.count, profile, name)
+            continue
+        f = fitted_format(fmt, s.shape, misfit, name)
+        if f is None and s.role != "expert":  # kept 16-bit
+            dense_f += _linear_bytes(base, s.shape, s.count, profile, name)
+            calls += s.count
+            continue
+        f = f or base
+        if s.role == "expert":
+            expert += _linear_bytes(f, s.shape, s.count, profile, name)
             expert_linears += s.count / (model.n_layers * max(model.n_experts, 1))
         else:
-            dense_q += _linear_bytes(fmt, s.shape, s.count, profile, f"{model.name}.{s.name}")
+            dense_q += _linear_bytes(f, s.shape, s.count, profile, name)
             calls += s.count
     small = (model.n_norm_params + model.n_bias_params) * base.bits / 8
     if profile.count_norms_and_biases:
@@ -302,11 +329,20 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
     t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, c + b, devices)
     t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, ctx + 1)
-    time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
+    time, host_bound = _combine(profile, ph["t_linear"] + ph["t_attention"] + t_comm, t0)
     return {"weight_bytes": weight_bytes, "kv_read_bytes": kv_read, "kv_write_bytes": kv_write,
             "kv_bytes": kv_read + kv_write, "bytes": weight_bytes + kv_read + kv_write,
             "flops": lin_flops + att_flops, **ph, "t_comm": t_comm, "t_overhead": t0, "time": time,
-            "tokens_per_s": b / time}
+            "host_bound": host_bound, "tokens_per_s": b / time}
+
+
+def _combine(profile: Profile, t_device: np.ndarray, t_host: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(step time, whether the host's share sets it).  Where the host only queues the work
+    (`Profile.host_overlap`: a GPU), launching and computing overlap and the slower of the two sets the
+    step; where the host does the work itself (a CPU), the overheads add to it."""
+    if profile.host_overlap:
+        return np.maximum(t_device, t_host), t_host > t_device
+    return t_device + t_host, np.zeros(np.shape(t_device + t_host), dtype=bool)
 
 
 def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,
@@ -330,9 +366,9 @@ def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTer
     t_comm = 2 * model.n_layers * _allreduce(device, devices, tokens * model.hidden_size * ACT_BYTES)
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, tokens, devices)
     t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, p)
-    time = ph["t_linear"] + ph["t_attention"] + t_comm + t0
+    time, host_bound = _combine(profile, ph["t_linear"] + ph["t_attention"] + t_comm, t0)
     return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": lin_flops + att_flops, **ph,
-            "t_comm": t_comm, "t_overhead": t0, "time": time}
+            "t_comm": t_comm, "t_overhead": t0, "time": time, "host_bound": host_bound}
 
 
 def memory(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,

@@ -243,6 +243,29 @@ class Format:
             raise FormatError(f"format {self.spec} has no groups")
         return replace(self, group_size=group_size)
 
+    def regrouped(self, in_features: int) -> Format | None:
+        """The format a weight with `in_features` columns gets under the "regroup" misfit policy: itself
+        when it fits, else the same format with the largest group size <= its own that divides in_features
+        (576 columns, int4-g128 -> int4-g96); None when the block size is part of the format (mxfp4,
+        mxfp8, nvfp4), which cannot be regrouped.  Quantisation (`Recipe`) and the cost model share it."""
+        if self.granularity != "group" or in_features % self.group_size == 0:
+            return self
+        if self.kind in FIXED_BLOCK_KINDS:
+            return None
+        return self.with_group(largest_dividing_group(in_features, self.group_size))
+
+
+#: what a layer whose width a format's group size does not divide gets: an error, its 16-bit weights, or the
+#: largest group size that divides (`Format.regrouped`)
+MISFIT_POLICIES: tuple[str, ...] = ("error", "keep", "regroup")
+#: formats whose block size is part of the format itself (cannot be regrouped)
+FIXED_BLOCK_KINDS = frozenset({"mxfp4", "mxfp8", "nvfp4"})
+
+
+def largest_dividing_group(cols: int, requested: int) -> int:
+    """The largest group size <= `requested` that divides `cols` (576 columns, 128 asked -> 96)."""
+    return next(g for g in range(min(requested, cols), 0, -1) if cols % g == 0)
+
 
 # ---------------------------------------------------------------------- parsing
 _SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp64|fp32|fp16|bf16)|z(fp32|fp16|bf16))$")

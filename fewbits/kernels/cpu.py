@@ -120,11 +120,12 @@ class Int8PackKernel:
 
 
 def int4_op_group(fmt: Format, in_features: int) -> int | None:
-    """The operator group size that represents `fmt` exactly on `in_features` columns, or None."""
+    """The operator group size that represents `fmt` exactly on `in_features` columns, or None: the group
+    itself where the operator takes it, else the largest operator group that divides it (each scale then
+    repeated: g512 as two groups of 256, a regrouped g96 as three of 32)."""
     if fmt.granularity == "group":
         g = fmt.group_size
-        return g if g in INT4_GROUPS and in_features % g == 0 else next(
-            (h for h in INT4_GROUPS if g % h == 0 and in_features % h == 0 and g > 256), None)
+        return next((h for h in INT4_GROUPS if g % h == 0 and in_features % h == 0), None)
     return next((h for h in INT4_GROUPS if in_features % h == 0), None)
 
 

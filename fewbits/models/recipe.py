@@ -24,15 +24,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fewbits.formats.format import Format, FormatError, parse_format
+from fewbits.formats.format import MISFIT_POLICIES, Format, FormatError, parse_format
 
 RECIPE_VERSION = 1
 Misfit = Literal["error", "keep", "regroup"]
-MISFIT_POLICIES: tuple[str, ...] = ("error", "keep", "regroup")
 #: module-name patterns left in 16-bit unless the recipe says otherwise
 DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"(^|\.)embed[^.]*$", r"(^|\.)(wte|wpe|word_embeddings)$")
-#: formats whose block size is part of the format itself (cannot be regrouped)
-FIXED_BLOCK_KINDS = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 
 
 class RecipeError(ValueError):
@@ -151,9 +148,9 @@ class Recipe:
 
     def _misfit_plan(self, name: str, shape: tuple[int, int], rule: Rule, fmt: Format) -> LayerPlan:
         cols = shape[1]
-        if self.misfit == "regroup" and fmt.kind not in FIXED_BLOCK_KINDS:
-            g = largest_dividing_group(cols, fmt.group_size)
-            new = fmt.with_group(g)
+        new = fmt.regrouped(cols) if self.misfit == "regroup" else None
+        if new is not None:
+            g = new.group_size
             note = f"regrouped: {cols} columns not divisible by {fmt.group_size}, group {g} used ({new.spec})"
             return LayerPlan(name, shape, "quantize", new.spec, rule.method, rule.options, note)
         why = f"kept 16-bit: {cols} columns not divisible by the group size {fmt.group_size} of {fmt.spec}"
@@ -234,11 +231,6 @@ class Recipe:
             raise RecipeError(f"recipe file {p} does not exist")
         text = p.read_text()
         return cls.from_toml(text) if p.suffix == ".toml" else cls.from_json(text)
-
-
-def largest_dividing_group(cols: int, requested: int) -> int:
-    """The largest group size <= `requested` that divides `cols` (576 columns, 128 asked -> 96)."""
-    return next(g for g in range(min(requested, cols), 0, -1) if cols % g == 0)
 
 
 def _toml(v: Any) -> str:

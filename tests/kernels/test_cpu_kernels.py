@@ -36,7 +36,7 @@ def _case(spec: str, n: int, k: int, m: int, seed: int, dtype=torch.float32):
 
 INT8_SPECS = ["int8", "int8-asym", "int8-t"]
 INT4_SPECS = ["int4-g128", "int4-g64", "int4-g32-asym", "int4", "int4-t", "int3-g64", "int3-g64-asym",
-              "int2-g32", "int2-g64-asym", "int4-g512"]
+              "int2-g32", "int2-g64-asym", "int4-g512", "int4-g96", "int3-g192-asym"]
 
 
 @settings(max_examples=12, deadline=None)
@@ -53,10 +53,20 @@ def test_int8pack_matches_reference(spec, n, k, m, seed):
 @given(spec=st.sampled_from(INT4_SPECS), n=st.integers(1, 8).map(lambda i: 16 * i),
        kg=st.integers(1, 4), m=st.integers(1, 9), seed=st.integers(0, 2**16))
 def test_int4pack_matches_reference(spec, n, kg, m, seed):
-    k = 512 * kg if spec == "int4-g512" else 128 * kg
+    k = {"int4-g512": 512, "int4-g96": 192, "int3-g192-asym": 192}.get(spec, 128) * kg  # g96: the regrouped g128
     qt, x, b = _case(spec, n, k, m, seed)
     kern = prepare_linear(qt)
     assert kern.name == Int4PackKernel.name
+    assert rel_err(kern(x, b), reference_linear(x, qt, b)) < W16_BOUND
+
+
+@pytest.mark.parametrize("spec", ["int4-g96", "int4-g96-asym", "int4-g192"])
+def test_int4pack_takes_groups_that_are_multiples_of_its_own(spec):
+    """int4-g128 regrouped on SmolLM2's 576 columns is int4-g96: the operator runs it as groups of 32 (each
+    scale repeated three times) instead of leaving it to the reference path."""
+    qt, x, b = _case(spec, 64, 576, 3, 11)
+    kern = prepare_linear(qt)
+    assert kern.name == Int4PackKernel.name and kern.group == {"int4-g192": 64}.get(spec, 32)
     assert rel_err(kern(x, b), reference_linear(x, qt, b)) < W16_BOUND
 
 

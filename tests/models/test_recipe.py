@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fewbits.models.recipe import LayerPlan, Recipe, RecipeError, Rule, largest_dividing_group
+from fewbits.formats.format import largest_dividing_group
+from fewbits.models.recipe import LayerPlan, Recipe, RecipeError, Rule
 
 # SmolLM2-135M's linear shapes (out, in) for one block, plus the (tied, ignored) head
 SMOL = [
