@@ -305,7 +305,8 @@ def main() -> None:
     import torch
 
     from fewbits.bench.decode import load_quantized, model_spec
-    from fewbits.bench.probe import memory_bandwidth, skeleton_model
+    from fewbits.bench.machine import memory_bandwidth
+    from fewbits.bench.probe import skeleton_model
     from fewbits.models.packaged import packaged_entry, source_files
 
     threads = [int(t) for t in args.threads.split(",")]

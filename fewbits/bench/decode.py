@@ -8,6 +8,11 @@ tokens, then times `steps` decode steps with the KV cache in the row's format; t
 fastest step (other processes only ever add time; see `timing.py`) and the median beside it.  The prediction
 is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format written out in full
 (`KVFormat.full_spec`), so that the cost model counts the cache's true bytes, 16-bit window included.
+
+On a CUDA device (``device="cuda"``) the model is moved there before it is quantised, so that the
+dispatcher prepares the CUDA kernels, and every timed step ends with a synchronisation (`generate`).
+``random_weights`` builds the model from its architecture alone (`fewbits.models.loading.random_model`),
+for machines where its weights cannot be had: a step's time depends on shapes and formats, not values.
 """
 
 from __future__ import annotations
@@ -59,14 +64,16 @@ def model_spec(name_or_path: str, model: torch.nn.Module) -> ModelSpec:
         return ModelSpec.from_config_dict(cfg, source=str(name_or_path), name=Path(str(name_or_path)).name)
 
 
-def load_quantized(name: str, weights: str, dtype: str = "bf16") -> tuple[torch.nn.Module, str]:
-    """Load `name` and quantise its linears to `weights` with the fast kernels; (model, kernel names)."""
+def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "cpu",
+                   random_weights: bool = False) -> tuple[torch.nn.Module, str]:
+    """Load `name` on `device` (or build it with random weights) and quantise its linears to `weights` with
+    the fast kernels there; (model, kernel names)."""
     from fewbits.api import quantize
     from fewbits.kernels import prepare_linear
-    from fewbits.models.loading import load_model
+    from fewbits.models.loading import load_model, random_model
     from fewbits.models.recipe import Recipe
 
-    model, _ = load_model(name, dtype=dtype)
+    model = random_model(name, dtype, device) if random_weights else load_model(name, dtype=dtype, device=device)[0]
     if weights not in ("bf16", "fp16", "fp32"):
         quantize(model, Recipe.from_format(weights, misfit="regroup"), progress=False, chooser=prepare_linear)
     names = sorted({type(m.kernel).__name__ if not hasattr(m.kernel, "name") else m.kernel.name
@@ -84,7 +91,8 @@ def _config_rows(weights: Iterable[str], kvs: Iterable[str], full: bool) -> list
 def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "int8", "int4-g64", "fp8-e4m3"),
               kvs: tuple[str, ...] = ("bf16", "fp8-e4m3", "int8", "int4", "int2"),
               batches: tuple[int, ...] = (1, 8), prompts: tuple[int, ...] = (128, 512), steps: int = 8,
-              full: bool = False, seed: int = 0, log: Callable[[str], None] = print, rounds: int = 1) -> list[BenchRow]:
+              full: bool = False, seed: int = 0, log: Callable[[str], None] = print, rounds: int = 1,
+              device: str = "cpu", random_weights: bool = False) -> list[BenchRow]:
     """Measure every (weights, kv, batch, prompt) row; `full` crosses all weight and KV formats (else
     the quantised weights run with the first KV format, and the other KV formats with the first weights).
 
@@ -94,7 +102,7 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     by_weights: dict[str, list[str]] = {}
     for w, k in _config_rows(weights, kvs, full):
         by_weights.setdefault(w, []).append(k)
-    models = {w: load_quantized(name, w) for w in by_weights}
+    models = {w: load_quantized(name, w, device=device, random_weights=random_weights) for w in by_weights}
     spec = model_spec(name, next(iter(models.values()))[0])
     vocab = int(next(iter(models.values()))[0].config.get_text_config().vocab_size)
     best: dict[tuple[str, str, int, int], tuple[float, list[float], int]] = {}
@@ -118,8 +126,8 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     for (w, kv, b, p), (t, times, kv_bytes) in best.items():
         kvf = parse_kv_format(kv)
         ctx = p + (steps + 1) // 2
-        pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.full_spec,
-                  profile=profile, table_weights=None, table_kv=None)
+        pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.full_spec,  # the layers as quantised: regrouped
+                  profile=profile, table_weights=None, table_kv=None, misfit="regroup")
         if w == weights[0] and kv == kvs[0]:
             base[(kv, b, p)] = t
         t16 = base.get((kvs[0], b, p), float("nan"))

@@ -2,19 +2,21 @@
 
 A weight set is a list of (out, in) shapes, e.g. every linear layer of a model once.  To time what a
 decode step sees (weights streamed from memory, not from cache) the set is replicated until it holds at
-least `min_bytes`, and one "pass" multiplies an input by every weight of every copy once.
+least `min_bytes`, and one "pass" multiplies an input by every weight of every copy once.  The weights
+are quantised on the CPU (the same codes on every device) and copied to `device`, whose dispatcher
+chooses the kernels (Triton / `_scaled_mm` on a CUDA device).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from fewbits.formats.format import parse_format
 from fewbits.kernels import prepare_linear
-from fewbits.tensor import quantize_tensor
+from fewbits.tensor import QuantizedTensor, quantize_tensor
 
 #: the linear shapes (out, in) of one SmolLM2-135M block, and its (tied) LM head
 SMOLLM2_BLOCK = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
@@ -57,7 +59,8 @@ def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
 
 
 def effective_spec(spec: str, in_features: int) -> str:
-    """`spec` itself, or the same format with the largest group size <= its own that divides in_features."""
+    """`spec` itself, or the same format with its group size halved until it divides in_features (a power of two
+    where the format's is: the CPU operator's own group sizes; `Format.regrouped` takes the largest divisor)."""
     fmt = parse_format(spec)
     if fmt.granularity != "group" or in_features % fmt.group_size == 0:
         return fmt.spec
@@ -67,8 +70,10 @@ def effective_spec(spec: str, in_features: int) -> str:
     return fmt.with_group(g).spec
 
 
-def build_set(spec: str, shapes: tuple[tuple[int, int], ...], min_bytes: int = 0, seed: int = 0) -> WeightSet:
-    """Quantise random weights of `shapes` into `spec` (regrouping misfits) and prepare their kernels."""
+def build_set(spec: str, shapes: tuple[tuple[int, int], ...], min_bytes: int = 0, seed: int = 0,
+              device: str | torch.device = "cpu") -> WeightSet:
+    """Quantise random weights of `shapes` into `spec` (regrouping misfits) and prepare their kernels on
+    `device`."""
     base = []
     nbytes = 0
     for i, shape in enumerate(shapes):
@@ -78,24 +83,24 @@ def build_set(spec: str, shapes: tuple[tuple[int, int], ...], min_bytes: int = 0
             w = w.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[s])
         qt = quantize_tensor(w, s, name=f"{spec}{shape}")
         nbytes += qt.nbytes
-        base.append(qt)
+        base.append(qt if torch.device(device).type == "cpu" else _copy(qt, device))
     copies = max(1, -(-min_bytes // max(nbytes, 1)))
     kernels = [prepare_linear(qt) for qt in base]
     for _ in range(1, copies):  # independent copies so that no pass finds the weights in cache
-        kernels += [prepare_linear(_clone(qt)) for qt in base]
+        kernels += [prepare_linear(_copy(qt)) for qt in base]
     names = tuple(dict.fromkeys(k.name for k in kernels))
     return WeightSet(spec, shapes, kernels, nbytes, copies, names)
 
 
-def _clone(qt):
-    from dataclasses import replace
+def _copy(qt: QuantizedTensor, device: str | torch.device | None = None) -> QuantizedTensor:
+    """An independent copy of `qt`'s stored tensors, on `device` (default: where they are)."""
+    def cp(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device or t.device, copy=True)
 
-    return replace(qt, codes=qt.codes.clone(),
-                   scales=None if qt.scales is None else qt.scales.clone(),
-                   zeros=None if qt.zeros is None else qt.zeros.clone())
+    return replace(qt, codes=cp(qt.codes), scales=cp(qt.scales), zeros=cp(qt.zeros), tensor_scale=cp(qt.tensor_scale))
 
 
 def inputs_for(shapes: tuple[tuple[int, int], ...], rows: int = 1, dtype: torch.dtype = torch.bfloat16,
-               seed: int = 0) -> dict[int, torch.Tensor]:
+               seed: int = 0, device: str | torch.device = "cpu") -> dict[int, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {k: torch.randn(rows, k, generator=g).to(dtype) for k in {s[1] for s in shapes}}
+    return {k: torch.randn(rows, k, generator=g).to(device=device, dtype=dtype) for k in {s[1] for s in shapes}}

@@ -29,25 +29,31 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    stops at the L2 size: here 1 MiB 0.14 ms, 2 MiB 0.23, 4 MiB 0.26, 8 MiB 0.32 per layer).  It is
    why a batch-1 step seems to pay more per cached byte than a batch-8 one: a small batch's cache
    evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.
+
+On a CUDA device (``device="cuda"``) the same measurements run there, each sample ending with a device
+synchronisation: the bandwidth over a buffer many times the GPU's L2 cache, the GEMMs at 8192 (and FP8
+through ``torch._scaled_mm`` where the chip has it), the GEMV passes through the dispatcher's CUDA kernels,
+and the skeleton's steps, whose fixed cost there is mostly the host launching kernels.  Step 5 is a CPU
+effect (small operations losing their core cache) and is not measured on a GPU.
 """
 
 from __future__ import annotations
 
-import os
 import platform
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from fewbits.bench.gemv import build_set, inputs_for
+from fewbits.bench.machine import device_description, l2_cache_bytes, matmul_rates, memory_bandwidth
 from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost
-from fewbits.bench.timing import time_call, time_interleaved
+from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, format_family
 from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
+from fewbits.generate import synchronizer
 from fewbits.kvcache.format import parse_kv_format
 from fewbits.models.spec import ModelSpec
 
@@ -59,36 +65,6 @@ REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 def _clamp(x: float) -> float:
     return float(min(1.0, max(1e-3, x)))
-
-
-def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5) -> float:
-    """Bytes/s of a read-only sum over `nbytes` (best of `trials`)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    x.sum()
-    best = 0.0
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        x.sum()
-        best = max(best, nbytes / (time.perf_counter() - t0))
-    return best
-
-
-def matmul_rates(n: int = 1024) -> dict[str, float]:
-    """FLOP/s of an n x n x n GEMM per precision ("int8" only where torch._int_mm runs)."""
-    out: dict[str, float] = {}
-    g = torch.Generator().manual_seed(0)
-    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        a = torch.randn(n, n, generator=g).to(dt)
-        b = torch.randn(n, n, generator=g).to(dt)
-        out[name] = 2 * n**3 / time_call(lambda a=a, b=b: a @ b, min_time=0.2, rounds=3)
-    if hasattr(torch, "_int_mm"):
-        a = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g)
-        b = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g)
-        try:
-            out["int8"] = 2 * n**3 / time_call(lambda: torch._int_mm(a, b), min_time=0.2, rounds=3)
-        except RuntimeError:
-            pass
-    return out
 
 
 def layer_shapes(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
@@ -107,14 +83,14 @@ def head_shape(spec: ModelSpec) -> tuple[int, int]:
 TINY = (16, 64)  # a shape every CPU kernel accepts: the per-call cost of a kernel without the bytes
 
 
-def step_inputs(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype = torch.bfloat16
-                ) -> dict[int, torch.Tensor]:
+def step_inputs(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu") -> dict[int, torch.Tensor]:
     """Inputs as a decode step hands them to its linears: (batch, 1 new token, in_features) hidden states."""
-    return {k: x.reshape(rows, 1, k) for k, x in inputs_for(shapes, rows, dtype).items()}
+    return {k: x.reshape(rows, 1, k) for k, x in inputs_for(shapes, rows, dtype, device=device).items()}
 
 
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 30) -> dict[str, dict[str, Any]]:
+                rounds: int = 30, device: str | torch.device = "cpu") -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's shapes) at 1 and 8 rows,
     with the per-call cost (the same number of calls on a tiny shape) measured separately.
 
@@ -126,29 +102,32 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
     shapes = layer_shapes(spec)
     results: dict[str, dict[str, Any]] = {}
     per_step = len(shapes) * spec.n_layers
+    sync = synchronizer(device)
     for f in formats:
-        body = build_set(f, shapes, min_bytes)
-        tiny = build_set(f, (TINY,) * len(shapes), 0)
+        body = build_set(f, shapes, min_bytes, device=device)
+        tiny = build_set(f, (TINY,) * len(shapes), 0, device=device)
         res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers}
         for m in rows:
-            xs = step_inputs(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16)
+            xs = step_inputs(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16, device)
             # one sample = the linears of one step (the next copies, cold), or the same calls on tiny shapes
             t = time_interleaved({"body": body.sampler(xs, per_step), "tiny": tiny.sampler(xs, per_step)},
-                                 min_time=0.0, rounds=rounds)
+                                 min_time=0.0, rounds=rounds, sync=sync)
             t_body = t["body"]
             t_calls = t["tiny"]
             res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": max(t_body - t_calls, 1e-9),
                                "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
         results[f] = res
-    head = build_set("bf16", (head_shape(spec),), min_bytes)
+        del body, tiny  # free the copies before the next format's (a GPU holds one format's at a time)
+    head = build_set("bf16", (head_shape(spec),), min_bytes, device=device)
     for m in rows:
-        xs = step_inputs((head_shape(spec),), m)
-        t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 2))["head"]
+        xs = step_inputs((head_shape(spec),), m, device=device)
+        t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 2),
+                             sync=sync)["head"]
         results.setdefault("lm_head_bf16", {"bytes": head.nbytes})[f"rows{m}"] = {"t_s": t}
     return results
 
 
-def skeleton_model(spec: ModelSpec) -> torch.nn.Module:
+def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
     """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but ~16-wide hidden
     states (a multiple of the head count) and MLPs: a decode step of it costs what the weight bytes do not
     (framework dispatch, norms, rotary, attention over the cache, the cache's own writes and reads,
@@ -161,22 +140,7 @@ def skeleton_model(spec: ModelSpec) -> torch.nn.Module:
                       num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
                       max_position_embeddings=max(4096, spec.max_position_embeddings), tie_word_embeddings=True)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
-
-def l2_cache_bytes() -> int:
-    """Bytes of the level-2 cache of CPU 0 (Linux sysfs), 0 when the system does not say."""
-    base = Path("/sys/devices/system/cpu/cpu0/cache")
-    for d in sorted(base.glob("index*")) if base.is_dir() else []:
-        try:
-            if (d / "level").read_text().strip() != "2" or (d / "type").read_text().strip() == "Instruction":
-                continue
-            size = (d / "size").read_text().strip().upper()
-        except OSError:
-            continue
-        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
-        return int(size.rstrip("KMG")) * mult
-    return 0
+    return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
 def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, context: int = 128, steps: int = 8,
@@ -226,7 +190,8 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
                refill_bytes: int | None = None, measure_refill: bool = True,
-               refill_sizes: tuple[float, ...] = REFILL_SIZES) -> dict[str, dict[str, Any]]:
+               refill_sizes: tuple[float, ...] = REFILL_SIZES, device: str | torch.device = "cpu"
+               ) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
@@ -242,13 +207,15 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     0 leaves E out).  E is measured directly (`refill_cost`: every layer streams 2 X bytes of its own)
     and the fit is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest
     (a fitted E < 0 is refitted as 0).  The refill is also measured at streams of `refill_sizes` x X
-    bytes (the refill curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead)."""
+    bytes (the refill curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead).
+    On a device other than the CPU the refill is a core-cache effect that does not apply: E is left out."""
     from fewbits.generate import generate
 
-    model = skeleton_model(spec)
+    model = skeleton_model(spec, device)
     g = torch.Generator().manual_seed(0)
     fastest: dict[tuple[str, int, int], float] = {}
-    x_cache = l2_cache_bytes() if refill_bytes is None else refill_bytes
+    on_cpu = torch.device(device).type == "cpu"
+    x_cache = 0 if not on_cpu else l2_cache_bytes() if refill_bytes is None else refill_bytes
     rests: dict[float, dict[bool, float]] = {f: {} for f in (2.0, *refill_sizes)}
     refill = None
     curve: list[tuple[float, float]] = []
@@ -402,35 +369,40 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
-                  log: Any = print, bandwidth_bytes: int = 1 << 30, matmul_n: int = 1024,
-                  kv_contexts: tuple[int, int] = (128, 512)) -> Profile:
-    """Run every measurement and assemble a `Profile` carrying this machine as its DeviceSpec.
+                  log: Any = print, bandwidth_bytes: int | None = None, matmul_n: int | None = None,
+                  kv_contexts: tuple[int, int] = (128, 512), device: str | torch.device = "cpu") -> Profile:
+    """Run every measurement on `device` and assemble a `Profile` carrying it as its DeviceSpec.
 
-    The size arguments exist so that tests can run the whole probe on small buffers in seconds."""
+    bandwidth_bytes / matmul_n default to 1 GiB / 1024 on the CPU and 4 GiB / 8192 on a GPU (whose L2
+    cache is tens of MB and whose GEMMs need large tiles to reach their peak).  The size arguments exist
+    so that tests can run the whole probe on small buffers in seconds."""
     t_start = time.perf_counter()
-    log("memory bandwidth ...")
-    bw = memory_bandwidth(bandwidth_bytes)
+    on_cpu = torch.device(device).type == "cpu"
+    bandwidth_bytes = bandwidth_bytes or (1 << 30 if on_cpu else 4 << 30)
+    matmul_n = matmul_n or (1024 if on_cpu else 8192)
+    log(f"memory bandwidth ({device}) ...")
+    bw = memory_bandwidth(bandwidth_bytes, device=device)
     log(f"  {bw / 1e9:.1f} GB/s")
     log("matmul rates ...")
-    rates = matmul_rates(matmul_n)
+    rates = matmul_rates(matmul_n, device)
     log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
     log(f"GEMV passes over {spec.name}'s linears ...")
-    passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes)
+    passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes, device=device)
     log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
-    kv = step_costs(spec, kv_specs, kv_contexts)
-    skel_lin = skeleton_linear_cost(spec)
+    kv = step_costs(spec, kv_specs, kv_contexts, device=device)
+    skel_lin = skeleton_linear_cost(spec, device=device)
     log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
     bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(spec, passes, bw, rates["bf16"], log, skel_lin)
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     fields = step_profile_fields(spec, kv, bw, log)
-    mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
-    if rates.get("int8", 0) > rates["bf16"]:
-        peak["int8"] = rates["int8"]
-    dev = DeviceSpec(key=name, name=f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)",
-                     memory_bytes=float(mem_total), bandwidth=bw, peak_flops=peak,
+    for low in ("int8", "fp8"):  # low-precision units count only where they beat 16-bit maths
+        if rates.get(low, 0) > rates["bf16"]:
+            peak[low] = rates[low]
+    dev_name, mem_total = device_description(device)
+    dev = DeviceSpec(key=name, name=dev_name, memory_bytes=mem_total, bandwidth=bw, peak_flops=peak,
                      source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-    measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__,
+    measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__, "device": str(device),
                 "threads": torch.get_num_threads(), "bandwidth": bw, "matmul_flops": rates,
                 "gemv_passes": passes, "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
@@ -439,4 +411,5 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                    linear_call_overhead_s=call_extra,
                    **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
-                   low_precision_compute="int8" in peak, device=dev, measured=measured)
+                   low_precision_compute="int8" in peak or "fp8" in peak, host_overlap=not on_cpu, device=dev,
+                   measured=measured)

@@ -62,13 +62,14 @@ class _ZeroLinear(torch.nn.Module):
         self.outs: dict[tuple[Any, ...], torch.Tensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        key = (*x.shape[:-1], x.dtype)
+        key = (*x.shape[:-1], x.dtype, x.device)
         if key not in self.outs:
-            self.outs[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype)
+            self.outs[key] = torch.zeros(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         return self.outs[key]
 
 
-def skeleton_linear_cost(spec: ModelSpec, context: int = 128, steps: int = 8, rounds: int = 5) -> float:
+def skeleton_linear_cost(spec: ModelSpec, context: int = 128, steps: int = 8, rounds: int = 5,
+                         device: str | torch.device = "cpu") -> float:
     """Seconds a batch-1 decode step of `skeleton_model` spends in its decoder layers' own 16-bit linears:
     its fastest step less that of the same skeleton with each of them replaced by a zero output, in
     interleaved rounds (>= 0).  The skeleton's step, which the cost model starts from, pays this; a model
@@ -76,7 +77,7 @@ def skeleton_linear_cost(spec: ModelSpec, context: int = 128, steps: int = 8, ro
     from fewbits.bench.probe import skeleton_model
     from fewbits.generate import generate
 
-    models = [skeleton_model(spec), skeleton_model(spec)]
+    models = [skeleton_model(spec, device), skeleton_model(spec, device)]
     for layer in models[1].model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for n, mod in list(parent.named_children()):

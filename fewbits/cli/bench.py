@@ -37,9 +37,14 @@ def _strs(s: str) -> tuple[str, ...]:
 @click.option("--threads", type=int, default=0, help="torch threads (use the probe's)")
 @click.option("--rounds", type=int, default=1, show_default=True,
               help="measure every row once per round and keep its fastest step (a host whose speed drifts)")
+@click.option("--device", default="cpu", show_default=True,
+              help="where the model runs: cpu, or a CUDA device (cuda, cuda:1); use a profile probed there")
+@click.option("--random-weights", is_flag=True,
+              help="build MODEL (a built-in name or a config.json) with random weights instead of loading them: "
+                   "for speed only, where the weights cannot be had")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
 def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
-              full: bool, threads: int, rounds: int, json_out: str | None) -> None:
+              full: bool, threads: int, rounds: int, device: str, random_weights: bool, json_out: str | None) -> None:
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
     weight format and KV-cache format, with the cost model's prediction and its error."""
     import torch
@@ -47,6 +52,7 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     from fewbits.bench.decode import HEADER, run_bench, summary
     from fewbits.cost.profile import load_profile
     from fewbits.formats.format import parse_format
+    from fewbits.generate import check_device
     from fewbits.kvcache.format import parse_kv_format
 
     if threads:
@@ -60,13 +66,17 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         raise click.BadParameter("--steps must be >= 1")
     if rounds < 1:
         raise click.BadParameter("--rounds must be >= 1")
+    try:
+        dev = str(check_device(device))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from None
     if profile_path is None:
         from fewbits.bench.decode import load_quantized, model_spec
         from fewbits.bench.probe import build_profile
 
         click.echo("no --profile: probing this machine first (fewbits probe writes one to reuse)")
-        m, _ = load_quantized(model, "bf16")
-        prof = build_profile(model_spec(model, m), log=click.echo)
+        m, _ = load_quantized(model, "bf16", random_weights=True) if random_weights else load_quantized(model, "bf16")
+        prof = build_profile(model_spec(model, m), log=click.echo, device=dev)
         del m
     else:
         prof = load_profile(profile_path)
@@ -74,10 +84,11 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
                f"torch threads {torch.get_num_threads()}")
     click.echo(HEADER)
     rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
-                     rounds=rounds)
+                     rounds=rounds, device=dev, random_weights=random_weights)
     click.echo(summary(rows))
     if json_out:
-        data = json.dumps({"model": model, "profile": prof.name, "rows": [r.to_dict() for r in rows]}, indent=1)
+        data = json.dumps({"model": model, "profile": prof.name, "device": dev, "random_weights": random_weights,
+                           "rows": [r.to_dict() for r in rows]}, indent=1)
         p = Path(json_out)
         fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent or ".")
         with os.fdopen(fd, "w") as f:

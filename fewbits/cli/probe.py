@@ -14,18 +14,25 @@ import click
 @click.option("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
 @click.option("--min-mb", type=float, default=600.0, show_default=True,
               help="replicate weights to at least this many MB per format (more than the last-level cache)")
-def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float) -> None:
+@click.option("--device", default="cpu", show_default=True,
+              help="what to measure: cpu, or a CUDA device (cuda, cuda:1) for a GPU's profile")
+def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, device: str) -> None:
     """Measure memory bandwidth, matmul rates, GEMV per format at decode shapes, KV-cache reads and the
     per-step overhead; write them as a profile that `fewbits plan --profile FILE` and `fewbits bench` load."""
     import torch
 
     from fewbits.bench.probe import build_profile
     from fewbits.cost.profile import save_profile
+    from fewbits.generate import check_device
     from fewbits.models.presets import resolve_model
 
     if threads:
         torch.set_num_threads(threads)
+    try:
+        dev = check_device(device)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--device") from None
     spec = resolve_model(model)
-    prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo)
+    prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo, device=dev)
     save_profile(prof, output)
     click.echo(f"wrote {output} ({prof.measured['probe_seconds']:.0f} s of measurement)")

@@ -161,6 +161,40 @@ def load_model(name_or_path: str | Path, dtype: Any = "float32", device: str = "
     return _load_hub(source.name, torch_dtype, device, offline)
 
 
+def random_model(name_or_config: str | Path, dtype: Any = "bf16", device: str = "cpu", seed: int = 0) -> Any:
+    """A causal LM with the architecture of a built-in model (`fewbits models`) or of a config.json (a file
+    or a folder holding one), with random weights (transformers' own initialisation), built directly on
+    `device`, in eval mode.
+
+    For speed measurements where the weights cannot be had (a machine with no hub access): the time of a
+    decode step does not depend on the values, only on the shapes, formats and kernels.  The global random
+    state is left as it was (`seed` seeds a forked generator)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from fewbits.models.presets import preset_config
+
+    p = Path(name_or_config)
+    if p.is_dir():
+        p = p / "config.json"
+    if p.is_file():
+        try:
+            cfg = json.loads(p.read_text())
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{p}: config.json cannot be read: {exc}") from None
+    else:
+        cfg = preset_config(str(name_or_config))[1]
+    if "model_type" not in cfg:
+        raise ModelLoadError(f"{name_or_config}: the config has no 'model_type', so its architecture is unknown")
+    config = AutoConfig.for_model(**cfg)
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(seed)
+        with dev:
+            model = AutoModelForCausalLM.from_config(config, dtype=_torch_dtype(dtype))
+    return model.eval()
+
+
 def _load_dir(path: Path, dtype: Any, device: str, label: str) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 

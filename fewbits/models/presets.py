@@ -75,8 +75,9 @@ def preset_names() -> list[str]:
     return sorted(PRESET_CONFIGS)
 
 
-def get_preset(name: str) -> ModelSpec:
-    """The built-in spec `name` (case-insensitive); an unknown name lists the closest ones."""
+def preset_config(name: str) -> tuple[str, dict[str, Any]]:
+    """(canonical name, Hugging Face config dict) of the built-in model `name` (case-insensitive); an
+    unknown name lists the closest ones."""
     key = name.strip().lower()
     key = ALIASES.get(key, key)
     if key not in PRESET_CONFIGS:
@@ -84,7 +85,12 @@ def get_preset(name: str) -> ModelSpec:
         hint = f"did you mean {', '.join(dict.fromkeys(ALIASES.get(c, c) for c in close))}? " if close else ""
         raise ModelSpecError(f"unknown model {name!r}; {hint}known: {', '.join(preset_names())} "
                              "(or give the path of a config.json)")
-    cfg = {k: v for k, v in PRESET_CONFIGS[key].items() if not k.startswith("_")}
+    return key, {k: v for k, v in PRESET_CONFIGS[key].items() if not k.startswith("_")}
+
+
+def get_preset(name: str) -> ModelSpec:
+    """The built-in spec `name` (case-insensitive); an unknown name lists the closest ones."""
+    key, cfg = preset_config(name)
     return ModelSpec.from_config_dict(cfg, source=f"preset {key}", name=key)
 
 

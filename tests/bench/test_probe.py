@@ -37,10 +37,18 @@ def _canned(monkeypatch):
     from fewbits.bench import probe
 
     bw = 10e9
-    monkeypatch.setattr(probe, "memory_bandwidth", lambda nbytes=0: bw)
-    monkeypatch.setattr(probe, "matmul_rates", lambda n=0: {"fp32": 1e11, "bf16": 5e11, "int8": 1e12})
+    seen = _canned.devices = {}  # measurement -> the device it was asked to run on
 
-    def passes(spec, formats, min_bytes):
+    def saw(what, device, value):
+        seen[what] = str(device)
+        return value
+
+    monkeypatch.setattr(probe, "memory_bandwidth", lambda nbytes=0, device="cpu": saw("bandwidth", device, bw))
+    monkeypatch.setattr(probe, "matmul_rates", lambda n=0, device="cpu": saw(
+        "matmul", device, {"fp32": 1e11, "bf16": 5e11, "int8": 1e12}))
+
+    def passes(spec, formats, min_bytes, device="cpu"):
+        saw("gemv", device, None)
         out = {}
         for f, (nbytes, t1, t8, tc) in {"bf16": (8e6, 2e-3, 2e-3, 1e-4), "int8": (4e6, 1e-3, 4e-3, 2.4e-4),
                                         "int4-g64": (2e6, 0.8e-3, 0.85e-3, 1e-4)}.items():
@@ -53,12 +61,12 @@ def _canned(monkeypatch):
 
     monkeypatch.setattr(probe, "gemv_passes", passes)
     # the skeleton step spends 0.15 ms in its own 16-bit linears
-    monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec: 1.5e-4)
+    monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec, device="cpu": saw("skeleton", device, 1.5e-4))
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
-    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx: {
+    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu": saw("steps", device, {
         s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": [], "refill_s": 2e-5,
             "refill_bytes": 1 << 21}
-        for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs})
+        for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs}))
     return bw
 
 
@@ -82,6 +90,9 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.call_overhead("int4") == pytest.approx(-0.5e-4 / 14)
     assert prof.measured["skeleton_linears_s"] == 1.5e-4
     assert prof.device is not None and prof.device.peak_flops["int8"] == 1e12 and prof.low_precision_compute
+    # every measurement ran on the device asked for (the CPU by default), and the profile says which
+    assert _canned.devices == dict.fromkeys(("bandwidth", "matmul", "gemv", "steps", "skeleton"), "cpu")
+    assert prof.measured["device"] == "cpu"
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
     assert layer_shapes(TINY) == layer
     path = tmp_path / "p.json"
@@ -247,8 +258,8 @@ def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
     per_sample: list[int] = []
     real_build = probe.build_set
 
-    def spy_build(spec, shapes, min_bytes=0, seed=0):
-        ws = real_build(spec, shapes, 0, seed)
+    def spy_build(spec, shapes, min_bytes=0, seed=0, device="cpu"):
+        ws = real_build(spec, shapes, 0, seed, device)
         real_sampler = ws.sampler
 
         def sampler(xs, n):
@@ -259,7 +270,7 @@ def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
         ws.sampler = sampler
         return ws
 
-    def fake_interleaved(fns, min_time=0.0, rounds=7, warmup=2, statistic="min"):
+    def fake_interleaved(fns, min_time=0.0, rounds=7, warmup=2, statistic="min", sync=None):
         for fn in fns.values():
             fn()
         return {name: {"body": 3e-3, "tiny": 1e-3, "head": 5e-4}[name] for name in fns}
@@ -330,3 +341,21 @@ def test_skeleton_linear_cost_measures_the_skeletons_own_linears():
     t = skeleton_linear_cost(TINY, context=8, steps=2, rounds=2)
     # 14 bf16 linear calls of a step take microseconds each, well under a second
     assert math.isfinite(t) and 0 <= t < 0.1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_probe_on_cuda_measures_the_gpu():
+    """The whole probe on a CUDA device with small buffers: the GPU's own figures, its kernels, no refill."""
+    from fewbits.bench.machine import matmul_rates, memory_bandwidth
+    from fewbits.bench.probe import gemv_passes
+
+    assert memory_bandwidth(256 << 20, device="cuda") > 2e11  # any datacenter GPU reads > 200 GB/s
+    assert matmul_rates(2048, "cuda")["bf16"] > 1e13  # and multiplies bf16 at > 10 TFLOP/s
+    passes = gemv_passes(TINY, ("bf16", "int8", "int4-g64"), 1 << 20, rounds=3, device="cuda")
+    assert passes["int8"]["kernels"] == ["cuda_triton_weight_only"]
+    prof = build_profile(TINY, weight_specs=("int8",), kv_specs=("bf16", "int8"), min_bytes=1 << 20,
+                         log=lambda _: None, bandwidth_bytes=256 << 20, matmul_n=1024, kv_contexts=(16, 64),
+                         device="cuda")
+    assert torch.cuda.get_device_name() in prof.device.name and prof.measured["device"] == "cuda"
+    assert prof.cache_refill_s == 0 and prof.device.memory_bytes > 1e9

@@ -207,3 +207,47 @@ def test_models_command_lists_cache(smollm2_dir: Path) -> None:
     assert smol["converted_bytes"] > 4 * 134_515_008 - 4 * 49152 * 576  # fp32, tied head stored once
     res = CliRunner().invoke(main, ["models"])
     assert res.exit_code == 0 and "smollm2-135m" in res.output and "flattering" in res.output
+
+
+TINY_CONFIG = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def test_random_model_has_the_presets_architecture() -> None:
+    from fewbits.models.loading import random_model
+    from fewbits.models.presets import get_preset
+
+    before = torch.random.get_rng_state()
+    model = random_model("smollm2-135m", dtype="bf16")
+    assert torch.equal(torch.random.get_rng_state(), before)  # the global generator is left alone
+    spec = get_preset("smollm2-135m")
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (30, 576, 3, 49152)
+    assert sum(p.numel() for p in model.parameters()) == spec.n_params
+    assert next(model.parameters()).dtype == torch.bfloat16 and not model.training
+
+
+def test_random_model_from_config_file_is_seeded(tmp_path: Path) -> None:
+    from fewbits.models.loading import random_model
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    a, b = random_model(tmp_path, dtype="fp32", seed=3), random_model(tmp_path / "config.json", dtype="fp32", seed=3)
+    c = random_model(tmp_path, dtype="fp32", seed=4)
+    w = "model.layers.1.mlp.up_proj.weight"
+    assert torch.equal(a.state_dict()[w], b.state_dict()[w]) and not torch.equal(a.state_dict()[w], c.state_dict()[w])
+    assert 0.015 < float(a.state_dict()[w].std()) < 0.025  # transformers' init: N(0, 0.02)
+
+
+def test_random_model_bad_names(tmp_path: Path) -> None:
+    from fewbits.models.loading import random_model
+    from fewbits.models.spec import ModelSpecError
+
+    with pytest.raises(ModelSpecError, match="unknown model 'lama-3-8b'.*llama-3-8b"):
+        random_model("lama-3-8b")
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in TINY_CONFIG.items() if k != "model_type"}))
+    with pytest.raises(ModelLoadError, match="no 'model_type'"):
+        random_model(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="config.json cannot be read"):
+        random_model(tmp_path)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# One prepared run of fewbits' GPU paths on a CUDA machine, sized to a few minutes of device time:
+#   1. the GPU tests (Triton / _scaled_mm kernels against the reference, generate on the GPU vs the CPU,
+#      probe and bench on the GPU),
+#   2. GEMV at decode shapes through the dispatcher (bf16 / int8 / int4-g128 / fp8-e4m3, ratios side by side),
+#   3. `fewbits probe` then `fewbits bench` for SmolLM2-135M, and for Llama-3-8B, both with random weights
+#      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel).
+#
+# Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [quick]
+# "quick" skips the Llama-3-8B pair.  Each stage has its own time limit and a failing stage does not stop
+# the next.  Writes under $OUT (at most 6 files): log.txt (everything printed), gemv.txt, and
+# probe-<model>.json / bench-<model>.json.  Runs from the source tree (PYTHONPATH), nothing is installed.
+set -u
+OUT=${OUT:-/tmp/fewbits-device}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+QUICK=${1:-}
+
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its status and duration
+    local name=$1 limit=$2 t0=$SECONDS
+    shift 2
+    echo "=== $name (limit ${limit} s): $*"
+    timeout "$limit" "$@"
+    echo "=== $name: exit $? after $((SECONDS - t0)) s"
+}
+
+pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
+    local model=$1 tag=$2 plimit=$3 blimit=$4
+    shift 4
+    stage "probe $tag" "$plimit" $PY -m fewbits probe --device cuda --model "$model" --name "gpu-$tag" \
+        -o "$OUT/probe-$tag.json"
+    if [ -f "$OUT/probe-$tag.json" ]; then
+        stage "bench $tag" "$blimit" $PY -m fewbits bench "$model" --random-weights --device cuda \
+            --profile "$OUT/probe-$tag.json" --json "$OUT/bench-$tag.json" "$@"
+    fi
+}
+
+{
+    date -u
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
+    $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
+'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    stage tests 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench tests/test_generate.py
+    stage gemv 120 $PY benchmarks/bench_gemv.py --device cuda --specs bf16,int8,int4-g128,fp8-e4m3 \
+        --min-mb 1024 --rounds 20 | tee "$OUT/gemv.txt"
+    pair smollm2-135m smollm2 150 150
+    if [ "$QUICK" != quick ]; then
+        pair llama-3-8b llama3-8b 180 240 --weights bf16,int8,int4-g128,fp8-e4m3 --kv bf16,fp8-e4m3,int8,int4
+    fi
+    date -u
+} 2>&1 | tee "$OUT/log.txt"

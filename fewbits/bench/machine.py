@@ -1,0 +1,87 @@
+"""What the machine is: memory bandwidth and matmul rates measured on a device, its name and memory, and
+the size of the CPU's level-2 cache.  Used by `fewbits probe` (`probe.py`)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fewbits.bench.timing import time_call
+from fewbits.generate import synchronizer
+
+
+def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch.device = "cpu") -> float:
+    """Bytes/s of a read-only sum over `nbytes` on `device` (best of `trials`)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    sync = synchronizer(device)
+    x.sum()
+    sync()
+    best = 0.0
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        x.sum()
+        sync()
+        best = max(best, nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def matmul_rates(n: int = 1024, device: str | torch.device = "cpu") -> dict[str, float]:
+    """FLOP/s of an n x n x n GEMM per precision on `device` ("int8" only where torch._int_mm runs, "fp8"
+    only where torch._scaled_mm multiplies E4M3 matrices: a CUDA chip of compute capability >= 8.9)."""
+    out: dict[str, float] = {}
+    g = torch.Generator().manual_seed(0)
+    sync = synchronizer(device)
+
+    def rate(fn: Any) -> float:
+        return 2 * n**3 / time_call(fn, min_time=0.2, rounds=3, sync=sync)
+
+    for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a = torch.randn(n, n, generator=g).to(device=device, dtype=dt)
+        b = torch.randn(n, n, generator=g).to(device=device, dtype=dt)
+        out[name] = rate(lambda a=a, b=b: a @ b)
+    if hasattr(torch, "_int_mm"):
+        a = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g).to(device)
+        b = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g).to(device)
+        try:
+            out["int8"] = rate(lambda: torch._int_mm(a, b))
+        except RuntimeError:
+            pass
+    if torch.device(device).type == "cuda" and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"):
+        a8 = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn)
+        b8 = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn).t()  # column-major
+        one = torch.ones((), device=device)
+        try:
+            out["fp8"] = rate(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+        except RuntimeError:  # a chip without FP8 units
+            pass
+    return out
+
+
+def device_description(device: str | torch.device) -> tuple[str, float]:
+    """(name, memory bytes) of `device`: the CUDA device's own, or the CPU's and the host's memory."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return f"{props.name} (CUDA, torch {torch.__version__})", float(props.total_memory)
+    mem_total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)", float(mem_total)
+
+
+def l2_cache_bytes() -> int:
+    """Bytes of the level-2 cache of CPU 0 (Linux sysfs), 0 when the system does not say."""
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for d in sorted(base.glob("index*")) if base.is_dir() else []:
+        try:
+            if (d / "level").read_text().strip() != "2" or (d / "type").read_text().strip() == "Instruction":
+                continue
+            size = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+        return int(size.rstrip("KMG")) * mult
+    return 0

@@ -1,0 +1,69 @@
+"""`fewbits bench` end to end on a tiny architecture with random weights (no checkpoint needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fewbits.bench.decode import run_bench
+from fewbits.cost.devices import DeviceSpec
+from fewbits.cost.profile import Profile
+
+CONFIG = {"model_type": "llama", "vocab_size": 300, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
+    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                   compute_efficiency={"float": 0.5}, overhead_s=1e-3, device=dev)
+    out = run_bench(str(path), prof, weights=("bf16", "int8", "int4-g64"), kvs=("bf16", "int8"), batches=(1, 2),
+                    prompts=(8,), steps=2, log=lambda _: None, random_weights=True, device="cpu")
+    return {(r.weights, r.kv, r.batch): r for r in out}
+
+
+def test_rows_cover_each_axis_alone(rows):
+    assert set(rows) == {(w, "bf16", b) for w in ("bf16", "int8", "int4-g64") for b in (1, 2)} | {
+        ("bf16", "int8", 1), ("bf16", "int8", 2)}
+
+
+def test_quantised_weights_run_the_fast_kernels(rows):
+    assert rows[("bf16", "bf16", 1)].kernels == "dense"
+    assert "cpu_int8pack" in rows[("int8", "bf16", 1)].kernels
+    assert "cpu_int4pack" in rows[("int4-g64", "bf16", 1)].kernels
+
+
+def test_row_figures_are_consistent(rows):
+    for r in rows.values():
+        assert r.measured_ms > 0 and r.median_ms >= r.measured_ms and r.predicted_ms > 0
+        assert r.error_pct == pytest.approx(100 * (r.predicted_ms - r.measured_ms) / r.measured_ms)
+        assert r.tokens_per_s == pytest.approx(r.batch * 1e3 / r.measured_ms)
+        base = rows[("bf16", "bf16", r.batch)]
+        assert r.speedup_vs_16bit == pytest.approx(base.measured_ms / r.measured_ms)
+    # the cache's true bytes: 2 layers x (K + V) x 2 KV heads x 16 dims x (8 prompt + 2 new) tokens x batch
+    assert rows[("bf16", "bf16", 1)].kv_bytes == 2 * 2 * 2 * 16 * 10 * 2
+    assert rows[("bf16", "bf16", 2)].kv_bytes == 2 * rows[("bf16", "bf16", 1)].kv_bytes
+    assert rows[("bf16", "int8", 1)].kv_bytes < rows[("bf16", "bf16", 1)].kv_bytes
+
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_on_cuda_runs_the_gpu_kernels(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    dev = DeviceSpec(key="g", name="test gpu", memory_bytes=80e9, bandwidth=1e12, peak_flops={"bf16": 1e14})
+    prof = Profile(name="g", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                   compute_efficiency={"float": 0.5}, overhead_s=1e-3, device=dev)
+    out = run_bench(str(path), prof, weights=("bf16", "int8", "int4-g64"), kvs=("bf16", "int4"), batches=(1,),
+                    prompts=(16,), steps=3, log=lambda _: None, random_weights=True, device="cuda")
+    got = {(r.weights, r.kv): r for r in out}
+    assert got[("int8", "bf16")].kernels == "cuda_triton_weight_only"
+    assert got[("int4-g64", "bf16")].kernels == "cuda_triton_weight_only"
+    assert all(r.measured_ms > 0 for r in out)
