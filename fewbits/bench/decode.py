@@ -81,6 +81,36 @@ def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "
     return model, ",".join(names) or "dense"
 
 
+class BenchMemoryError(ValueError):
+    """The models a bench would hold at once do not fit in the device's free memory."""
+
+
+def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, device: str) -> None:
+    """Refuse, before loading anything, a bench whose models cannot all be held on `device`: every weight
+    format's model stays loaded (the rows alternate between them), plus the 16-bit copy being quantised
+    and a 16-bit cache of `batch` x `context` tokens, as the cost model counts them.  A model the cost
+    model cannot describe without loading it (a hub id) is not checked."""
+    from fewbits.bench.machine import memory_available
+    from fewbits.models.presets import resolve_model
+
+    try:
+        spec = resolve_model(name)
+    except Exception:  # noqa: BLE001 - not a preset or a local config: nothing to check before loading
+        return
+    held = {w: plan(spec, "h100", 1, 1, w, table_weights=None, misfit="regroup").memory_weights for w in weights}
+    quantised = [w for w in weights if w not in ("bf16", "fp16", "fp32")]
+    kv = plan(spec, "h100", batch, context, "bf16", table_weights=None).memory_kv
+    need = sum(held.values()) + (plan(spec, "h100", 1, 1, "bf16", table_weights=None).memory_weights
+                                 if quantised and "bf16" not in held else 0.0) + kv
+    have = memory_available(device)
+    if need > have:
+        parts = ", ".join(f"{w} {b / 1e9:.1f} GB" for w, b in held.items())
+        raise BenchMemoryError(
+            f"bench of {name} on {device} holds every weight format's model at once ({parts}, a 16-bit KV cache "
+            f"of {batch} x {context} tokens {kv / 1e9:.1f} GB): {need / 1e9:.1f} GB, but {have / 1e9:.1f} GB is "
+            "free; bench fewer --weights at a time, or a smaller model")
+
+
 def _config_rows(weights: Iterable[str], kvs: Iterable[str], full: bool) -> list[tuple[str, str]]:
     weights, kvs = list(weights), list(kvs)
     rows = [(w, kvs[0]) for w in weights]
@@ -102,6 +132,7 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     by_weights: dict[str, list[str]] = {}
     for w, k in _config_rows(weights, kvs, full):
         by_weights.setdefault(w, []).append(k)
+    check_memory(name, tuple(by_weights), max(batches), max(prompts) + steps + 1, device)
     models = {w: load_quantized(name, w, device=device, random_weights=random_weights) for w in by_weights}
     spec = model_spec(name, next(iter(models.values()))[0])
     vocab = int(next(iter(models.values()))[0].config.get_text_config().vocab_size)

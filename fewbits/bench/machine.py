@@ -85,3 +85,19 @@ def l2_cache_bytes() -> int:
         mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
         return int(size.rstrip("KMG")) * mult
     return 0
+
+
+def memory_available(device: str | torch.device) -> float:
+    """Bytes that can still be allocated on `device`: the CUDA device's free memory, or the host's
+    MemAvailable (/proc/meminfo; all physical memory where the system does not say)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return float(torch.cuda.mem_get_info(dev)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+

@@ -49,7 +49,7 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     weight format and KV-cache format, with the cost model's prediction and its error."""
     import torch
 
-    from fewbits.bench.decode import HEADER, run_bench, summary
+    from fewbits.bench.decode import HEADER, BenchMemoryError, run_bench, summary
     from fewbits.cost.profile import load_profile
     from fewbits.formats.format import parse_format
     from fewbits.generate import check_device
@@ -83,8 +83,11 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     click.echo(f"profile {prof.name}: {prof.device.name if prof.device else 'datasheet device'}; "
                f"torch threads {torch.get_num_threads()}")
     click.echo(HEADER)
-    rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
-                     rounds=rounds, device=dev, random_weights=random_weights)
+    try:
+        rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
+                         rounds=rounds, device=dev, random_weights=random_weights)
+    except BenchMemoryError as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))
     if json_out:
         data = json.dumps({"model": model, "profile": prof.name, "device": dev, "random_weights": random_weights,

@@ -67,3 +67,16 @@ def test_bench_on_cuda_runs_the_gpu_kernels(tmp_path):
     assert got[("int8", "bf16")].kernels == "cuda_triton_weight_only"
     assert got[("int4-g64", "bf16")].kernels == "cuda_triton_weight_only"
     assert all(r.measured_ms > 0 for r in out)
+
+
+def test_a_bench_that_cannot_fit_is_refused_before_loading(monkeypatch):
+    from fewbits.bench import decode
+
+    loaded = []
+    monkeypatch.setattr(decode, "load_quantized", lambda *a, **k: loaded.append(a))
+    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                   compute_efficiency={"float": 0.5})
+    # Llama-3.1-405B in bf16 and int4: ~1 TB of weights held at once
+    with pytest.raises(decode.BenchMemoryError, match=r"llama-3.1-405b.*bf16 8\d\d\.\d GB.*fewer --weights"):
+        run_bench("llama-3.1-405b", prof, weights=("bf16", "int4-g128"), random_weights=True, log=lambda _: None)
+    assert loaded == []
