@@ -15,7 +15,6 @@ synchronisation (`synchronizer`), since a forward pass there only queues kernels
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fewbits.kvcache.format import KVFormat
-from fewbits.kvcache.hf import QuantizedKVCache, cache_for
+from fewbits.kvcache.hf import QuantizedKVCache, cache_for, cache_kwargs
 
 
 @dataclass
@@ -80,11 +79,6 @@ def check_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """Next token ids (B,) from last-position logits (B, V): argmax, or sampling with temperature,
@@ -134,7 +128,7 @@ def generate(
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
     cache = cache if cache is not None else cache_for(model, kv, T + max_new_tokens)
-    key = _cache_kwarg(model)
+    kw = cache_kwargs(model, cache)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     pos = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T) positions from each first real token
     sync = synchronizer(device)
@@ -142,7 +136,7 @@ def generate(
     sync()
     t0 = time.perf_counter()
     out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                **{key: cache})
+                **kw)
     nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
     sync()
     prefill_s = time.perf_counter() - t0
@@ -160,7 +154,7 @@ def generate(
         mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
         last_pos = last_pos + 1
         out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
-                    logits_to_keep=1, **{key: cache})
+                    logits_to_keep=1, **kw)
         nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
         if eos_token_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)

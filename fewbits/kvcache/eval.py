@@ -17,7 +17,7 @@ import torch
 
 from fewbits.eval.metrics import kl_per_token, log_probs, token_nll, top1_agree
 from fewbits.kvcache.format import KVFormat, parse_kv_format
-from fewbits.kvcache.hf import cache_for
+from fewbits.kvcache.hf import cache_for, cache_kwargs
 
 
 @torch.no_grad()
@@ -26,11 +26,12 @@ def continuation_logits(model: torch.nn.Module, ids: torch.Tensor, kv: KVFormat 
     """Logits (n_eval, V) predicting ids[prefix : ] with the cache in format `kv`; ids (1, T)."""
     T = ids.shape[1]
     cache = cache_for(model, kv, T)
-    out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True, logits_to_keep=1)
+    kw = cache_kwargs(model, cache)
+    out = model(input_ids=ids[:, :prefix], **kw, use_cache=True, logits_to_keep=1)
     logits = [out.logits[0, -1:].float()]  # predicts ids[prefix]
     for s in range(prefix, T - 1, chunk):
         e = min(s + chunk, T - 1)
-        out = model(input_ids=ids[:, s:e], cache=cache, use_cache=True)
+        out = model(input_ids=ids[:, s:e], **kw, use_cache=True)
         logits.append(out.logits[0].float())  # predict ids[s+1 : e+1]
     return torch.cat(logits, 0)  # (T - prefix, V)
 

@@ -1,15 +1,20 @@
 """A transformers `Cache` whose layers are fewbits `KVStore`s: quantised on every write, preallocated.
 
     cache = QuantizedKVCache("int4", n_layers=model.config.num_hidden_layers, max_len=prompt + new_tokens)
-    out = model(input_ids, past_key_values=cache, use_cache=True)
+    out = model(input_ids, **cache_kwargs(model, cache), use_cache=True)
 
 The attention modules of Llama/Gemma/Qwen-style models call `cache.update(k, v, layer_idx)` with the
 new keys/values of every forward (prefill and decode); the layer writes them through the quantiser and
 returns the whole (dequantised) history, which the model's own attention then uses.
+
+Pass the cache under the name the model's forward takes (`cache_kwargs`): transformers renamed
+``past_key_values`` to ``cache``, and a model that does not know ``cache`` swallows it unused, running
+without any cache (silently: the outputs then look like a perfect cache's).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -95,3 +100,11 @@ def cache_for(model: torch.nn.Module, fmt: KVFormat | str, max_len: int) -> Quan
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return QuantizedKVCache(fmt, int(text_cfg.num_hidden_layers), max_len)
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Cache) -> dict[str, Cache]:
+    """{name: cache} for `model(..., **cache_kwargs(model, cache))`: ``cache`` where the model's forward takes
+    that name (transformers >= 5.2x), else ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return {"cache" if "cache" in params else "past_key_values": cache}
+

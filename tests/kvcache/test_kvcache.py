@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fewbits.formats.format import FormatError
 from fewbits.kvcache import KVStore, parse_kv_format
-from fewbits.kvcache.hf import QuantizedKVCache
+from fewbits.kvcache.hf import QuantizedKVCache, cache_kwargs
 
 B, H, D = 2, 3, 64
 
@@ -128,9 +128,10 @@ def test_cache_in_model_matches_full_forward():
     full = m(ids).logits
     for spec, tol in (("fp32", 1e-5), ("int8", 0.05), ("int4", 0.1)):
         cache = QuantizedKVCache(spec, 2, 64)
-        parts = [m(ids[:, :40], cache=cache, use_cache=True).logits]
+        kw = cache_kwargs(m, cache)  # the name this transformers takes (an unknown one is swallowed unused)
+        parts = [m(ids[:, :40], **kw, use_cache=True).logits]
         for t in range(40, 48):
-            parts.append(m(ids[:, t:t + 1], cache=cache, use_cache=True).logits)
+            parts.append(m(ids[:, t:t + 1], **kw, use_cache=True).logits)
         inc = torch.cat(parts, 1)
         assert rel(inc, full) < tol, spec
         assert cache.get_seq_length() == 48
@@ -158,3 +159,21 @@ def test_bf16_read_path_matches_fp32_path(spec):
     for x, y in zip(a.read(), b.read(), strict=True):
         assert y.dtype == torch.bfloat16
         assert rel(y.float(), x) < 8e-3
+
+
+def test_cache_kwargs_follow_the_models_forward():
+    """A model whose forward names its cache `past_key_values` (transformers before `cache`) must get it
+    under that name: it would swallow `cache=` unused and run without a cache."""
+    cache = QuantizedKVCache("int8", 2, 8)
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, **kwargs):  # noqa: ANN001, ANN003
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, **kwargs):  # noqa: ANN001, ANN003
+            return cache
+
+    assert cache_kwargs(Old(), cache) == {"past_key_values": cache}
+    assert cache_kwargs(New(), cache) == {"cache": cache}
+    assert Old()(None, **cache_kwargs(Old(), cache)) is cache
