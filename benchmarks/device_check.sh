@@ -7,7 +7,8 @@
 #      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel).
 #
 # Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [quick]
-# "quick" skips the Llama-3-8B pair.  Each stage has its own time limit and a failing stage does not stop
+# "quick" skips the Llama-3-8B pair.  DEVICE=cpu runs the same stages on the CPU (a dry run of the script;
+# the GPU tests then skip; LIMIT_SCALE=4 gives the slower CPU four times each stage's time limit).  Each stage has its own time limit and a failing stage does not stop
 # the next.  Writes under $OUT (at most 6 files): log.txt (everything printed), gemv.txt, and
 # probe-<model>.json / bench-<model>.json.  Runs from the source tree (PYTHONPATH), nothing is installed.
 set -u
@@ -16,9 +17,11 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 QUICK=${1:-}
+DEVICE=${DEVICE:-cuda}
+LIMIT_SCALE=${LIMIT_SCALE:-1}
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its status and duration
-    local name=$1 limit=$2 t0=$SECONDS
+    local name=$1 limit=$(($2 * LIMIT_SCALE)) t0=$SECONDS
     shift 2
     echo "=== $name (limit ${limit} s): $*"
     timeout "$limit" "$@"
@@ -28,10 +31,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its st
 pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     local model=$1 tag=$2 plimit=$3 blimit=$4
     shift 4
-    stage "probe $tag" "$plimit" $PY -m fewbits probe --device cuda --model "$model" --name "gpu-$tag" \
+    stage "probe $tag" "$plimit" $PY -m fewbits probe --device "$DEVICE" --model "$model" --name "$DEVICE-$tag" \
         -o "$OUT/probe-$tag.json"
     if [ -f "$OUT/probe-$tag.json" ]; then
-        stage "bench $tag" "$blimit" $PY -m fewbits bench "$model" --random-weights --device cuda \
+        stage "bench $tag" "$blimit" $PY -m fewbits bench "$model" --random-weights --device "$DEVICE" \
             --profile "$OUT/probe-$tag.json" --json "$OUT/bench-$tag.json" "$@"
     fi
 }
@@ -39,10 +42,11 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
 {
     date -u
     nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,driver_version --format=csv
-    $PY -c "import torch, transformers, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
-'transformers', transformers.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+    $PY -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
+'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
+    $PY -c "import triton; print('triton', triton.__version__)"
     stage tests 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench tests/test_generate.py
-    stage gemv 120 $PY benchmarks/bench_gemv.py --device cuda --specs bf16,int8,int4-g128,fp8-e4m3 \
+    stage gemv 120 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
         --min-mb 1024 --rounds 20 | tee "$OUT/gemv.txt"
     pair smollm2-135m smollm2 150 150
     if [ "$QUICK" != quick ]; then
