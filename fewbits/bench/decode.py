@@ -48,6 +48,7 @@ class BenchRow:
     kernels: str
     kv_bytes: int
     bound: str
+    lm_head: str = ""  # the LM head's format when quantised apart (quantised weight rows only)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,9 +66,9 @@ def model_spec(name_or_path: str, model: torch.nn.Module) -> ModelSpec:
 
 
 def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "cpu",
-                   random_weights: bool = False) -> tuple[torch.nn.Module, str]:
-    """Load `name` on `device` (or build it with random weights) and quantise its linears to `weights` with
-    the fast kernels there; (model, kernel names)."""
+                   random_weights: bool = False, lm_head: str | None = None) -> tuple[torch.nn.Module, str]:
+    """Load `name` on `device` (or build it with random weights) and quantise its linears to `weights` (the
+    LM head to `lm_head` where given) with the fast kernels there; (model, kernel names)."""
     from fewbits.api import quantize
     from fewbits.kernels import prepare_linear
     from fewbits.models.loading import load_model, random_model
@@ -75,7 +76,8 @@ def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "
 
     model = random_model(name, dtype, device) if random_weights else load_model(name, dtype=dtype, device=device)[0]
     if weights not in ("bf16", "fp16", "fp32"):
-        quantize(model, Recipe.from_format(weights, misfit="regroup"), progress=False, chooser=prepare_linear)
+        quantize(model, Recipe.from_format(weights, misfit="regroup", lm_head=lm_head), progress=False,
+                 chooser=prepare_linear)
     names = sorted({type(m.kernel).__name__ if not hasattr(m.kernel, "name") else m.kernel.name
                     for m in model.modules() if hasattr(m, "kernel")})
     return model, ",".join(names) or "dense"
@@ -85,7 +87,8 @@ class BenchMemoryError(ValueError):
     """The models a bench would hold at once do not fit in the device's free memory."""
 
 
-def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, device: str) -> None:
+def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, device: str,
+                 lm_head: str | None = None) -> None:
     """Refuse, before loading anything, a bench whose models cannot all be held on `device`: every weight
     format's model stays loaded (the rows alternate between them), plus the 16-bit copy being quantised
     and a 16-bit cache of `batch` x `context` tokens, as the cost model counts them.  A model the cost
@@ -97,8 +100,9 @@ def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, 
         spec = resolve_model(name)
     except Exception:  # noqa: BLE001 - not a preset or a local config: nothing to check before loading
         return
-    held = {w: plan(spec, "h100", 1, 1, w, table_weights=None, misfit="regroup").memory_weights for w in weights}
     quantised = [w for w in weights if w not in ("bf16", "fp16", "fp32")]
+    held = {w: plan(spec, "h100", 1, 1, w, table_weights=None, misfit="regroup",
+                    lm_head=lm_head if w in quantised else None).memory_weights for w in weights}
     kv = plan(spec, "h100", batch, context, "bf16", table_weights=None).memory_kv
     need = sum(held.values()) + (plan(spec, "h100", 1, 1, "bf16", table_weights=None).memory_weights
                                  if quantised and "bf16" not in held else 0.0) + kv
@@ -122,18 +126,21 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
               kvs: tuple[str, ...] = ("bf16", "fp8-e4m3", "int8", "int4", "int2"),
               batches: tuple[int, ...] = (1, 8), prompts: tuple[int, ...] = (128, 512), steps: int = 8,
               full: bool = False, seed: int = 0, log: Callable[[str], None] = print, rounds: int = 1,
-              device: str = "cpu", random_weights: bool = False) -> list[BenchRow]:
+              device: str = "cpu", random_weights: bool = False, lm_head: str | None = None) -> list[BenchRow]:
     """Measure every (weights, kv, batch, prompt) row; `full` crosses all weight and KV formats (else
     the quantised weights run with the first KV format, and the other KV formats with the first weights).
 
     With `rounds` > 1 every row is measured once per round, round after round, and keeps its fastest step
     over all rounds: on a shared host whose speed drifts over minutes, this finds each row's quiet moment
-    (all models stay loaded)."""
+    (all models stay loaded).  `lm_head`: the quantised weight formats' LM head format (the 16-bit rows
+    keep theirs)."""
     by_weights: dict[str, list[str]] = {}
     for w, k in _config_rows(weights, kvs, full):
         by_weights.setdefault(w, []).append(k)
-    check_memory(name, tuple(by_weights), max(batches), max(prompts) + steps + 1, device)
-    models = {w: load_quantized(name, w, device=device, random_weights=random_weights) for w in by_weights}
+    check_memory(name, tuple(by_weights), max(batches), max(prompts) + steps + 1, device, lm_head)
+    heads = {w: lm_head if w not in ("bf16", "fp16", "fp32") else None for w in by_weights}
+    models = {w: load_quantized(name, w, device=device, random_weights=random_weights, lm_head=heads[w])
+              for w in by_weights}
     spec = model_spec(name, next(iter(models.values()))[0])
     vocab = int(next(iter(models.values()))[0].config.get_text_config().vocab_size)
     best: dict[tuple[str, str, int, int], tuple[float, list[float], int]] = {}
@@ -158,12 +165,12 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
         kvf = parse_kv_format(kv)
         ctx = p + (steps + 1) // 2
         pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.full_spec,  # the layers as quantised: regrouped
-                  profile=profile, table_weights=None, table_kv=None, misfit="regroup")
+                  profile=profile, table_weights=None, table_kv=None, misfit="regroup", lm_head=heads[w])
         if w == weights[0] and kv == kvs[0]:
             base[(kv, b, p)] = t
         t16 = base.get((kvs[0], b, p), float("nan"))
         row = BenchRow(w, kvf.spec, b, p, steps, t * 1e3, statistics.median(times) * 1e3, b / t, pr.time_s * 1e3,
-                       100.0 * (pr.time_s - t) / t, t16 / t, models[w][1], kv_bytes, pr.bound)
+                       100.0 * (pr.time_s - t) / t, t16 / t, models[w][1], kv_bytes, pr.bound, heads[w] or "")
         rows.append(row)
         log(format_row(row))
     return rows
@@ -174,7 +181,8 @@ HEADER = (f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'measured ms':
 
 
 def format_row(r: BenchRow) -> str:
-    return (f"{r.weights:>10} {r.kv:>9} {r.batch:>5} {r.prompt:>6} {r.measured_ms:11.1f} {r.median_ms:7.1f} "
+    weights = r.weights + (f"+h:{r.lm_head}" if r.lm_head else "")
+    return (f"{weights:>10} {r.kv:>9} {r.batch:>5} {r.prompt:>6} {r.measured_ms:11.1f} {r.median_ms:7.1f} "
             f"{r.tokens_per_s:8.1f} "
             f"{r.speedup_vs_16bit:8.2f}x {r.predicted_ms:12.1f} {r.error_pct:+6.1f}%  {r.kv_bytes / 1e6:6.2f}  "
             f"{r.kernels}")

@@ -39,12 +39,15 @@ def _strs(s: str) -> tuple[str, ...]:
               help="measure every row once per round and keep its fastest step (a host whose speed drifts)")
 @click.option("--device", default="cpu", show_default=True,
               help="where the model runs: cpu, or a CUDA device (cuda, cuda:1); use a profile probed there")
+@click.option("--lm-head", "lm_head", default=None,
+              help="quantise the LM head of the quantised weight formats too, to this format (e.g. int8)")
 @click.option("--random-weights", is_flag=True,
               help="build MODEL (a built-in name or a config.json) with random weights instead of loading them: "
                    "for speed only, where the weights cannot be had")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
 def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
-              full: bool, threads: int, rounds: int, device: str, random_weights: bool, json_out: str | None) -> None:
+              full: bool, threads: int, rounds: int, device: str, lm_head: str | None, random_weights: bool,
+              json_out: str | None) -> None:
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
     weight format and KV-cache format, with the cost model's prediction and its error."""
     import torch
@@ -58,7 +61,7 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     if threads:
         torch.set_num_threads(threads)
     wl, kl = _strs(weights), _strs(kv)
-    for w in wl:
+    for w in wl + ((lm_head,) if lm_head else ()):
         parse_format(w)
     for k in kl:
         parse_kv_format(k)
@@ -85,7 +88,7 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     click.echo(HEADER)
     try:
         rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
-                         rounds=rounds, device=dev, random_weights=random_weights)
+                         rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head)
     except BenchMemoryError as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))

@@ -66,12 +66,15 @@ def _csv(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple
 @click.option("--misfit", type=click.Choice(MISFIT_POLICIES), default="error", show_default=True,
               help="A layer whose width the group size does not divide: an error, regroup (the largest group "
                    "that divides, as `fewbits quantize --misfit regroup`), or keep it 16-bit.")
+@click.option("--lm-head", "lm_head", default=None,
+              help="The LM head's own format, as `fewbits quantize --lm-head` stores it (default: kept 16-bit).")
 @click.option("--sweep", "do_sweep", is_flag=True,
               help="Sweep axes given as arguments: batch=1,8,32 context=1024,8192.")
 @click.argument("axes", nargs=-1)
 def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: str, kv: str, activations: str,
              devices: int, profile: str, table_weights: tuple[str, ...] | None, table_kv: tuple[str, ...] | None,
-             as_json: bool, plot: str | None, misfit: str, do_sweep: bool, axes: tuple[str, ...]) -> None:
+             as_json: bool, plot: str | None, misfit: str, lm_head: str | None, do_sweep: bool,
+             axes: tuple[str, ...]) -> None:
     """Predict bytes, time and memory of a decode step (and prefill) for MODEL on DEVICE."""
     for name, v in (("--batch", batch), ("--context", context), ("--devices", devices)):
         if v <= 0:
@@ -84,7 +87,7 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
 
     try:
         r = plan(model, device, batch, context, weights, kv, devices, profile, activations,
-                 table_weights or TABLE_WEIGHTS, table_kv or TABLE_KV, misfit)
+                 table_weights or TABLE_WEIGHTS, table_kv or TABLE_KV, misfit, lm_head)
     except (ModelSpecError, DeviceError, ProfileError, FormatError, PlanError) as e:
         raise click.ClickException(str(e)) from None
     if not r.weights_fit:
@@ -101,7 +104,8 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
     out = r.to_dict()
     sweep_lines: list[str] = []
     if do_sweep:
-        sweep_lines, out["sweep"] = _sweep(r, model, device, profile, activations, devices, _parse_axes(axes), misfit)
+        sweep_lines, out["sweep"] = _sweep(r, model, device, profile, activations, devices, _parse_axes(axes), misfit,
+                                           lm_head)
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
@@ -115,7 +119,8 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
 
 
 def _sweep(r: PlanResult, model: str, device: str | None, profile: str, activations: str, devices: int,
-           axes: dict[str, tuple[int, ...]], misfit: str = "error") -> tuple[list[str], dict]:
+           axes: dict[str, tuple[int, ...]], misfit: str = "error", lm_head: str | None = None
+           ) -> tuple[list[str], dict]:
     from fewbits.cost.plan import pick_device
     from fewbits.cost.profile import load_profile
     from fewbits.cost.sweep import format_sweep_table, summarize, sweep
@@ -123,8 +128,8 @@ def _sweep(r: PlanResult, model: str, device: str | None, profile: str, activati
     try:
         dev = pick_device(device, load_profile(profile))
         res = sweep(model, dev, axes["batch"], axes["context"], (r.weights,), (r.kv,), devices, profile, activations,
-                    misfit)
-        lines = summarize(res, model, dev, devices, profile, activations, misfit=misfit)
+                    misfit, lm_head)
+        lines = summarize(res, model, dev, devices, profile, activations, misfit=misfit, lm_head=lm_head)
     except (ModelSpecError, DeviceError, ProfileError, FormatError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     data = {"batch": res.batch.tolist(), "context": res.context.tolist(), "time_s": res.time[0, 0].tolist(),

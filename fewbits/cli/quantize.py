@@ -32,6 +32,8 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--method", default="rtn", show_default=True, help="how codes are chosen (see fewbits.api.METHODS)")
 @click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False), default=None,
               help="recipe file (.toml or .json): per-layer formats/methods, ignore list, misfit policy")
+@click.option("--lm-head", "lm_head", default=None,
+              help="also quantise the output projection (RTN) to this format, e.g. int8; default: kept 16-bit")
 @click.option("--misfit", type=click.Choice(MISFIT_POLICIES), default=None,
               help="layers the format does not fit: error (default), keep them 16-bit, or regroup")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
@@ -41,7 +43,8 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="output directory")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
-def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, misfit: str | None,
+def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
+                 misfit: str | None,
                  dtype: str, calib_windows: int, calib_seq_len: int, out: str, overwrite: bool, quiet: bool) -> None:
     """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT.
 
@@ -58,10 +61,11 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
     try:
         if recipe_file:
             recipe = Recipe.load(recipe_file)
-            if fmt:
-                raise click.UsageError("give either --format or --recipe, not both")
+            if fmt or lm_head:
+                raise click.UsageError("give either --format (and --lm-head) or --recipe, not both; a recipe "
+                                       "names the head in its own rules")
         elif fmt:
-            recipe = Recipe.from_format(fmt, method)
+            recipe = Recipe.from_format(fmt, method, lm_head=lm_head)
         else:
             raise click.UsageError("give --format SPEC (e.g. int4-g64) or --recipe FILE")
         if misfit:

@@ -82,6 +82,7 @@ class PlanResult:
     kv_bits_per_value: float
     notes: tuple[str, ...] = ()
     table: tuple[TableRow, ...] = ()
+    lm_head: str | None = None  # the LM head's own format where it is quantised apart (`plan(lm_head=...)`)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -105,11 +106,13 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
          context: int = 2048, weights: str = "bf16", kv: str = "bf16", devices: int = 1,
          profile: str | Path | Profile = "default", activations: str = "auto",
          table_weights: tuple[str, ...] | None = TABLE_WEIGHTS,
-         table_kv: tuple[str, ...] | None = TABLE_KV, misfit: str = "error") -> PlanResult:
+         table_kv: tuple[str, ...] | None = TABLE_KV, misfit: str = "error",
+         lm_head: str | None = None) -> PlanResult:
     """Predict a decode step of `batch` sequences with `context` cached tokens each.
 
     `misfit` is what a layer whose width the format's group size does not divide gets, as `fewbits quantize
     --misfit` does it: "error" (the default), "regroup" (the largest group size that divides) or "keep" (16-bit).
+    `lm_head` is the LM head's own format (`fewbits quantize --lm-head`); None keeps the profile's convention.
 
     `device` defaults to the profile's measured device, else the H100 SXM.  `table_weights`/`table_kv`
     list the formats of the comparison table (the chosen `weights`/`kv` are always added); None skips it.
@@ -121,7 +124,8 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise PlanError(f"{what} must be a positive integer, got {v!r}")
     weights = parse_format(weights).spec
-    w = weight_terms(spec, weights, dev, prof, devices, activations, misfit)
+    lm_head = parse_format(lm_head).spec if lm_head is not None else None
+    w = weight_terms(spec, weights, dev, prof, devices, activations, misfit, lm_head)
     k = kv_terms(spec, kv, prof, devices)
     kv = k.spec
     st = decode(spec, dev, prof, w, k, batch, context, devices)
@@ -138,7 +142,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
     if table_weights is not None and table_kv is not None:
         for wf in dict.fromkeys((*table_weights, weights)):
             try:
-                wt = weight_terms(spec, wf, dev, prof, devices, activations, misfit)
+                wt = weight_terms(spec, wf, dev, prof, devices, activations, misfit, lm_head)
             except ValueError as e:  # a format whose groups do not divide this model's shapes
                 notes.append(f"table: {wf} skipped ({e})")
                 continue
@@ -165,7 +169,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         memory_need=_f(mem["need"]) * n, memory_capacity=dev.memory_bytes * n, fits=bool(mem["fits"]),
         weights_fit=w.stored <= _f(mem["usable"]), max_batch=int(mem["max_batch"]),
         max_context=int(mem["max_context"]), crossover_tokens=_f(st["weight_bytes"]) / k.per_token,
-        kv_bits_per_value=k.bits, notes=tuple(notes), table=tuple(rows))
+        kv_bits_per_value=k.bits, notes=tuple(notes), table=tuple(rows), lm_head=lm_head)
 
 
 def pick_device(device: str | DeviceSpec | None, prof: Profile) -> DeviceSpec:
@@ -215,7 +219,8 @@ def format_plan_text(r: PlanResult) -> str:
     dev = f"{r.devices} x {r.device}" if r.devices > 1 else r.device
     fit = "fits" if r.fits else "DOES NOT FIT"
     return "\n".join([
-        f"{r.model} on {dev}, weights {r.weights}, KV {r.kv}, batch {r.batch} x context {r.context} "
+        f"{r.model} on {dev}, weights {r.weights}{f' (LM head {r.lm_head})' if r.lm_head else ''}, KV {r.kv}, "
+        f"batch {r.batch} x context {r.context} "
         f"(profile {r.profile})",
         f"  decode step {_ms(r.time_s)}, {r.tokens_per_s:.0f} tok/s, {r.bound}-bound, {r.speedup:.2f}x BF16",
         f"  bytes/step: weights {_gb(r.weight_bytes)} + KV {_gb(r.kv_bytes)} = {_gb(r.bytes)}",

@@ -66,6 +66,9 @@ class WeightTerms:
     linear_calls: float = 0.0  # calls of quantised non-expert linears per step
     expert_linears: float = 0.0  # linears of one expert in one layer (calls per touched expert)
     call_overhead_s: float = 0.0  # extra fixed time per call of a linear in this format (measured hosts)
+    head_q: float = 0.0  # bytes per step of an LM head quantised in its own format (`lm_head`)
+    eta_h: float = 1.0  # bandwidth efficiency of that head (its format family's)
+    head_call_s: float = 0.0  # extra fixed time of that head's call (its family's call overhead)
 
 
 @dataclass(frozen=True)
@@ -126,18 +129,31 @@ def fitted_format(fmt: Format, shape: tuple[int, int], misfit: str, name: str) -
 
 
 def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, profile: Profile,
-                 devices: int = 1, activations: str = "auto", misfit: str = "error") -> WeightTerms:
+                 devices: int = 1, activations: str = "auto", misfit: str = "error",
+                 lm_head: str | Format | None = None) -> WeightTerms:
     """Bytes and FLOPs of `model` with its linear layers in `weights`, per device of `devices`.
 
     misfit: what a layer whose width the group size does not divide gets, as in quantisation
-    (`fitted_format`): "error", "regroup" or "keep" (a kept layer's bytes stream with the 16-bit parts)."""
+    (`fitted_format`): "error", "regroup" or "keep" (a kept layer's bytes stream with the 16-bit parts).
+    lm_head: the LM head's own format, as `fewbits quantize --lm-head` stores it (None: the profile's
+    `quantize_lm_head` decides).  A quantised head streams at its family's efficiency; tied to the input
+    embedding, it is a copy of its own (the embedding keeps its 16-bit rows), so memory holds both."""
     fmt = parse_format(weights)
     base = fmt if fmt.kind == "float" else parse_format("bf16")
+    head_fmt = parse_format(lm_head) if lm_head is not None else None
+    if head_fmt is not None and not head_fmt.is_quantized:
+        head_fmt = base  # asked for a 16-bit head
     n = devices
-    dense_q = dense_f = expert = calls = expert_linears = 0.0
+    dense_q = dense_f = expert = calls = expert_linears = head_q = 0.0
+    head_own = None  # the fitted format of a head quantised in its own format
     for s in model.linear_shapes():
         name = f"{model.name}.{s.name}"
-        if s.role == "router" or (s.role == "lm_head" and not profile.quantize_lm_head):
+        if s.role == "lm_head" and head_fmt is not None and head_fmt.is_quantized:
+            head_own = fitted_format(head_fmt, s.shape, misfit, name)
+            if head_own is not None:
+                head_q += _linear_bytes(head_own, s.shape, s.count, profile, name)
+                continue
+        if s.role == "router" or (s.role == "lm_head" and (not profile.quantize_lm_head or head_fmt is not None)):
             dense_f += _linear_bytes(base, s.shape, s.count, profile, name)
             continue
         f = fitted_format(fmt, s.shape, misfit, name)
@@ -160,10 +176,10 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
         emb_fmt.nbytes((model.vocab_size, model.hidden_size)) / model.n_embedding_params)
     lm = next(s for s in model.linear_shapes() if s.role == "lm_head")
     lm_bytes = 0.0
-    if lm.tied:  # the stored embedding is the LM head; count it once in memory
-        lm_fmt = fmt if profile.quantize_lm_head else base
+    if lm.tied and head_own is None:  # the stored embedding is the LM head; count it once in memory
+        lm_fmt = fmt if profile.quantize_lm_head and head_fmt is None else base
         lm_bytes = _linear_bytes(lm_fmt, lm.shape, 1, profile, f"{model.name}.lm_head")
-    stored = dense_q + dense_f + expert - lm_bytes + model.n_embedding_params * emb_bpv
+    stored = dense_q + dense_f + expert + head_q - lm_bytes + model.n_embedding_params * emb_bpv
     if not profile.count_norms_and_biases:
         stored += small
     active_lin = model.n_linear_params() - (
@@ -174,7 +190,9 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
     return WeightTerms(fmt.spec, fam, dense_q / n, dense_f / n, per_expert_layer / n,
                        model.hidden_size * emb_bpv / n, stored / n, 2.0 * active_lin / n, prec, device.peak_flops[prec],
                        profile.bw_eff(fam), profile.head_eff(), profile.compute_eff(fam), calls / n,
-                       expert_linears, profile.call_overhead(fam))
+                       expert_linears, profile.call_overhead(fam), head_q / n,
+                       profile.bw_eff(format_family(head_own)) if head_own else 1.0,
+                       profile.call_overhead(format_family(head_own)) if head_own else 0.0)
 
 
 def resolve_kv(kv: str | Format | KVFormat) -> Format | KVFormat:
@@ -287,7 +305,7 @@ def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b
     """Fixed costs of a step whose cache holds `tokens` tokens per sequence."""
     calls = w.linear_calls + model.n_layers * touched * w.expert_linears
     holds_quantized = quantized_tokens(tokens, np.asarray(kv.residual), np.asarray(kv.block)) > 0
-    t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1) + calls * w.call_overhead_s
+    t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1) + calls * w.call_overhead_s + w.head_call_s
          + model.n_layers * (kv.layer_overhead_s + np.where(holds_quantized, kv.quantized_overhead_s, 0.0))
          + refill_time(model, profile, layer_bytes))
     return np.maximum(t, 0.0)
@@ -298,7 +316,7 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
             ) -> dict[str, np.ndarray]:
     """The two rooflines of a step (linear layers, attention) and their sum.  The cache's quantised
     bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's."""
-    t_mem_w = (weight_q / w.eta_w + dense / w.eta_f) / device.bandwidth
+    t_mem_w = (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / device.bandwidth
     t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / device.bandwidth
     t_comp_w = lin_flops / (w.peak * w.eta_c)
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
@@ -321,7 +339,7 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
     kb = kv_step_bytes(kv, b, ctx)
     read_q, read_w, write_q, write_w = kb["read_q"], kb["read_w"], kb["write_q"], kb["write_w"]
     kv_read, kv_write = read_q + read_w, write_q + write_w
-    weight_bytes = weight_q + w.dense_f + emb
+    weight_bytes = weight_q + w.dense_f + w.head_q + emb
     lin_flops = b * w.linear_flops
     att_flops = model.attention_flops_per_pair * (c + b) / devices
     ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, read_q + write_q, read_w + write_w,
@@ -367,7 +385,7 @@ def prefill(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTer
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, tokens, devices)
     t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, p)
     time, host_bound = _combine(profile, ph["t_linear"] + ph["t_attention"] + t_comm, t0)
-    return {"bytes": weight_q + w.dense_f + emb + kv_write, "flops": lin_flops + att_flops, **ph,
+    return {"bytes": weight_q + w.dense_f + w.head_q + emb + kv_write, "flops": lin_flops + att_flops, **ph,
             "t_comm": t_comm, "t_overhead": t0, "time": time, "host_bound": host_bound}
 
 

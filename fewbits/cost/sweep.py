@@ -56,7 +56,8 @@ def _stack(terms: list[Any], cls: type, axis: int) -> SimpleNamespace:
 
 def sweep(model: str | Path | ModelSpec, device: str | DeviceSpec = "h100", batch: Any = (1, 8, 32),
           context: Any = (1024, 4096, 16384), weights: Any = ("bf16",), kv: Any = ("bf16",), devices: int = 1,
-          profile: str | Path | Profile = "default", activations: str = "auto", misfit: str = "error") -> SweepResult:
+          profile: str | Path | Profile = "default", activations: str = "auto", misfit: str = "error",
+          lm_head: str | None = None) -> SweepResult:
     """Evaluate the decode step for every combination of the given axes in one numpy pass (`misfit`: as
     in `plan`)."""
     prof = load_profile(profile)
@@ -66,7 +67,8 @@ def sweep(model: str | Path | ModelSpec, device: str | DeviceSpec = "h100", batc
     c = np.asarray(context, dtype=float).reshape(1, 1, 1, -1)
     if (b <= 0).any() or (c <= 0).any():
         raise ValueError("batch and context values must be positive")
-    wt = _stack([weight_terms(spec, f, dev, prof, devices, activations, misfit) for f in weights], WeightTerms, 0)
+    wt = _stack([weight_terms(spec, f, dev, prof, devices, activations, misfit, lm_head) for f in weights],
+                WeightTerms, 0)
     kt = _stack([kv_terms(spec, f, prof, devices) for f in kv], KVTerms, 1)
     st = decode(spec, dev, prof, wt, kt, b, c, devices)
     fit = memory(dev, prof, wt, kt, b, c)["fits"]
@@ -79,7 +81,7 @@ def sweep(model: str | Path | ModelSpec, device: str | DeviceSpec = "h100", batc
 
 def summarize(res: SweepResult, model: str | Path | ModelSpec, device: str | DeviceSpec = "h100",
               devices: int = 1, profile: str | Path | Profile = "default", activations: str = "auto",
-              max_batch: int = 4096, misfit: str = "error") -> list[str]:
+              max_batch: int = 4096, misfit: str = "error", lm_head: str | None = None) -> list[str]:
     """Lines saying, per format pair, at which context per sequence the cache read overtakes the weights
     (for each batch) and from which batch the step is compute-bound (for each context)."""
     prof = load_profile(profile)
@@ -87,7 +89,7 @@ def summarize(res: SweepResult, model: str | Path | ModelSpec, device: str | Dev
     lines = []
     batches = np.arange(1, max_batch + 1, dtype=float).reshape(1, 1, -1, 1)
     for i, wf in enumerate(res.weights):
-        w = weight_terms(spec, wf, dev, prof, devices, activations, misfit)
+        w = weight_terms(spec, wf, dev, prof, devices, activations, misfit, lm_head)
         for j, kf in enumerate(res.kv):
             k = kv_terms(spec, kf, prof, devices)
             lines.append(f"weights {wf}, KV {kf}:")

@@ -29,7 +29,9 @@ from fewbits.formats.format import MISFIT_POLICIES, Format, FormatError, parse_f
 RECIPE_VERSION = 1
 Misfit = Literal["error", "keep", "regroup"]
 #: module-name patterns left in 16-bit unless the recipe says otherwise
-DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)lm_head$", r"(^|\.)embed[^.]*$", r"(^|\.)(wte|wpe|word_embeddings)$")
+#: the output projection (LM head): kept 16-bit unless a recipe gives it a format (`from_format(lm_head=...)`)
+LM_HEAD = r"(^|\.)lm_head$"
+DEFAULT_IGNORE: tuple[str, ...] = (LM_HEAD, r"(^|\.)embed[^.]*$", r"(^|\.)(wte|wpe|word_embeddings)$")
 
 
 class RecipeError(ValueError):
@@ -105,9 +107,18 @@ class Recipe:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_format(cls, spec: str, method: str = "rtn", misfit: Misfit = "error",
-                    ignore: Iterable[str] = DEFAULT_IGNORE) -> Recipe:
-        """The common case: every linear layer (except the ignore list) in one format."""
-        return cls(rules=(Rule(r".*", spec, method),), ignore=tuple(ignore), misfit=misfit)
+                    ignore: Iterable[str] = DEFAULT_IGNORE, lm_head: str | None = None) -> Recipe:
+        """The common case: every linear layer (except the ignore list) in one format.
+
+        lm_head: a format for the output projection too (round to nearest; it is left out of the ignore
+        list).  A head tied to the input embedding gets its own quantised copy: the embedding keeps its
+        16-bit rows for the lookups, so the model holds more bytes but a decode step reads fewer (the head
+        is read in full every step, the embedding one row per token)."""
+        rules = (Rule(r".*", spec, method),)
+        if lm_head is not None:
+            rules = (Rule(LM_HEAD, lm_head, "rtn"), *rules)
+            ignore = tuple(p for p in ignore if p != LM_HEAD)
+        return cls(rules=rules, ignore=tuple(ignore), misfit=misfit)
 
     def with_misfit(self, misfit: Misfit) -> Recipe:
         return Recipe(self.rules, self.ignore, misfit)

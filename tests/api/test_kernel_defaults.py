@@ -4,6 +4,8 @@ name, and `fewbits quantize`, which only saves, packs no fast kernel at all."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -113,3 +115,22 @@ def test_cli_quantize_packs_no_fast_kernel(tiny_factory, tmp_path, monkeypatch):
     assert packed == []  # only quantised and saved
     again, _, _ = api.load_quantized_model(tmp_path / "q")
     assert len(packed) == 14 and api.kernels_in_use(again) == {FAST["int4-g32"]: 14}
+
+
+def test_quantize_cli_lm_head(tmp_path, monkeypatch, tiny_factory):
+    from fewbits.cli import main
+    from fewbits.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda name, dtype="fp32": (tiny_factory(), None))
+    r = CliRunner().invoke(main, ["quantize", "tiny", "--format", "int4-g32", "--lm-head", "int8", "-o",
+                                  str(tmp_path / "q"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    again, _, _ = api.load_quantized_model(tmp_path / "q")
+    assert api.kernels_in_use(again) == {FAST["int4-g32"]: 14, FAST["int8"]: 1}  # 14 linears + the head
+    (tmp_path / "r.json").write_text(json.dumps(Recipe.from_format("int8").to_dict()))
+    r = CliRunner().invoke(main, ["quantize", "tiny", "--recipe", str(tmp_path / "r.json"), "--lm-head", "int8",
+                                  "-o", str(tmp_path / "q2")])
+    assert r.exit_code != 0 and "names the head in its own rules" in r.output
+    r = CliRunner().invoke(main, ["quantize", "tiny", "--format", "int4-g32", "--lm-head", "int5-g7x", "-o",
+                                  str(tmp_path / "q3")])
+    assert r.exit_code != 0 and "int5-g7x" in r.output and not (tmp_path / "q3").exists()

@@ -203,3 +203,23 @@ def test_kernel_dispatcher_plugs_into_quantlinear(tiny_factory, spec):
     api.quantize(b, spec, progress=False, chooser=api.kernel_chooser("auto"))
     la, lb = logits(a), logits(b)
     assert (la - lb).abs().max() < 0.02 * la.abs().max()  # fast paths may round activations to bf16
+
+
+def test_quantised_tied_head_saves_and_reloads_exactly(tmp_path, tiny_factory):
+    """A head tied to the embedding quantised in its own format: the embedding keeps its 16-bit rows,
+    the head is a packed copy, and the saved model reloads to the same logits."""
+    model = tiny_factory(tie=True)
+    emb = model.model.embed_tokens.weight.detach().clone()
+    recipe = Recipe.from_format("int4-g32", lm_head="int8")
+    api.quantize(model, recipe, progress=False, chooser=api.kernel_chooser("reference"))
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.fmt_spec == "int8"
+    assert torch.equal(model.model.embed_tokens.weight, emb)  # the lookups still read the 16-bit rows
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+    api.save_quantized_model(model, recipe, tmp_path / "q")
+    loaded = api.load_quantized_model(tmp_path / "q", chooser="reference")
+    loaded = loaded[0] if isinstance(loaded, tuple) else loaded
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, before)
+    assert torch.equal(loaded.model.embed_tokens.weight, emb)

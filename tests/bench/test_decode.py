@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from fewbits.bench.decode import run_bench
+from fewbits.bench.decode import format_row, run_bench
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import Profile
 
@@ -67,6 +67,20 @@ def test_bench_on_cuda_runs_the_gpu_kernels(tmp_path):
     assert got[("int8", "bf16")].kernels == "cuda_triton_weight_only"
     assert got[("int4-g64", "bf16")].kernels == "cuda_triton_weight_only"
     assert all(r.measured_ms > 0 for r in out)
+
+
+def test_lm_head_quantised_on_the_quantised_rows_only(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
+    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                   compute_efficiency={"float": 0.5}, device=dev)
+    out = run_bench(str(path), prof, weights=("bf16", "int4-g64"), kvs=("bf16",), batches=(1,), prompts=(8,),
+                    steps=2, log=lambda _: None, random_weights=True, lm_head="int8")
+    got = {r.weights: r for r in out}
+    assert got["bf16"].lm_head == "" and got["bf16"].kernels == "dense"
+    assert got["int4-g64"].lm_head == "int8" and got["int4-g64"].kernels == "cpu_int4pack,cpu_int8pack"
+    assert format_row(got["int4-g64"]).lstrip().startswith("int4-g64+h:int8")
 
 
 def test_a_bench_that_cannot_fit_is_refused_before_loading(monkeypatch):

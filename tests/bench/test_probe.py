@@ -340,7 +340,7 @@ def test_skeleton_linear_cost_measures_the_skeletons_own_linears():
     assert z(torch.ones(2, 1, 3, dtype=torch.bfloat16)) is out  # no allocation per call
     t = skeleton_linear_cost(TINY, context=8, steps=2, rounds=2)
     # 14 bf16 linear calls of a step take microseconds each, well under a second
-    assert math.isfinite(t) and 0 <= t < 0.1
+    assert math.isfinite(t) and 0 <= t < 1.0
 
 
 @pytest.mark.gpu

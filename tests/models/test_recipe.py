@@ -24,6 +24,16 @@ def test_common_case_one_format_everything_but_the_head():
     assert plans[-1].note == "ignore list"
 
 
+def test_lm_head_in_its_own_format_by_rtn():
+    r = Recipe.from_format("int4-g64", "gptq", lm_head="int8")
+    plans = r.plan(SMOL)
+    assert [(p.action, p.format, p.method) for p in plans[-2:]] == [("quantize", "int4-g64", "gptq"),
+                                                                     ("quantize", "int8", "rtn")]
+    assert not any("lm_head" in p for p in r.ignore) and any("embed" in p for p in r.ignore)  # embeddings stay
+    assert Recipe.from_dict(r.to_dict()) == r  # the head's rule is an ordinary rule: it round-trips
+    assert Recipe.from_format("int4-g64", lm_head="bf16").plan(SMOL)[-1].action == "ignore"  # a 16-bit head
+
+
 def test_misfit_error_names_every_layer_and_shape():
     with pytest.raises(RecipeError) as e:
         Recipe.from_format("int4-g128").plan(SMOL)
