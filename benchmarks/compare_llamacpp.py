@@ -290,7 +290,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="128,512")
     ap.add_argument("--steps", type=int, default=64, help="timed decode steps per prompt")
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per engine (steps pooled)")
-    ap.add_argument("--fewbits", default="bf16,int8,int4-g64,int4-g32")
+    ap.add_argument("--fewbits", default="bf16,int8,int4-g64,int4-g32",
+                    help="fewbits formats; FORMAT+h:HEAD also quantises the LM head (e.g. int4-g32-asym+h:int8, "
+                         "as the packaged Q4_1 file's Q8_0 head)")
     ap.add_argument("--gguf", default="Q4_1,BF16,F16,Q8_0,Q4_0", help="Q4_1 is the packaged file as shipped")
     ap.add_argument("--no-layers", action="store_true", help="skip the 1-layer decomposition")
     ap.add_argument("--ops", action="store_true", help="also profile fewbits' step per aten op (first thread count)")
@@ -322,7 +324,8 @@ def main() -> None:
 
     fb: dict[str, Any] = {}
     for f in fb_formats:
-        model, kernels = load_quantized(args.model, f)
+        body, _, head = f.partition("+h:")
+        model, kernels = load_quantized(args.model, body, lm_head=head or None)
         fb[f] = (model, kernels, weight_bytes(model))
     m0 = fb[fb_formats[0]][0]
     n_layers = int(m0.config.num_hidden_layers)
