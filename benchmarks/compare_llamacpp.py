@@ -404,7 +404,8 @@ def print_table(t: int, plens: list[int], times: dict[str, list[list[float]]], f
     print(f"{'engine':<10}{'format':<9}{'linears':>9}{'embd/head':>10}{'MB':>7}{head}"
           f"{'vs fb bf16':>11}{'fb/llama':>9}{'llama own ms':>13}")
     base = "fewbits " + fb_formats[0]
-    rows = [("fewbits", f, f, "bf16", fb[f][2]) for f in fb_formats]
+    rows = [("fewbits", f, f.partition("+h:")[0], "bf16/" + (f.partition("+h:")[2] or "bf16"), fb[f][2])
+            for f in fb_formats]
     rows += [("llama.cpp", k, facts[k]["linears"], facts[k]["embd"], facts[k]["bytes"]) for k in kinds]
     for eng, fmt, lin, embd, nbytes in rows:
         label = f"{eng} {fmt}"
@@ -414,7 +415,7 @@ def print_table(t: int, plens: list[int], times: dict[str, list[list[float]]], f
         ratio = (f"{tps(label, 0)[1] / tps(other, 0)[1]:8.2f}x" if eng == "fewbits" and other in times
                  else f"{'':>9}")
         own = "/".join(f"{x:.2f}" for x in eval_ms[fmt]) if eng == "llama.cpp" else ""
-        print(f"{eng:<10}{fmt:<9}{lin:>9}{embd:>10}{nbytes / 1e6:7.1f}{cells}{vs:10.2f}x{ratio}{own:>13}")
+        print(f"{eng:<10}{fmt:<9} {lin:>9}{embd:>10}{nbytes / 1e6:7.1f}{cells}{vs:10.2f}x{ratio}{own:>13}")
     print(f"ratios: median steps at p{plens[0]}; fb/llama pairs {PAIRS}; 'llama own ms' = llama.cpp's eval "
           f"timer per step (no Python wrapper), per prompt")
 
