@@ -7,7 +7,8 @@
 #      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel).
 #
 # Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [quick]
-# "quick" skips the Llama-3-8B pair.  DEVICE=cpu runs the same stages on the CPU (a dry run of the script;
+# "quick" skips the Llama-3-8B pair.  The stages' limits add up to 600 s; a stage that would start after
+# BUDGET seconds (default 560) is skipped, so that the run ends, its files written, inside a 600 s call.  DEVICE=cpu runs the same stages on the CPU (a dry run of the script;
 # the GPU tests then skip; LIMIT_SCALE=4 gives the slower CPU four times each stage's time limit).  Each stage has its own time limit and a failing stage does not stop
 # the next.  Writes under $OUT (at most 6 files): log.txt (everything printed), gemv.txt, and
 # probe-<model>.json / bench-<model>.json.  Runs from the source tree (PYTHONPATH), nothing is installed.
@@ -19,10 +20,15 @@ PY=${PYTHON:-python3}
 QUICK=${1:-}
 DEVICE=${DEVICE:-cuda}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
+BUDGET=${BUDGET:-560}
 
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, report its status and duration
     local name=$1 limit=$(($2 * LIMIT_SCALE)) t0=$SECONDS
     shift 2
+    if [ "$SECONDS" -gt $((BUDGET * LIMIT_SCALE)) ]; then
+        echo "=== $name: skipped, ${SECONDS} s spent of the ${BUDGET} s budget"
+        return
+    fi
     echo "=== $name (limit ${limit} s): $*"
     timeout "$limit" "$@"
     echo "=== $name: exit $? after $((SECONDS - t0)) s"
@@ -45,12 +51,12 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     $PY -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
     $PY -c "import triton; print('triton', triton.__version__)"
-    stage tests 240 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench tests/test_generate.py
-    stage gemv 120 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
-        --min-mb 1024 --rounds 20 | tee "$OUT/gemv.txt"
-    pair smollm2-135m smollm2 150 150
+    stage tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench tests/test_generate.py
+    stage gemv 60 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
+        --min-mb 512 --rounds 20 | tee "$OUT/gemv.txt"
+    pair smollm2-135m smollm2 90 90
     if [ "$QUICK" != quick ]; then
-        pair llama-3-8b llama3-8b 180 240 --weights bf16,int8,int4-g128,fp8-e4m3 --kv bf16,fp8-e4m3,int8,int4
+        pair llama-3-8b llama3-8b 90 120 --weights bf16,int8,int4-g128,fp8-e4m3 --kv bf16,fp8-e4m3,int8,int4
     fi
     date -u
 } 2>&1 | tee "$OUT/log.txt"
