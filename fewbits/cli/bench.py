@@ -74,13 +74,17 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from None
     if profile_path is None:
-        from fewbits.bench.decode import load_quantized, model_spec
+        from fewbits.bench.decode import model_spec
         from fewbits.bench.probe import build_profile
+        from fewbits.models.loading import load_model
+        from fewbits.models.presets import resolve_model
 
         click.echo("no --profile: probing this machine first (fewbits probe writes one to reuse)")
-        m, _ = load_quantized(model, "bf16", random_weights=True) if random_weights else load_quantized(model, "bf16")
-        prof = build_profile(model_spec(model, m), log=click.echo, device=dev)
-        del m
+        try:  # a built-in name or a config.json: its shapes without loading anything
+            spec = resolve_model(model)
+        except Exception:  # noqa: BLE001 - else the loaded model's own config
+            spec = model_spec(model, load_model(model, dtype="bf16")[0])
+        prof = build_profile(spec, log=click.echo, device=dev)
     else:
         prof = load_profile(profile_path)
     click.echo(f"profile {prof.name}: {prof.device.name if prof.device else 'datasheet device'}; "

@@ -94,3 +94,27 @@ def test_a_bench_that_cannot_fit_is_refused_before_loading(monkeypatch):
     with pytest.raises(decode.BenchMemoryError, match=r"llama-3.1-405b.*bf16 8\d\d\.\d GB.*fewer --weights"):
         run_bench("llama-3.1-405b", prof, weights=("bf16", "int4-g128"), random_weights=True, log=lambda _: None)
     assert loaded == []
+
+
+def test_bench_without_profile_probes_a_built_in_model_without_loading_it(monkeypatch):
+    from click.testing import CliRunner
+
+    from fewbits.bench import probe
+    from fewbits.cli import main
+    from fewbits.models import loading
+    from fewbits.models.presets import get_preset
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_probe(spec, log=print, device="cpu"):
+        seen["spec"], seen["device"] = spec, str(device)
+        raise Stop
+
+    monkeypatch.setattr(probe, "build_profile", fake_probe)
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    out = CliRunner().invoke(main, ["bench", "llama-3-8b", "--random-weights"])
+    assert isinstance(out.exception, Stop)
+    assert seen == {"spec": get_preset("llama-3-8b"), "device": "cpu"}
