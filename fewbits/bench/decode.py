@@ -49,6 +49,7 @@ class BenchRow:
     kv_bytes: int
     bound: str
     lm_head: str = ""  # the LM head's format when quantised apart (quantised weight rows only)
+    predicted_speedup: float = float("nan")  # the prediction's speedup vs its own 16-bit row (drift cancels)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +162,7 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
             log(f"round {r + 1}/{rounds} done")
     rows: list[BenchRow] = []
     base: dict[tuple[str, int, int], float] = {}
+    base_pred: dict[tuple[str, int, int], float] = {}
     for (w, kv, b, p), (t, times, kv_bytes) in best.items():
         kvf = parse_kv_format(kv)
         ctx = p + (steps + 1) // 2
@@ -168,30 +170,44 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
                   profile=profile, table_weights=None, table_kv=None, misfit="regroup", lm_head=heads[w])
         if w == weights[0] and kv == kvs[0]:
             base[(kv, b, p)] = t
+            base_pred[(kv, b, p)] = pr.time_s
         t16 = base.get((kvs[0], b, p), float("nan"))
         row = BenchRow(w, kvf.spec, b, p, steps, t * 1e3, statistics.median(times) * 1e3, b / t, pr.time_s * 1e3,
-                       100.0 * (pr.time_s - t) / t, t16 / t, models[w][1], kv_bytes, pr.bound, heads[w] or "")
+                       100.0 * (pr.time_s - t) / t, t16 / t, models[w][1], kv_bytes, pr.bound, heads[w] or "",
+                       base_pred.get((kvs[0], b, p), float("nan")) / pr.time_s)
         rows.append(row)
         log(format_row(row))
     return rows
 
 
 HEADER = (f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'measured ms':>11} {'median':>7} {'tok/s':>8} "
-          f"{'vs 16-bit':>9} {'predicted ms':>12} {'error':>7}  {'KV MB':>6}  kernels")
+          f"{'vs 16-bit':>9} {'predicted ms':>12} {'error':>7} {'pred vs 16':>10}  {'KV MB':>6}  kernels")
 
 
 def format_row(r: BenchRow) -> str:
     weights = r.weights + (f"+h:{r.lm_head}" if r.lm_head else "")
     return (f"{weights:>10} {r.kv:>9} {r.batch:>5} {r.prompt:>6} {r.measured_ms:11.1f} {r.median_ms:7.1f} "
             f"{r.tokens_per_s:8.1f} "
-            f"{r.speedup_vs_16bit:8.2f}x {r.predicted_ms:12.1f} {r.error_pct:+6.1f}%  {r.kv_bytes / 1e6:6.2f}  "
+            f"{r.speedup_vs_16bit:8.2f}x {r.predicted_ms:12.1f} {r.error_pct:+6.1f}% {r.predicted_speedup:9.2f}x  "
+            f"{r.kv_bytes / 1e6:6.2f}  "
             f"{r.kernels}")
 
 
 def summary(rows: list[BenchRow], goal_pct: float = 15.0) -> str:
+    """Rows whose predicted step time lies within `goal_pct` of the measured one; and, for the rows that are
+    not the 16-bit baseline, how far the predicted speedup over it lies from the measured speedup (a ratio
+    of two steps measured in the same run: a host that runs faster or slower than when it was probed
+    shifts both alike, and cancels out)."""
     if not rows:
         return "no rows"
     errs = [abs(r.error_pct) for r in rows]
     within = sum(e <= goal_pct for e in errs)
-    return (f"{within}/{len(rows)} rows within {goal_pct:.0f}% of the measurement; "
-            f"median |error| {statistics.median(errs):.1f}%, worst {max(errs):.1f}%")
+    out = (f"{within}/{len(rows)} rows within {goal_pct:.0f}% of the measurement; "
+           f"median |error| {statistics.median(errs):.1f}%, worst {max(errs):.1f}%")
+    ratio = [abs(r.predicted_speedup / r.speedup_vs_16bit - 1) * 100 for r in rows
+             if r.speedup_vs_16bit == r.speedup_vs_16bit and r.predicted_speedup == r.predicted_speedup
+             and not (r.speedup_vs_16bit == 1.0 and r.predicted_speedup == 1.0)]
+    if ratio:
+        out += (f"; speedup vs 16-bit predicted within {goal_pct:.0f}% for {sum(e <= goal_pct for e in ratio)}/"
+                f"{len(ratio)} rows (median |error| {statistics.median(ratio):.1f}%)")
+    return out

@@ -118,3 +118,19 @@ def test_bench_without_profile_probes_a_built_in_model_without_loading_it(monkey
     out = CliRunner().invoke(main, ["bench", "llama-3-8b", "--random-weights"])
     assert isinstance(out.exception, Stop)
     assert seen == {"spec": get_preset("llama-3-8b"), "device": "cpu"}
+
+
+def test_summary_scores_the_speedup_apart_from_the_step_time():
+    from fewbits.bench.decode import HEADER, BenchRow, summary
+
+    def row(w, measured, predicted, speedup, pred_speedup):
+        return BenchRow(w, "bf16", 1, 128, 8, measured, measured, 1e3 / measured, predicted,
+                        100 * (predicted - measured) / measured, speedup, "k", 0, "memory",
+                        predicted_speedup=pred_speedup)
+
+    # a host 25% slower than when probed: every step is mispredicted by -20%, every speedup is right
+    rows = [row("bf16", 100.0, 80.0, 1.0, 1.0), row("int8", 50.0, 40.0, 2.0, 2.0), row("int4", 40.0, 32.0, 2.5, 2.3)]
+    s = summary(rows)
+    assert s.startswith("0/3 rows within 15%")
+    assert "speedup vs 16-bit predicted within 15% for 2/2 rows (median |error| 4.0%)" in s  # 8% and 0%
+    assert "pred vs 16" in HEADER
