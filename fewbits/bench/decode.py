@@ -9,8 +9,8 @@ fastest step (other processes only ever add time; see `timing.py`) and the media
 is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format written out in full
 (`KVFormat.full_spec`), so that the cost model counts the cache's true bytes, 16-bit window included.
 
-On a CUDA device (``device="cuda"``) the model is moved there before it is quantised, so that the
-dispatcher prepares the CUDA kernels, and every timed step ends with a synchronisation (`generate`).
+On a CUDA device (``device="cuda"``) the model is loaded (or built) there and quantised where it lives, so
+that the dispatcher prepares the CUDA kernels, and every timed step ends with a synchronisation (`generate`).
 ``random_weights`` builds the model from its architecture alone (`fewbits.models.loading.random_model`),
 for machines where its weights cannot be had: a step's time depends on shapes and formats, not values.
 """
