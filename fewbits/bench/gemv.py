@@ -52,6 +52,23 @@ class WeightSet:
 
         return run
 
+    def graph_pass(self, x_by_in: dict[int, torch.Tensor], **call: object) -> Callable[[], None]:
+        """A callable that replays one pass over every copy, captured once as a CUDA graph: on a GPU the
+        host launches one graph instead of a kernel per weight, so the time is the kernels' own (a GEMV of a
+        few tens of MB runs in less time than the host takes to launch it).  `call` goes to every kernel
+        (e.g. tiles=... for the tuner)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the capture (compiles, allocator pools)
+            for k in self.kernels:
+                k(x_by_in[k.shape[1]], **call)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for k in self.kernels:
+                k(x_by_in[k.shape[1]], **call)
+        return graph.replay
+
 
 def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -1,10 +1,11 @@
 """NVIDIA GPU fast paths (import-guarded: this module imports without CUDA or Triton).
 
-* `TritonWeightOnlyKernel` (W8A16 / W4A16 and FP8 weights): one Triton GEMM that loads integer or
-  E4M3 codes tile by tile, dequantises them in registers as  w = c * s + m  (m = -o * s for integer
-  codes with offset o, 0 for FP8) per group, and multiplies with bf16 activations on tensor cores.
+* `TritonWeightOnlyKernel` (W8A16 / W4A16 and FP8 weights): one Triton matmul that loads integer or
+  E4M3 codes tile by tile and multiplies them, as they are, with bf16 activations on tensor cores; each
+  group's scale s and offset m (w = c * s + m, m = -o * s for integer codes with offset o, 0 for FP8)
+  are applied to the group's partial sums, s * sum(x c) + m * sum(x), instead of to every weight.
   8-bit codes are stored one per byte, 2..4-bit codes two per byte (low nibble first), so memory
-  traffic is the packed size.
+  traffic is the packed size.  Decode shapes use narrow tiles and split-K (`choose_tiles`).
 * `FP8ScaledMMKernel` (W8A8-FP8): activations quantised per token to E4M3 (scale = amax / 448) and
   multiplied with per-channel E4M3 weights by ``torch._scaled_mm`` (row-wise scales, bf16 output);
   needs compute capability >= 8.9.
@@ -41,43 +42,113 @@ def _capability() -> tuple[int, int]:
 if triton is not None:  # pragma: no cover
 
     @triton.jit
-    def _wq_gemm(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NG,
-                 stride_xm, stride_qn, stride_ym,
-                 GROUP: tl.constexpr, PACK: tl.constexpr, FP8: tl.constexpr, BF16_DOT: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _wq_matmul(x_ptr, q_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NG, K_SPLIT,
+                   stride_xm, stride_qn, stride_ym,
+                   GROUP: tl.constexpr, PACK: tl.constexpr, FP8: tl.constexpr, PER_CHANNEL: tl.constexpr,
+                   ATOMIC: tl.constexpr, BF16_DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * (c[n, k] * s[n, g] + m[n, g]),  g = k // GROUP.  The codes go into the
+        # tile product as they are (integers <= 255 and E4M3 values are exact in bf16); each group's scale and
+        # offset are applied once to its partial sums:  s * sum(x c) + m * sum(x).  BLOCK_K divides GROUP, so
+        # a K-block lies inside one group; per-channel scales are applied once, after the loop.  Program
+        # (pid_m, pid_n, pid_k) covers K_SPLIT columns from pid_k * K_SPLIT and, with split-K, adds its
+        # partial result into y atomically.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = rm < M
+        nmask = rn < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)  # (BM, BK)
-            wmask = (rk[:, None] < K) & (rn[None, :] < N)
-            if PACK == 2:
-                b = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None] // 2, mask=wmask, other=0)
-                c = (b >> ((rk[:, None] % 2) * 4).to(tl.uint8)) & 0xF  # (BK, BN)
+        xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        k_lo = pid_k * K_SPLIT
+        for kk in range(0, K_SPLIT, BLOCK_K):
+            k0 = k_lo + kk
+            if PACK == 2:  # two codes a byte, low nibble = even column: even and odd columns as two products
+                rh = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                ke = 2 * rh
+                xe = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :],
+                             mask=mmask[:, None] & (ke[None, :] < K), other=0.0)
+                xo = tl.load(x_ptr + rm[:, None] * stride_xm + ke[None, :] + 1,
+                             mask=mmask[:, None] & (ke[None, :] + 1 < K), other=0.0)
+                b = tl.load(q_ptr + rn[None, :] * stride_qn + rh[:, None],
+                            mask=(ke[:, None] < K) & nmask[None, :], other=0)  # (BK/2, BN) bytes
+                lo = b & 0xF
+                hi = b >> 4
+                if BF16_DOT:  # tensor cores; the CPU interpreter (tests) multiplies in fp32 instead
+                    part = tl.dot(xe.to(tl.bfloat16), lo.to(tl.bfloat16)) + tl.dot(xo.to(tl.bfloat16),
+                                                                                    hi.to(tl.bfloat16))
+                else:
+                    part = tl.dot(xe.to(tl.float32), lo.to(tl.float32)) + tl.dot(xo.to(tl.float32),
+                                                                                  hi.to(tl.float32))
+                xs = tl.sum(xe.to(tl.float32), 1) + tl.sum(xo.to(tl.float32), 1)
             else:
-                c = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None], mask=wmask, other=0)
-            if FP8:
-                v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                rk = k0 + tl.arange(0, BLOCK_K)
+                xk = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :],
+                             mask=mmask[:, None] & (rk[None, :] < K), other=0.0)
+                c = tl.load(q_ptr + rn[None, :] * stride_qn + rk[:, None],
+                            mask=(rk[:, None] < K) & nmask[None, :], other=0)  # (BK, BN)
+                if FP8:
+                    v = c.to(tl.float8e4nv, bitcast=True)
+                else:
+                    v = c
+                if BF16_DOT:
+                    part = tl.dot(xk.to(tl.bfloat16), v.to(tl.bfloat16))
+                else:
+                    part = tl.dot(xk.to(tl.float32), v.to(tl.float32))
+                xs = tl.sum(xk.to(tl.float32), 1)
+            if PER_CHANNEL:
+                acc += part
+                xsum += xs
             else:
-                v = c.to(tl.float32)
-            gi = rn[None, :] * NG + rk[:, None] // GROUP
-            s = tl.load(s_ptr + gi, mask=wmask, other=0.0)
-            m = tl.load(m_ptr + gi, mask=wmask, other=0.0)
-            w = v * s + m
-            if BF16_DOT:  # tensor cores; the CPU interpreter (tests) multiplies in fp32 instead
-                acc += tl.dot(x.to(tl.bfloat16), w.to(tl.bfloat16))
-            else:
-                acc += tl.dot(x.to(tl.float32), w)
-        tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc,
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+                gi = rn * NG + k0 // GROUP
+                s = tl.load(s_ptr + gi, mask=nmask, other=0.0)
+                m = tl.load(m_ptr + gi, mask=nmask, other=0.0)
+                acc += part * s[None, :] + xs[:, None] * m[None, :]
+        if PER_CHANNEL:
+            s = tl.load(s_ptr + rn, mask=nmask, other=0.0)
+            m = tl.load(m_ptr + rn, mask=nmask, other=0.0)
+            acc = acc * s[None, :] + xsum[:, None] * m[None, :]
+        ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        omask = mmask[:, None] & nmask[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptrs, acc, mask=omask)
+        else:
+            tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap that divides n."""
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def choose_tiles(m: int, n: int, k: int, group: int, per_channel: bool, programs: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, split_k) for an (m, k) x (k, n) product on a device that runs `programs`
+    programs at once.  Decode (m <= 16): narrow column tiles and long K-blocks, so that the weight is read
+    in long rows by many programs, and split-K until ~2 programs per multiprocessor are in flight (a
+    4096 x 14336 down projection has only 128 column tiles).  Larger m: square 64-tiles, no split."""
+    if m <= 16:
+        bm, bn, bk = 16, 32, 128
+    else:
+        bm, bn, bk = 64, 64, 64
+    if not per_channel:
+        bk = _pow2_divisor(group, bk)
+    kb = -(-k // bk)
+    tiles = -(-m // bm) * -(-n // bn)
+    split = 1
+    if m <= 16 and tiles < programs:
+        split = max(1, min(kb, 16, -(-programs // tiles)))
+    return bm, bn, bk, split
 
 
 class TritonWeightOnlyKernel:
-    """Integer (2..8-bit) or FP8-E4M3 weights with bf16 activations, dequantised inside a Triton GEMM."""
+    """Integer (2..8-bit) or FP8-E4M3 weights with bf16 activations: one Triton matmul reads the codes
+    (8-bit one a byte, 2..4-bit two a byte, so memory traffic is the packed size), multiplies them with
+    the activations on tensor cores and applies each group's scale and offset to the partial sums."""
 
     name = "cuda_triton_weight_only"
 
@@ -90,13 +161,17 @@ class TritonWeightOnlyKernel:
         if len(shape) != 2:
             return f"needs a 2-D weight, shape is {tuple(shape)}"
         if fmt.kind == "fp8" and fmt.element == "e4m3":
-            return None if _capability() >= (8, 9) else "FP8 needs compute capability >= 8.9"
-        if fmt.kind != "int":
+            if _capability() < (8, 9):
+                return "FP8 needs compute capability >= 8.9"
+        elif fmt.kind != "int":
             return f"handles integer and fp8-e4m3 codes, format is {fmt.spec}"
-        return None
+        return _group_ok(fmt)
 
     def __init__(self, qt: QuantizedTensor, device: str | torch.device = "cuda") -> None:
         rows, cols = qt.shape
+        why = _group_ok(qt.fmt)
+        if why is not None:
+            raise ValueError(f"{qt.fmt.spec}: {why}")
         codes = qt.unpacked_codes()  # (N, K) uint8
         self.fp8 = qt.fmt.kind == "fp8"
         self.pack = 2 if qt.fmt.kind == "int" and qt.fmt.bits <= 4 else 1
@@ -118,28 +193,55 @@ class TritonWeightOnlyKernel:
         self.ng = s.shape[1]
         self.group = cols // self.ng
         self.shape = qt.shape
+        dev = torch.device(device)
+        # programs in flight: 2 per multiprocessor; the interpreter (CPU) gets a small number, so that its
+        # tests take the split-K path too
+        self.programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + (self.s.numel() + self.m.numel()) * 4
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
+                 tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        """y = x @ W.T (+ bias) in x's dtype; `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, split_k) overrides
+        `choose_tiles` (benchmarks/tune_gemv.py sweeps it)."""
         N, K = self.shape
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, K).to(torch.bfloat16).contiguous()
+        x2 = x.reshape(-1, K)
+        if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
+            x2 = x2.to(torch.bfloat16).contiguous()
         M = x2.shape[0]
-        y = torch.empty((M, N), device=x.device, dtype=torch.float32)
-        bm = 16 if M <= 16 else 64
-        bn, bk = 64, 64
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn))
-        _wq_gemm[grid](x2, self.q, self.s, self.m, y, M, N, K, self.ng,
-                       x2.stride(0), self.q.stride(0), y.stride(0),
-                       GROUP=self.group, PACK=self.pack, FP8=self.fp8, BF16_DOT=not _INTERPRET,
-                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
-        y = y.to(x.dtype)
+        per_channel = self.ng == 1
+        bm, bn, bk, split = tiles or choose_tiles(M, N, K, self.group, per_channel, self.programs)
+        kb = -(-K // bk)
+        k_split = -(-kb // split) * bk
+        split = -(-K // k_split)
+        if split > 1:
+            y = torch.zeros((M, N), device=x.device, dtype=torch.float32)
+        else:
+            y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+        _wq_matmul[grid](x2, self.q, self.s, self.m, y, M, N, K, self.ng, k_split,
+                         x2.stride(0), self.q.stride(0), y.stride(0),
+                         GROUP=self.group, PACK=self.pack, FP8=self.fp8, PER_CHANNEL=per_channel,
+                         ATOMIC=split > 1, BF16_DOT=not _INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
         if bias is not None:
             y = y + bias.to(x.dtype)
         return y.reshape(*lead, N)
+
+
+def _group_ok(fmt: Format) -> str | None:
+    """None if the kernel takes `fmt`'s groups: a K-block must lie inside one group, and a K-block is at
+    least 16 codes (tile products need 16), or 32 for codes packed two a byte."""
+    if fmt.granularity != "group":
+        return None
+    need = 32 if fmt.kind == "int" and fmt.bits <= 4 else 16
+    if fmt.group_size % need:
+        return f"group size {fmt.group_size} is not a multiple of {need}"
+    return None
 
 
 class FP8ScaledMMKernel:
