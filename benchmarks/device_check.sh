@@ -3,24 +3,31 @@
 #   1. the GPU tests (Triton / _scaled_mm kernels against the reference, generate on the GPU vs the CPU,
 #      probe and bench on the GPU),
 #   2. GEMV at decode shapes through the dispatcher (bf16 / int8 / int4-g128 / fp8-e4m3, ratios side by side),
-#   3. (kernels mode) a profile of SmolLM2-135M's decode steps (benchmarks/profile_step.py) and a sweep of the
-#      Triton kernel's tiles at decode shapes (benchmarks/tune_gemv.py),
+#   3. a profile of SmolLM2-135M's decode steps (benchmarks/profile_step.py) and a sweep of the Triton
+#      kernel's tiles at decode shapes (benchmarks/tune_gemv.py), when asked for,
 #   4. `fewbits probe` then `fewbits bench` for SmolLM2-135M and for Llama-3-8B, both with random weights
 #      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel).
 #
-# Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [all|quick|kernels|pairs|8b]
-# "all" (the default): tests, GEMV table and both pairs; "quick" skips the Llama-3-8B pair; "kernels": tests,
-# GEMV table, tile sweep and decode profile; "pairs": the two probe/bench pairs; "8b": the Llama-3-8B pair.  Each stage has a time limit; a stage that would start after
-# BUDGET seconds (default 560) is skipped, and the last stage is the one a shorter call cuts.  DEVICE=cpu runs the same stages on the CPU (a dry run of the script;
-# the GPU tests then skip; LIMIT_SCALE=4 gives the slower CPU four times each stage's time limit).  Each stage has its own time limit and a failing stage does not stop
-# the next.  Writes under $OUT (at most 8 files): log.txt (everything printed), gemv.txt, profile.txt,
-# tune.txt, and probe-<model>.json / bench-<model>.json.  Runs from the source tree (PYTHONPATH), nothing is installed.
+# Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [STAGES]
+# STAGES: a comma-separated list of tests, gemv, profile, tune, smollm2, llama3-8b (in that order whatever
+# the list's), or "all" (tests,gemv,smollm2,llama3-8b, the default) or "quick" (all but llama3-8b); two
+# calls on one warm machine can split a run.  Each stage has its own time limit and a failing stage does not
+# stop the next; a stage that would start after BUDGET seconds (default 560) is skipped.  DEVICE=cpu runs
+# the same stages on the CPU (a dry run of the script; the GPU tests then skip, and LIMIT_SCALE=4 gives the
+# slower CPU four times each limit).  Writes under $OUT (at most 8 files): log.txt (everything printed),
+# gemv.txt, profile.txt, tune.txt, and probe-<model>.json / bench-<model>.json.  Runs from the source tree
+# (PYTHONPATH), nothing is installed.
 set -u
 OUT=${OUT:-/tmp/fewbits-device}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-MODE=${1:-all}
+STAGES=${1:-all}
+case "$STAGES" in
+    all) STAGES=tests,gemv,smollm2,llama3-8b ;;
+    quick) STAGES=tests,gemv,smollm2 ;;
+esac
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
 DEVICE=${DEVICE:-cuda}
 LIMIT_SCALE=${LIMIT_SCALE:-1}
 BUDGET=${BUDGET:-560}
@@ -54,21 +61,16 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     $PY -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
     $PY -c "import triton; print('triton', triton.__version__)"
-    case "$MODE" in all | quick | kernels)
-        if [ "$MODE" = kernels ]; then tests=tests/kernels; else tests="tests/kernels tests/bench tests/test_generate.py"; fi
-        stage tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu $tests
-        stage gemv 60 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
-            --min-mb 512 --rounds 20 | tee "$OUT/gemv.txt" ;;
-    esac
-    case "$MODE" in kernels)
-        stage profile 50 $PY benchmarks/profile_step.py smollm2-135m --random-weights --device "$DEVICE" \
-            --weights bf16,int8 --steps 8 --threads 0,1 --top 15 | tee "$OUT/profile.txt"
-        [ "$DEVICE" = cuda ] && stage tune 90 $PY benchmarks/tune_gemv.py --specs int8,int4-g128 \
-            --shapes 14336x4096,4096x14336 | tee "$OUT/tune.txt" ;;
-    esac
-    case "$MODE" in all | quick | pairs) pair smollm2-135m smollm2 80 80 ;; esac
-    case "$MODE" in all | pairs | 8b)
-        pair llama-3-8b llama3-8b 120 120 --weights bf16,int8,int4-g128,fp8-e4m3 --kv bf16,fp8-e4m3,int8,int4 ;;
-    esac
+    has tests && stage tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench \
+        tests/test_generate.py
+    has gemv && stage gemv 60 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
+        --min-mb 512 --rounds 20 | tee "$OUT/gemv.txt"
+    has profile && stage profile 50 $PY benchmarks/profile_step.py smollm2-135m --random-weights --device "$DEVICE" \
+        --weights bf16,int8 --steps 8 --threads 0,1 --top 15 | tee "$OUT/profile.txt"
+    has tune && stage tune 90 $PY benchmarks/tune_gemv.py --specs int8,int4-g128 --shapes 14336x4096,4096x14336 \
+        | tee "$OUT/tune.txt"
+    has smollm2 && pair smollm2-135m smollm2 80 80
+    has llama3-8b && pair llama-3-8b llama3-8b 120 120 --weights bf16,int8,int4-g128,fp8-e4m3 \
+        --kv bf16,fp8-e4m3,int8,int4
     date -u
 } 2>&1 | tee "$OUT/log.txt"

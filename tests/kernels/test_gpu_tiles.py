@@ -9,12 +9,18 @@ from fewbits.kernels.gpu import _group_ok, choose_tiles
 
 
 def test_decode_tiles_split_k_until_the_device_is_busy():
-    # 14336 x 4096 (up projection): 448 column tiles of 32 already exceed 2 x 132 programs: no split
-    assert choose_tiles(1, 14336, 4096, 4096, True, 264) == (16, 32, 128, 1)
-    # 4096 x 14336 (down projection): 128 tiles, so K is split in 3 (112 K-blocks of 128)
-    assert choose_tiles(1, 4096, 14336, 14336, True, 264) == (16, 32, 128, 3)
-    # the split never exceeds the K-blocks there are
-    assert choose_tiles(1, 32, 256, 256, True, 264)[3] == 2
+    # H200: 132 multiprocessors, 264 programs; split until ~1056 programs, at most 8 splits
+    # 14336 x 4096 (up projection): 224 column tiles of 64 -> split 5
+    assert choose_tiles(1, 14336, 4096, 4096, True, 264) == (16, 64, 128, 5)
+    # 4096 x 14336 (down projection): 64 tiles -> 8 splits
+    assert choose_tiles(1, 4096, 14336, 14336, True, 264) == (16, 64, 128, 8)
+    # the split never exceeds the K-blocks there are (4 x 128 for K = 512)
+    assert choose_tiles(1, 8192, 512, 512, True, 264)[3] == 4
+
+
+def test_small_weights_do_not_split():
+    # SmolLM2's largest linear (1536 x 576): the split's two extra launches would cost more than they save
+    assert choose_tiles(1, 1536, 576, 64, False, 264)[3] == 1
 
 
 @pytest.mark.parametrize(("group", "block_k"), [(128, 128), (64, 64), (96, 32), (32, 32), (48, 16)])
