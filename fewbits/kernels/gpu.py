@@ -103,8 +103,9 @@ if triton is not None:  # pragma: no cover
                 xsum += xs
             else:
                 gi = rn * NG + k0 // GROUP
-                s = tl.load(s_ptr + gi, mask=nmask, other=0.0)
-                m = tl.load(m_ptr + gi, mask=nmask, other=0.0)
+                gmask = nmask & (k0 < K)  # the last split's blocks may lie past K: no group there
+                s = tl.load(s_ptr + gi, mask=gmask, other=0.0)
+                m = tl.load(m_ptr + gi, mask=gmask, other=0.0)
                 acc += part * s[None, :] + xs[:, None] * m[None, :]
         if PER_CHANNEL:
             s = tl.load(s_ptr + rn, mask=nmask, other=0.0)
