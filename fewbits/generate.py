@@ -10,16 +10,19 @@ prompts of different lengths is passed left-padded with an attention mask (1 = r
 are counted from each sequence's first real token.
 
 Step times are wall-clock times of the work itself: on a GPU each timed step ends with a device
-synchronisation (`synchronizer`), since a forward pass there only queues kernels.
+synchronisation (`synchronizer`), since a forward pass there only queues kernels.  On a GPU the attention
+runs on PyTorch's flash / memory-efficient kernels, never cuDNN's (`attention_backends`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fewbits.kvcache.format import KVFormat
 from fewbits.kvcache.hf import QuantizedKVCache, cache_for, cache_kwargs
@@ -60,6 +63,18 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
     if dev.type == "cuda":
         return lambda: torch.cuda.synchronize(dev)
     return _no_sync
+
+
+def attention_backends(device: torch.device | str) -> contextlib.AbstractContextManager:
+    """The scaled-dot-product-attention kernels a decode on `device` may use: on a CUDA device flash,
+    memory-efficient and math, not cuDNN.  cuDNN's attention builds an execution plan for every new shape
+    (and strides), and a decode step's key length is new at every step: on an H200 a profiled SmolLM2
+    step spent its host time in `_cudnn_attention_forward`, and `fewbits bench` measured the same
+    16-bit step at ~60 ms where repeating a prompt length (the plans cached) gave 21 ms.  Elsewhere:
+    torch's own choice."""
+    if torch.device(device).type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def check_device(device: str | torch.device) -> torch.device:
@@ -132,36 +147,36 @@ def generate(
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     pos = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T) positions from each first real token
     sync = synchronizer(device)
-
-    sync()
-    t0 = time.perf_counter()
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                **kw)
-    nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
-    sync()
-    prefill_s = time.perf_counter() - t0
-
-    tokens = [nxt]
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    if eos_token_id is not None:
-        done |= nxt == eos_token_id
-    last_pos = pos[:, -1:]
-    steps: list[float] = []
-    for _ in range(max_new_tokens - 1):
-        if bool(done.all()):
-            break
-        t1 = time.perf_counter()
-        mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
-        last_pos = last_pos + 1
-        out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
-                    logits_to_keep=1, **kw)
-        nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
-        if eos_token_id is not None:
-            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-            done |= nxt == eos_token_id
+    with attention_backends(device):  # the whole decode: prefill and steps
         sync()
-        steps.append(time.perf_counter() - t1)
-        tokens.append(nxt)
-    fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
-    nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
-    return GenerationResult(torch.stack(tokens, 1), T, prefill_s, steps, nbytes, fmt)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                    **kw)
+        nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+        sync()
+        prefill_s = time.perf_counter() - t0
+
+        tokens = [nxt]
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        if eos_token_id is not None:
+            done |= nxt == eos_token_id
+        last_pos = pos[:, -1:]
+        steps: list[float] = []
+        for _ in range(max_new_tokens - 1):
+            if bool(done.all()):
+                break
+            t1 = time.perf_counter()
+            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
+            last_pos = last_pos + 1
+            out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
+                        logits_to_keep=1, **kw)
+            nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+            if eos_token_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                done |= nxt == eos_token_id
+            sync()
+            steps.append(time.perf_counter() - t1)
+            tokens.append(nxt)
+        fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
+        nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
+        return GenerationResult(torch.stack(tokens, 1), T, prefill_s, steps, nbytes, fmt)

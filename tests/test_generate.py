@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fewbits.generate as gen_mod
-from fewbits.generate import check_device, generate, sample_next, synchronizer
+from fewbits.generate import attention_backends, check_device, generate, sample_next, synchronizer
 from fewbits.kvcache import parse_kv_format
 
 
@@ -144,3 +144,14 @@ def test_cuda_generates_the_cpu_tokens(tiny, kv):
     cpu = generate(tiny, ids, 8, kv=kv)
     gpu = generate(copy.deepcopy(tiny).cuda(), ids, 8, kv=kv)
     assert torch.equal(gpu.tokens.cpu(), cpu.tokens) and gpu.kv_nbytes == cpu.kv_nbytes
+
+
+def test_attention_on_a_gpu_never_takes_cudnn():
+    # cuDNN's attention plans every new key length again: a decode step's is new at every step
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends("cuda"):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with attention_backends("cpu"):  # the CPU keeps torch's own choice
+        assert torch.backends.cuda.cudnn_sdp_enabled()
