@@ -77,6 +77,9 @@ DEVICES: dict[str, DeviceSpec] = {
                             {"bf16": 756.5 * T, "fp16": 756.5 * T, "fp8": 1513 * T, "int8": 1513 * T},
                             300 * G, 10e-6, "NVLink bridge", "NVIDIA H100 datasheet (PCIe)"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM): same tensor cores as H100 SXM; 141 GB HBM3e at 4.8 TB/s.
+    # Measured on one (`fewbits probe --device cuda`, torch 2.11): a device copy moved 4.31-4.39 TB/s (read +
+    # write), 0.90-0.92 of this; 8192-cube GEMMs ran bf16 710-723 TFLOP/s (0.72), fp8 _scaled_mm 1309-1328
+    # (0.67); a bf16 14336 x 4096 GEMV 3.47 TB/s (0.72).
     "h200": DeviceSpec("h200", "NVIDIA H200 SXM 141GB", 141 * G, 4.8 * T,
                        {"bf16": 989.4 * T, "fp16": 989.4 * T, "fp8": 1978.9 * T, "int8": 1978.9 * T},
                        450 * G, 8e-6, "NVLink 4", "NVIDIA H200 datasheet (SXM)"),
