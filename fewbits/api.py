@@ -28,8 +28,6 @@ import importlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fewbits.export.files import write_dir
 from fewbits.models.qlinear import (
     KernelChooser,
     LayerMetaError,
@@ -292,26 +291,16 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
             "dtype": str(next(iter(model.parameters())).dtype).removeprefix("torch.") if dtypes else "float32",
             "source": source, "recipe": recipe.to_dict(), "layers": layers, "tied": aliases,
             "size_bytes": model_nbytes(model), "report": report.to_dict() if report is not None else None}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
-    try:
+
+    def write(tmp: Path) -> None:
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE,
                   metadata={"fewbits": json.dumps({"format": SAVED_FORMAT, "version": SAVED_VERSION})})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return write_dir(out, write, overwrite)
 
 
 def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -1,4 +1,5 @@
-"""`fewbits quantize MODEL --format SPEC -o OUT`: quantise every linear layer and save the model."""
+"""`fewbits quantize MODEL --format SPEC -o OUT [--to compressed-tensors]`: quantise every linear layer and
+save the model (fewbits' own layout, or a checkpoint vLLM loads)."""
 
 from __future__ import annotations
 
@@ -41,15 +42,21 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--calib-windows", default=16, show_default=True, help="calibration windows (calibrated methods)")
 @click.option("--calib-seq-len", default=512, show_default=True, help="tokens per calibration window")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="output directory")
+@click.option("--to", "target", type=click.Choice(("fewbits", "compressed-tensors")), default="fewbits",
+              show_default=True, help="output layout: fewbits' own (reloads with every format and method), or "
+              "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3)")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
                  misfit: str | None,
-                 dtype: str, calib_windows: int, calib_seq_len: int, out: str, overwrite: bool, quiet: bool) -> None:
+                 dtype: str, calib_windows: int, calib_seq_len: int, target: str, out: str, overwrite: bool,
+                 quiet: bool) -> None:
     """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT.
 
     OUT loads with fewbits.api.load_quantized_model on the fast kernels (the dispatcher) by default;
-    `fewbits eval OUT` measures it on the exact dequantised weights (--kernel cached)."""
+    `fewbits eval OUT` measures it on the exact dequantised weights (--kernel cached).  With
+    --to compressed-tensors, OUT is a compressed-tensors checkpoint (vllm serve OUT; transformers'
+    from_pretrained) instead."""
     from pathlib import Path
 
     from fewbits import api
@@ -70,6 +77,10 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             raise click.UsageError("give --format SPEC (e.g. int4-g64) or --recipe FILE")
         if misfit:
             recipe = recipe.with_misfit(misfit)
+        if target == "compressed-tensors":
+            from fewbits.export import check_formats
+
+            check_formats([r.format for r in recipe.rules])  # before any work
         if Path(out).exists() and not overwrite and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
         m, tok = load_model(model, dtype=dtype)
@@ -83,8 +94,13 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         if distributed.rank() != 0:  # under torchrun every rank holds the same weights; rank 0 saves them
             return
         click.echo(report.text())
-        path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
-                                        overwrite=overwrite)
+        if target == "compressed-tensors":
+            from fewbits.export import export_compressed_tensors
+
+            path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite)
+        else:
+            path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
+                                            overwrite=overwrite)
     except click.UsageError:
         raise
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:

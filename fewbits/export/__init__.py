@@ -1,0 +1,5 @@
+"""Checkpoints for serving engines, one file per target (compressed-tensors for vLLM so far)."""
+
+from fewbits.export.compressed_tensors import ExportError, check_formats, export_compressed_tensors
+
+__all__ = ["ExportError", "check_formats", "export_compressed_tensors"]
