@@ -15,6 +15,11 @@ group per weight format, naming its layers), tokenizer files, and model.safetens
   fewbits does.
 * fp8-e4m3 ("float-quantized"): ``L.weight`` float8_e4m3fn and ``L.weight_scale`` float32.
 
+Scales are written in the dtype fewbits stores them in (fp16 unless the format says otherwise), so a reader
+that computes with them as written (the compressed-tensors package, transformers) gets fewbits' weights
+exactly; an engine that casts them to the model's dtype (bf16, say) rounds each scale once more.
+Checked here against the compressed-tensors package and transformers; not against vLLM itself (no GPU).
+
 Everything else (embeddings, norms, a 16-bit LM head, biases) is written as it is.  Formats the layout
 cannot express (float zero points, NF4, FP4, MX blocks, E5M2, a per-tensor integer scale with groups)
 and layers that are not plain QuantLinears (outlier splits, activation quantisation) are refused
