@@ -42,9 +42,10 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--calib-windows", default=16, show_default=True, help="calibration windows (calibrated methods)")
 @click.option("--calib-seq-len", default=512, show_default=True, help="tokens per calibration window")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="output directory")
-@click.option("--to", "target", type=click.Choice(("fewbits", "compressed-tensors")), default="fewbits",
-              show_default=True, help="output layout: fewbits' own (reloads with every format and method), or "
-              "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3)")
+@click.option("--to", "target", type=click.Choice(("fewbits", "compressed-tensors", "gguf")), default="fewbits",
+              show_default=True, help="output layout: fewbits' own (reloads with every format and method), "
+              "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3), or gguf "
+              "(OUT/model.gguf for llama.cpp; Llama-style models, int4-g32 as Q4_0 and int8-g32 as Q8_0)")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
@@ -81,9 +82,19 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             from fewbits.export import check_formats
 
             check_formats([r.format for r in recipe.rules])  # before any work
+        elif target == "gguf":
+            from fewbits.export.gguf import gguf_type
+            from fewbits.formats.format import parse_format
+
+            for r in recipe.rules:  # before any work
+                gguf_type(parse_format(r.format))
         if Path(out).exists() and not overwrite and (not Path(out).is_dir() or any(Path(out).iterdir())):
             raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
         m, tok = load_model(model, dtype=dtype)
+        if target == "gguf":
+            from fewbits.export.gguf import gguf_arch
+
+            gguf_arch(m)  # before any work
         api.plan_model(m, recipe)  # fails here, before any work, on misfits and unknown methods
         methods = {r.method for r in recipe.rules}
         data = None
@@ -98,6 +109,13 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             from fewbits.export import export_compressed_tensors
 
             path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite)
+        elif target == "gguf":
+            from fewbits.export.files import write_dir
+            from fewbits.export.gguf import export_gguf
+            from fewbits.models.packaged import gguf_tokenizer_pre
+
+            pre = gguf_tokenizer_pre(model)
+            path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre), overwrite)
         else:
             path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
                                             overwrite=overwrite)

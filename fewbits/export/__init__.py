@@ -1,4 +1,4 @@
-"""Checkpoints for serving engines, one file per target (compressed-tensors for vLLM so far)."""
+"""Checkpoints for serving engines, one file per target: compressed-tensors (vLLM), GGUF (llama.cpp)."""
 
 from fewbits.export.compressed_tensors import ExportError, check_formats, export_compressed_tensors
 

@@ -149,6 +149,18 @@ def source_files(entry: PackagedModel) -> list[Path]:
     return paths
 
 
+def gguf_tokenizer_pre(name: str) -> str | None:
+    """The llama.cpp pre-tokenizer name (tokenizer.ggml.pre) of a packaged model published as one GGUF file,
+    else None: what a GGUF written from that model should say again."""
+    entry = packaged_entry(name)
+    if entry is None or entry.gguf is None or entry.parts or not is_installed(entry):
+        return None
+    from gguf import GGUFReader
+
+    field = GGUFReader(source_files(entry)[0]).fields.get("tokenizer.ggml.pre")
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+
+
 def source_bytes(entry: PackagedModel) -> int:
     """Bytes of the published weights as shipped."""
     total = 0

@@ -1,0 +1,147 @@
+"""GGUF files against the reference readers: gguf-py's own dequantiser (exact weights), transformers' GGUF
+loader (the same logits and token ids).  (llama.cpp itself is not in CI; see benchmarks/compare_llamacpp.py.)"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from fewbits import api
+from fewbits.export import ExportError
+from fewbits.export.gguf import _permute_rows, export_gguf, gguf_type
+from fewbits.formats.format import parse_format
+from fewbits.models.qlinear import QuantLinear
+
+gguf = pytest.importorskip("gguf")
+
+
+def _bpe_tokenizer():
+    """A byte-level BPE tokenizer of 262 tokens: 256 bytes, 4 merges, 2 specials (as SmolLM2's is built)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(byte_chars))}
+    merges = [("t", "h"), ("th", "e"), ("Ġ", "t"), ("i", "n")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>")
+    return tok
+
+
+def _tiny(seed: int = 0, tie: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=272, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
+                          max_position_embeddings=128, bos_token_id=262, eos_token_id=263)
+        return LlamaForCausalLM(cfg).eval()
+
+
+def _logits(model) -> torch.Tensor:
+    ids = torch.randint(0, 262, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(("spec", "kind"), [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0")])
+def test_gguf_reader_dequantises_fewbits_weights_exactly(spec, kind, tmp_path):
+    m = _tiny()
+    api.quantize(m, spec, progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    layers = {n: mod for n, mod in m.named_modules() if isinstance(mod, QuantLinear)}
+    for name, gname, heads in [("model.layers.0.self_attn.q_proj", "blk.0.attn_q.weight", 4),
+                               ("model.layers.1.self_attn.k_proj", "blk.1.attn_k.weight", 2),
+                               ("model.layers.0.mlp.down_proj", "blk.0.ffn_down.weight", None)]:
+        t = tensors[gname]
+        assert t.tensor_type.name == kind
+        got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+        want = layers[name].qweight.dequantize(torch.float32)
+        if heads:  # llama.cpp's rotary row order
+            want = want[_permute_rows(want.shape[0], heads)]
+        assert torch.equal(got.reshape(want.shape), want), name
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+
+
+@pytest.mark.parametrize("spec", ["int4-g32", "int8-g32"])
+@pytest.mark.parametrize("tie", [False, True])
+def test_transformers_loads_the_same_model(spec, tie, tmp_path):
+    m = _tiny(tie=tie)
+    api.quantize(m, spec, progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert ("output.weight" in names) != tie  # a tied head is read from token_embd
+    assert torch.equal(_logits(m), _logits(_load(path)))
+
+
+def test_bf16_model_and_its_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    m = _tiny().to(torch.bfloat16)
+    api.quantize(m, "int4-g32", progress=False, chooser="cached")
+    tok = _bpe_tokenizer()
+    path = export_gguf(m, tmp_path / "m.gguf", tok, pre="default")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == "BF16" and types["output_norm.weight"] == "F32"
+    back = AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    text = "the thin cat in the tent"
+    assert back(text).input_ids == tok(text).input_ids
+    loaded = _load(path)
+    assert torch.allclose(_logits(m.float()), _logits(loaded), atol=1e-4)
+
+
+@pytest.mark.parametrize(("spec", "why"), [("int4-g64", "int4-g32"), ("int4-g32-asym", "symmetric"),
+                                           ("nf4-g32", "Q4_0"), ("int8", "Q8_0"), ("int4-g32-sbf16", "fp16")])
+def test_formats_without_an_exact_gguf_type_are_refused(spec, why, tmp_path):
+    with pytest.raises(ExportError, match=why):
+        gguf_type(parse_format(spec))
+    m = _tiny()
+    api.quantize(m, spec, progress=False, chooser="cached")
+    with pytest.raises(ExportError):
+        export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    assert not any(tmp_path.iterdir())
+
+
+def test_other_architectures_are_refused(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    api.quantize(m, "int4-g32", progress=False, chooser="cached")
+    with pytest.raises(ExportError, match="qwen2"):
+        export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    assert not any(tmp_path.iterdir())
+
+
+def test_packaged_smollm2_round_trip(smollm2, tmp_path):
+    from transformers import AutoTokenizer
+
+    from fewbits.models.packaged import gguf_tokenizer_pre
+
+    model, tok = smollm2
+    m = copy.deepcopy(model)
+    api.quantize(m, "int4-g32", progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "smol.gguf", tok, pre=gguf_tokenizer_pre("smollm2-135m"))
+    field = gguf.GGUFReader(path).fields["tokenizer.ggml.pre"]
+    assert bytes(field.parts[field.data[0]]).decode() == "smollm"
+    text = "Hello world! fewbits writes GGUF: 3.14159, déjà vu.\n  def f(x): return x**2"
+    assert AutoTokenizer.from_pretrained(tmp_path, gguf_file="smol.gguf")(text).input_ids == tok(text).input_ids
+    ids = torch.tensor([tok(text).input_ids])
+    with torch.no_grad():
+        assert torch.equal(m(ids).logits, _load(path)(ids).logits)
