@@ -145,6 +145,7 @@ def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str | None) -> list[
                      ("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
         if tid is not None:
             fields.append((f"tokenizer.ggml.{key}_token_id", int(tid), "u32"))
+    fields.append(("tokenizer.ggml.add_bos_token", bool(getattr(tokenizer, "add_bos_token", False)), "bool"))
     if getattr(tokenizer, "chat_template", None):
         fields.append(("tokenizer.chat_template", tokenizer.chat_template, "str"))
     return fields
@@ -194,7 +195,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
     try:
         w = gguf.GGUFWriter(tmp_name, arch.name)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head)
-        w.add_name(str(getattr(cfg, "_name_or_path", "") or arch.name))
+        w.add_name(Path(str(getattr(cfg, "_name_or_path", "") or arch.name)).name)
         w.add_context_length(int(cfg.max_position_embeddings))
         w.add_embedding_length(int(cfg.hidden_size))
         w.add_block_count(int(cfg.num_hidden_layers))
@@ -212,6 +213,8 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
                 w.add_array(key, value)
             elif kind == "ints":
                 w.add_array(key, value)
+            elif kind == "bool":
+                w.add_bool(key, value)
             else:
                 w.add_uint32(key, value)
         for gname, value, kind in items:
