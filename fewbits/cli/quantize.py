@@ -45,7 +45,7 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--to", "target", type=click.Choice(("fewbits", "compressed-tensors", "gguf")), default="fewbits",
               show_default=True, help="output layout: fewbits' own (reloads with every format and method), "
               "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3), or gguf "
-              "(OUT/model.gguf for llama.cpp; Llama-style models, int4-g32 as Q4_0 and int8-g32 as Q8_0)")
+              "(OUT/model.gguf for llama.cpp; Llama and Qwen2 models, int4-g32 as Q4_0 and int8-g32 as Q8_0)")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,

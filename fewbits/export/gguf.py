@@ -13,9 +13,10 @@ bf16 / fp16 / fp32  BF16 / F16 / F32   the tensor as it is (norms always F32)
 =================  ==========  ==============================================================
 
 so a model quantised by any fewbits method (GPTQ, AWQ, HQQ codes included) keeps its codes and scales.
-Architectures are data (`ARCHS`): the tensor names and metadata keys of each; Llama-style models only
-so far.  llama.cpp stores the rows of q and k permuted for its rotary layout (each head's two halves
-interleaved); the writer permutes the packed rows the same way (a row keeps its blocks).  The tokenizer
+Architectures are data (`ARCHS`): the tensor names and metadata keys of each; Llama and Qwen2 (its q/k/v
+biases in F32) so far.  For Llama, llama.cpp stores the rows of q and k permuted for its rotary layout
+(each head's two halves interleaved); the writer permutes the packed rows the same way (a row keeps its
+blocks).  The tokenizer
 goes into the file as llama.cpp's "gpt2" BPE vocabulary (tokens, token types, merges, special ids) from a
 Hugging Face fast tokenizer; its pre-tokenizer name (`tokenizer.ggml.pre`) is taken from `pre` (the
 packaged SmolLM2 file says "smollm"), else "default".  Formats and architectures outside the table are
@@ -64,8 +65,13 @@ _LLAMA_TENSORS = {
     "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
 }
+_QWEN2_TENSORS = {**_LLAMA_TENSORS, **{f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"blk.{{i}}.attn_{p}.bias"
+                                        for p in "qkv"}}
 #: transformers model_type -> how it is written
-ARCHS: dict[str, GGUFArch] = {"llama": GGUFArch("llama", _LLAMA_TENSORS, permute_qk=True)}
+ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", _LLAMA_TENSORS, permute_qk=True),
+    "qwen2": GGUFArch("qwen2", _QWEN2_TENSORS, permute_qk=False),  # q/k/v biases; rotary rows as HF keeps them
+}
 
 
 def gguf_arch(model: nn.Module) -> GGUFArch:
@@ -170,9 +176,9 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
     items: list[tuple[str, QuantizedTensor | torch.Tensor, str]] = []
     state = {k: v for k, v in model.state_dict().items() if k.rsplit(".", 1)[0] not in layers}
     for name, mod in layers.items():
-        if mod.bias is not None:
-            raise ExportError(f"{name}: a bias; the {arch.name} GGUF layout has none")
         state[f"{name}.weight"] = mod.qweight
+        if mod.bias is not None:  # written in F32 where the architecture names it, else refused by name
+            state[f"{name}.bias"] = mod.bias.detach()
     tied = getattr(cfg, "tie_word_embeddings", False) and "lm_head" not in layers
     for key, value in state.items():
         if tied and key == "lm_head.weight":

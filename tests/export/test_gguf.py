@@ -118,13 +118,41 @@ def test_formats_without_an_exact_gguf_type_are_refused(spec, why, tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-def test_other_architectures_are_refused(tmp_path):
+@pytest.mark.parametrize("tie", [False, True])
+def test_qwen2_with_biases(tie, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    m = Qwen2ForCausalLM(Qwen2Config(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = Qwen2ForCausalLM(Qwen2Config(vocab_size=272, hidden_size=128, intermediate_size=192,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         tie_word_embeddings=tie, max_position_embeddings=128)).eval()
+        for layer in m.model.layers:  # biases worth checking (initialised to zero)
+            for p in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                p.bias.data.normal_()
     api.quantize(m, "int4-g32", progress=False, chooser="cached")
-    with pytest.raises(ExportError, match="qwen2"):
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.bias"] == "F32" and types["blk.1.attn_v.weight"] == "Q4_0"
+    assert torch.equal(_logits(m), _logits(_load(path)))
+
+
+def test_other_architectures_are_refused(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    m = MistralForCausalLM(MistralConfig(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    api.quantize(m, "int4-g32", progress=False, chooser="cached")
+    with pytest.raises(ExportError, match="mistral"):
+        export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_bias_the_architecture_has_no_name_for_is_refused(tmp_path):
+    m = _tiny()
+    m.model.layers[0].mlp.up_proj.bias = torch.nn.Parameter(torch.ones(192))
+    api.quantize(m, "int4-g32", progress=False, chooser="cached")
+    with pytest.raises(ExportError, match="up_proj.bias"):
         export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
     assert not any(tmp_path.iterdir())
 
