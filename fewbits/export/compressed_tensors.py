@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fewbits.export.common import ExportError, quantised_layers
 from fewbits.export.files import write_dir
 from fewbits.formats.format import Format
 from fewbits.formats.packing import pack_bits
@@ -46,10 +47,6 @@ from fewbits.tensor import QuantizedTensor
 #: the compressed-tensors version whose layout this writes (the format field of its config groups)
 CT_VERSION = "0.20.1"
 WEIGHTS_FILE = "model.safetensors"
-
-
-class ExportError(ValueError):
-    """A model (or one of its layers) that the target layout cannot hold; nothing has been written."""
 
 
 def _scheme(fmt: Format) -> tuple[str, dict[str, Any]]:
@@ -117,26 +114,12 @@ def _layer_tensors(name: str, qt: QuantizedTensor, bias: torch.Tensor | None) ->
     return out
 
 
-def _quantised_layers(model: nn.Module) -> dict[str, QuantLinear]:
-    """name -> QuantLinear; any other replaced layer (a fewbits wrapper) is refused by name."""
-    layers: dict[str, QuantLinear] = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, QuantLinear):
-            layers[name] = mod
-        elif getattr(type(mod), "layer_kind", None) and not isinstance(mod, QuantLinear):
-            raise ExportError(f"{name}: a {type(mod).__name__} layer ({type(mod).layer_kind}) has no "
-                              f"compressed-tensors form; quantise it as a plain weight format")
-    if not layers:
-        raise ExportError("the model has no quantised linear layers (run fewbits.api.quantize first)")
-    return layers
-
-
 def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: Any = None,
                               overwrite: bool = False) -> Path:
     """Write `model` (after `fewbits.api.quantize`) as a compressed-tensors checkpoint in `out_dir`."""
     from safetensors.torch import save_file
 
-    layers = _quantised_layers(model)
+    layers = quantised_layers(model, "compressed-tensors")
     schemes = {name: _scheme(m.qweight.fmt) for name, m in layers.items()}  # refuses before writing
     tensors: dict[str, torch.Tensor] = {}
     for name, m in layers.items():

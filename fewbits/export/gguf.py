@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,9 +35,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fewbits.export.compressed_tensors import ExportError
+from fewbits.export.common import ExportError, quantised_layers
+from fewbits.export.files import write_file
 from fewbits.formats.format import Format, parse_format
-from fewbits.models.qlinear import QuantLinear
 from fewbits.tensor import QuantizedTensor
 
 
@@ -163,14 +162,11 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
     import gguf
 
     out = Path(out_path)
-    if out.exists() and not overwrite:
+    if out.exists() and not overwrite:  # before the work; write_file checks again
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     arch = gguf_arch(model)
-    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
-    for name, mod in model.named_modules():
-        if getattr(type(mod), "layer_kind", None) and not isinstance(mod, QuantLinear):
-            raise ExportError(f"{name}: a {type(mod).__name__} layer has no GGUF form")
+    layers = quantised_layers(model, "GGUF", require=False)  # a 16-bit model is written as it is
     n_head, n_kv = int(cfg.num_attention_heads), int(getattr(cfg, "num_key_value_heads", cfg.num_attention_heads))
     # every tensor: (GGUF name, QuantizedTensor or dense tensor), refusing before anything is written
     items: list[tuple[str, QuantizedTensor | torch.Tensor, str]] = []
@@ -195,11 +191,8 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
         items.append((gname, value, kind))
     tok_fields = _tokenizer_fields(tokenizer, int(cfg.vocab_size), pre)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.tmp")
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp_name, arch.name)
+    def write(tmp: Path) -> None:
+        w = gguf.GGUFWriter(tmp, arch.name)
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_head)
         w.add_name(Path(str(getattr(cfg, "_name_or_path", "") or arch.name)).name)
         w.add_context_length(int(cfg.max_position_embeddings))
@@ -215,9 +208,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
         for key, value, kind in tok_fields:
             if kind == "str":
                 w.add_string(key, value)
-            elif kind == "strs":
-                w.add_array(key, value)
-            elif kind == "ints":
+            elif kind in ("strs", "ints"):
                 w.add_array(key, value)
             elif kind == "bool":
                 w.add_bool(key, value)
@@ -235,11 +226,8 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
         w.write_kv_data_to_file()
         w.write_tensors_to_file()
         w.close()
-        os.replace(tmp_name, out)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return out
+
+    return write_file(out, write, overwrite)
 
 
 def _dense_spec(dtype: torch.dtype) -> str:

@@ -145,3 +145,16 @@ def test_cli_quantize_to_compressed_tensors(tmp_path, monkeypatch):
     r = CliRunner().invoke(main, ["quantize", "tiny", "--format", "nf4-g32", "--to", "compressed-tensors", "-o",
                                   str(tmp_path / "nf4")])
     assert r.exit_code != 0 and "nf4-g32" in r.output and not (tmp_path / "nf4").exists()
+
+
+@pytest.mark.parametrize("target", ["compressed-tensors", "gguf"])
+def test_wrapper_layers_are_refused_by_name(target, tmp_path):
+    from fewbits.export.gguf import export_gguf
+
+    m = _quantised("int8", method="llm-int8")  # outlier-split layers: no plain weight to write
+    with pytest.raises(ExportError, match="Int8OutlierLinear"):
+        if target == "gguf":
+            export_gguf(m, tmp_path / "m.gguf", tokenizer=None)
+        else:
+            export_compressed_tensors(m, tmp_path / "ct")
+    assert not any(tmp_path.iterdir())
