@@ -363,7 +363,10 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own types for truncated or garbled files
         raise SavedModelError(f"{wf}: corrupt weight file ({e})") from e
-    config = transformers.AutoConfig.from_pretrained(d)
+    from fewbits.models.loading import refuse_remote_code
+
+    refuse_remote_code(d)  # no Python from the folder is ever run: an auto_map is refused by name
+    config = transformers.AutoConfig.from_pretrained(d, trust_remote_code=False)
     cls = getattr(transformers, meta["model_class"], None)
     if cls is None:
         raise SavedModelError(f"{d}: model class {meta['model_class']!r} is not known to transformers")
@@ -395,5 +398,5 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
     use_kernels(model, chooser)
     tokenizer = None
     if any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
-        tokenizer = transformers.AutoTokenizer.from_pretrained(d)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=False)
     return model.eval(), tokenizer, meta

@@ -2,11 +2,15 @@
 
     model, tokenizer = load_model("smollm2-135m")            # packaged, converted once and cached
     model, tokenizer = load_model("/path/to/hf_dir", dtype="bf16")
-    model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M")  # needs the hub (not reachable offline)
+    model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M")  # the local hub cache only
+    model, tokenizer = load_model("HuggingFaceTB/SmolLM2-135M", offline=False)  # may download
 
 Weights are read from safetensors only.  A directory holding only pickle checkpoints (``*.bin``, ``*.pt``,
 ``*.pth``, ``*.ckpt``) is refused: unpickling a model file can run arbitrary code, and nothing here ever
-calls ``torch.load``.  Every safetensors file is checked (header readable, every shard the index names
+calls ``torch.load``.  No Python shipped in a model folder is ever run either: every transformers loader
+is called with ``trust_remote_code=False``, and a folder whose config.json or tokenizer_config.json holds an
+``auto_map`` (transformers' hook for a folder's own classes) is refused before transformers reads it, so no
+prompt ever asks whether to run it.  Every safetensors file is checked (header readable, every shard the index names
 present and complete) before transformers touches it, so a missing or truncated file is an error that
 names the file.
 
@@ -17,7 +21,9 @@ mostly Q5_0), so group-32 4-bit results on them are flattering.
 
 from __future__ import annotations
 
+import difflib
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass
@@ -40,8 +46,34 @@ DTYPES: dict[str, str] = {"fp32": "float32", "float32": "float32", "float": "flo
                           "fp16": "float16", "float16": "float16", "half": "float16"}
 
 
+#: files of a model folder that can name Python classes for transformers to import (an "auto_map")
+REMOTE_CODE_FILES = ("config.json", "tokenizer_config.json", "processor_config.json",
+                     "preprocessor_config.json", "feature_extractor_config.json")
+#: environment variable that lets `load_model` ask the model hub for an id not in the local hub cache
+HUB_ENV = "FEWBITS_HUB"
+
+
 class ModelLoadError(ValueError):
     """A model cannot be found or loaded; the message names the model or file at fault."""
+
+
+def refuse_remote_code(path: str | Path) -> None:
+    """Raise ModelLoadError when a folder asks transformers to import its own Python (an ``auto_map`` in
+    config.json or tokenizer_config.json): fewbits never runs code from a model folder, and refusing
+    before transformers reads the folder means no "trust remote code?" prompt can appear."""
+    for name in REMOTE_CODE_FILES:
+        f = Path(path) / name
+        if not f.is_file():
+            continue
+        try:
+            cfg = json.loads(f.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{f} cannot be read as JSON: {str(exc).splitlines()[0]}") from None
+        subs = [cfg] + [v for v in cfg.values() if isinstance(v, dict)] if isinstance(cfg, dict) else []
+        if any("auto_map" in d for d in subs):
+            raise ModelLoadError(f"{f} has an auto_map: the folder asks to run its own Python code, which fewbits "
+                                 "never runs (trust_remote_code=False); use a model whose architecture "
+                                 "transformers ships")
 
 
 @dataclass(frozen=True)
@@ -143,12 +175,13 @@ def _auto_class(architectures: list[str] | None) -> Any:
 
 
 def load_model(name_or_path: str | Path, dtype: Any = "float32", device: str = "cpu",
-               offline: bool = False) -> tuple[Any, Any]:
+               offline: bool | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) in eval mode for a packaged name, a local directory, or a hub id.
 
     dtype: torch dtype or one of fp32/bf16/fp16 (default float32, the fastest on CPU and lossless for
     the packaged models); device: where to put the model; offline: for hub ids, use the local hub
-    cache only (fail fast instead of retrying the network)."""
+    cache only (fail at once instead of retrying an unreachable network); None (the default) means
+    offline unless the environment sets FEWBITS_HUB=1."""
     torch_dtype = _torch_dtype(dtype)
     source = resolve_model(name_or_path)
     if source.kind == "packaged":
@@ -158,6 +191,8 @@ def load_model(name_or_path: str | Path, dtype: Any = "float32", device: str = "
         assert source.path is not None
         check_model_dir(source.path)
         return _load_dir(source.path, torch_dtype, device, label=f"model directory {source.path}")
+    if offline is None:
+        offline = os.environ.get(HUB_ENV, "") not in ("1", "true", "yes")
     return _load_hub(source.name, torch_dtype, device, offline)
 
 
@@ -198,17 +233,19 @@ def random_model(name_or_config: str | Path, dtype: Any = "bf16", device: str = 
 def _load_dir(path: Path, dtype: Any, device: str, label: str) -> tuple[Any, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
+    refuse_remote_code(path)
     try:
-        config = AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=False, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{label}: config.json cannot be read: {exc}") from None
     cls = _auto_class(getattr(config, "architectures", None))
     try:
-        model = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, local_files_only=True)
+        model = cls.from_pretrained(str(path), dtype=dtype, use_safetensors=True, local_files_only=True,
+                                    trust_remote_code=False)
     except (OSError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"{label}: weights cannot be loaded: {exc}") from None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{label}: tokenizer cannot be loaded: {exc}") from None
     return model.to(device).eval(), tokenizer
@@ -218,14 +255,19 @@ def _load_hub(repo_id: str, dtype: Any, device: str, offline: bool) -> tuple[Any
     from transformers import AutoConfig, AutoTokenizer
 
     try:
-        config = AutoConfig.from_pretrained(repo_id, local_files_only=offline)
+        config = AutoConfig.from_pretrained(repo_id, local_files_only=offline, trust_remote_code=False)
         cls = _auto_class(getattr(config, "architectures", None))
-        model = cls.from_pretrained(repo_id, dtype=dtype, use_safetensors=True, local_files_only=offline)
-        tokenizer = AutoTokenizer.from_pretrained(repo_id, local_files_only=offline)
+        model = cls.from_pretrained(repo_id, dtype=dtype, use_safetensors=True, local_files_only=offline,
+                                    trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, local_files_only=offline, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        close = difflib.get_close_matches(repo_id.lower(), _packaged_names(), n=3, cutoff=0.4)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        where = (f"not in the local hub cache (set {HUB_ENV}=1 to let fewbits download it)" if offline
+                 else f"the model hub could not provide it: {first}")
         raise ModelLoadError(f"{repo_id!r} is not a packaged model ({', '.join(_packaged_names())}) nor a "
-                             f"local directory, and the model hub could not provide it: {first}") from None
+                             f"local directory; {hint}{where}") from None
     return model.to(device).eval(), tokenizer
 
 
@@ -248,4 +290,4 @@ def model_bytes(model: Any) -> int:
 
 
 __all__ = ["load_model", "resolve_model", "check_model_dir", "read_safetensors_header", "model_bytes",
-           "ModelLoadError", "ModelSource", "AUTO_CLASSES", "PICKLE_SUFFIXES"]
+           "ModelLoadError", "ModelSource", "refuse_remote_code", "AUTO_CLASSES", "PICKLE_SUFFIXES"]

@@ -175,8 +175,19 @@ def test_bad_names_and_dtypes(tmp_path: Path, tiny_dir: Path) -> None:
         load_model(tmp_path)
     with pytest.raises(ModelLoadError, match="unknown dtype 'int3'"):
         load_model(tiny_dir, dtype="int3")
-    with pytest.raises(ModelLoadError, match="model hub could not provide it"):
+    with pytest.raises(ModelLoadError, match="not in the local hub cache"):
         load_model("nobody-xyz/no-such-model", offline=True)
+
+
+def test_unknown_name_fails_fast_with_suggestions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline by default: a misspelt name is refused at once (no hub retries), with the close packaged names."""
+    import time
+
+    monkeypatch.delenv("FEWBITS_HUB", raising=False)
+    t0 = time.perf_counter()
+    with pytest.raises(ModelLoadError, match=r"did you mean smollm2-135m\b.*FEWBITS_HUB=1"):
+        load_model("smolm2-135m")
+    assert time.perf_counter() - t0 < 10
 
 
 # ------------------------------------------------------------------------------------------- conversion
