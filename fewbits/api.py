@@ -219,9 +219,7 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
     t0 = time.perf_counter()
     plans = plan_model(model, recipe)
     todo = [p for p in plans if p.action == "quantize"]
-    for method in dict.fromkeys(p.method for p in todo):
-        if METHODS[method].needs_data and data is None:
-            raise QuantizeError(f"method {method} needs calibration data (token ids); none was given")
+    check_before_quantize(model, todo, data)
     size_before = model_nbytes(model)
     before = {p.name: _weight_bytes(model.get_submodule(p.name)) for p in plans}
     after: dict[str, int] = {}
@@ -237,19 +235,81 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
         after[name] = q.nbytes if isinstance(q, QuantizedTensor) else model_nbytes(new)
 
     info: dict[str, Any] = {}
-    for method in dict.fromkeys(p.method for p in todo):
-        layers = [p for p in todo if p.method == method]
-        out = METHODS[method].load()(model, layers, data, commit, progress)
-        if out:
-            info[method] = out
-    missing = [p.name for p in todo if p.name not in after]
-    if missing:
-        raise QuantizeError(f"method(s) did not quantise {len(missing)} planned layer(s): {', '.join(missing[:8])}")
+    method = ""
+    try:
+        for method in dict.fromkeys(p.method for p in todo):
+            layers = [p for p in todo if p.method == method]
+            out = METHODS[method].load()(model, layers, data, commit, progress)
+            if out:
+                info[method] = out
+        missing = [p.name for p in todo if p.name not in after]
+        if missing:
+            raise QuantizeError(f"method(s) did not quantise {len(missing)} planned layer(s): "
+                                f"{', '.join(missing[:8])}")
+    except BaseException as exc:
+        if not after and method in READ_ONLY_METHODS:
+            raise  # nothing was changed: the method only reads weights until its first commit
+        _mark_unusable(model, f"quantize stopped in method {method} after {len(after)} of {len(todo)} layers "
+                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
+        note = (f"the model was changed in place before this ({len(after)} of {len(todo)} layers swapped; calibrated "
+                "methods also change weights they have not swapped yet) and is now unusable: load it again")
+        if isinstance(exc, Exception) and len(exc.args) == 1 and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]}; {note}",)  # same exception type, the message says what state it left
+        else:
+            exc.add_note(f"fewbits: {note}")
+        raise
     use_kernels(model, chooser)
     rows = [{"name": p.name, "shape": list(p.shape), "action": p.action, "format": p.format, "method": p.method,
              "note": p.note, "bytes_before": before[p.name], "bytes_after": after.get(p.name, before[p.name])}
             for p in plans]
     return QuantizeReport(size_before, model_nbytes(model), rows, time.perf_counter() - t0, recipe.to_dict(), info)
+
+
+#: methods that change nothing in the model until they commit a layer (the others fold scales or stage
+#: quantised values into the float weights as they go)
+READ_ONLY_METHODS = frozenset({"rtn", "hqq", "llm-int8"})
+#: attribute set on a model whose `quantize` failed half-way; its forward then raises
+UNUSABLE_ATTR = "fewbits_unusable"
+
+
+def check_before_quantize(model: nn.Module, todo: Sequence[LayerPlan], data: torch.Tensor | None) -> None:
+    """Every check that can fail, run over all planned layers before any layer changes, so that a refused
+    model is left exactly as it was: method x format, calibration data, finite weights (each layer named),
+    and scales that fit the format's scale dtype (`formats.quant.check_scale_range`)."""
+    from fewbits.calib.runner import check_calibration_data
+    from fewbits.formats.format import parse_format
+    from fewbits.formats.quant import all_finite, as_2d, compute_scales
+    from fewbits.methods.common import METHOD_FORMATS, check_method_format, naming
+
+    for method in dict.fromkeys(p.method for p in todo):
+        if METHODS[method].needs_data:
+            if data is None:
+                raise QuantizeError(f"method {method} needs calibration data (token ids); none was given")
+            check_calibration_data(data, method)
+    for p in todo:
+        if not parse_format(p.format).is_quantized:
+            continue
+        if p.method in METHOD_FORMATS:  # a plugged-in method checks its own formats
+            check_method_format(p.method, p.format)
+        w = model.get_submodule(p.name).weight.detach()
+        if not all_finite(w):
+            n_bad = int((~torch.isfinite(w)).sum())
+            raise QuantizeError(f"{p.name}: weight of shape {tuple(w.shape)} has {n_bad} NaN or inf values; "
+                                "nothing was quantised")
+        with naming(p.name):
+            compute_scales(as_2d(w), p.format)
+
+
+def _mark_unusable(model: nn.Module, reason: str) -> None:
+    """Make a half-quantised model refuse to run (and to be saved): its forward raises naming `reason`."""
+    if getattr(model, UNUSABLE_ATTR, None):
+        return
+
+    def refuse(mod: nn.Module, args: Any, kwargs: Any = None) -> None:
+        raise RuntimeError(f"this model is unusable: {reason}; load it again")
+
+    setattr(model, UNUSABLE_ATTR, reason)
+    model.register_forward_pre_hook(refuse, with_kwargs=True)
 
 
 def _weight_bytes(mod: nn.Module) -> int:
@@ -281,6 +341,8 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
     `out_dir` is replaced only with `overwrite=True`."""
     from safetensors.torch import save_file
 
+    if getattr(model, UNUSABLE_ATTR, None):
+        raise QuantizeError(f"cannot save: the model is unusable ({getattr(model, UNUSABLE_ATTR)})")
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")

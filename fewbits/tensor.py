@@ -30,6 +30,7 @@ from fewbits.formats.grids import E4M3, decode_minifloat, encode_minifloat
 from fewbits.formats.packing import pack_bits, unpack_bits
 from fewbits.formats.quant import (
     _TORCH_SCALE,
+    ScaleRangeError,
     all_finite,
     as_2d,
     compute_scales,
@@ -216,7 +217,10 @@ def quantize_tensor(x: torch.Tensor, spec: str | Format, name: str = "tensor") -
         return QuantizedTensor(x.detach().to(_FLOAT_DTYPES[fmt.element]).contiguous(), None, None, None, shape, fmt)
     w2d = as_2d(x.detach())
     ts = nvfp4_tensor_scale(w2d) if fmt.tensor_scale else None
-    scale, zero = compute_scales(w2d, fmt, ts)
+    try:
+        scale, zero = compute_scales(w2d, fmt, ts)
+    except ScaleRangeError as exc:  # the scale check does not know the tensor's name
+        raise ScaleRangeError(f"{name}: {exc}") from None
     codes = quantize_codes(w2d, scale, zero, fmt)
     return QuantizedTensor.from_codes(codes, scale, zero, fmt, shape, ts)
 

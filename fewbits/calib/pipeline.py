@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, closing
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from torch import nn
 from fewbits.calib.runner import BlockRun, check_calibration_data, decoder_blocks, iterate_blocks
 from fewbits.calib.stats import InputStats
 from fewbits.formats.format import parse_format
+from fewbits.formats.quant import all_finite
 from fewbits.methods import workspace
 from fewbits.methods.awq import apply_clip, awq_search_scales, fold_scales, search_clip
-from fewbits.methods.common import QuantResult, check_method_format
+from fewbits.methods.common import MethodError, QuantResult, check_method_format
 from fewbits.methods.gptq import gptq_quantize
 from fewbits.methods.rtn import rtn_quantize
 from fewbits.models.mappings import ArchMapping
@@ -129,12 +131,13 @@ def planned_blocks(model: nn.Module, data: torch.Tensor, by_block: dict[int, dic
                    desc: str) -> Iterator[tuple[Any, dict[str, Any]]]:
     """(block run, its planned layers) for each decoder block holding a planned layer; the blocks after
     the last planned one are never run."""
-    for run in iterate_blocks(model, data, progress, desc):
-        if run.index > max(by_block, default=-1):
-            break
-        planned = by_block.get(run.index, {})
-        if planned:
-            yield run, planned
+    with closing(iterate_blocks(model, data, progress, desc)) as runs:
+        for run in runs:
+            if run.index > max(by_block, default=-1):
+                break
+            planned = by_block.get(run.index, {})
+            if planned:
+                yield run, planned
 
 
 def commit_outside(model: nn.Module, outside: Sequence[Any], commit: Commit, info: dict[str, Any]) -> None:
@@ -150,11 +153,12 @@ def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, 
     data = check_calibration_data(data, "awq")
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {}
-    for run, planned in planned_blocks(model, data, by_block, progress, "awq"):
-        weights = awq_block(run, planned, arch, clip=True, info=info)
-        for p, plan in planned.items():
-            res = rtn_quantize(weights[p], plan.format, plan.name)
-            run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
+    with closing(planned_blocks(model, data, by_block, progress, "awq")) as blocks:  # patches undone on error
+        for run, planned in blocks:
+            weights = awq_block(run, planned, arch, clip=True, info=info)
+            for p, plan in planned.items():
+                res = rtn_quantize(weights[p], plan.format, plan.name)
+                run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
     commit_outside(model, outside, commit, info)
     return info
 
@@ -189,8 +193,12 @@ def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], p
                         "(give more text, or raise damping)", plan.name, st.tokens, st.in_features)
         if id(st) not in means:
             means[id(st)] = (st, st.hessian_mean())
+        for p in paths:  # checked one by one: an error about the stacked weight would name one layer and a fused shape
+            if not all_finite(weights[p]):
+                raise MethodError(f"{plans[p].name}: weight of shape {tuple(weights[p].shape)} contains NaN or inf")
         w = torch.cat([weights[p].float() for p in paths])
-        res = gptq_quantize(w, means[id(st)][1], plan.format, name=plan.name, **_gptq_opts(plan))
+        names = "+".join(plans[p].name for p in paths)
+        res = gptq_quantize(w, means[id(st)][1], plan.format, name=names, **_gptq_opts(plan))
         r0 = 0
         for p in paths:
             r1 = r0 + weights[p].shape[0]
@@ -228,8 +236,11 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"damp": {}}
     output_of = {lin: mod for mod, lin in arch.outputs}
-    with workspace.active():  # Hessians and GPTQ's scratch matrices reused from group to group
-        for run, planned in planned_blocks(model, data, by_block, progress, method):
+    with ExitStack() as stack:
+        stack.enter_context(workspace.active())  # Hessians and GPTQ's scratch matrices reused group to group
+        # closed at once on an error or Ctrl-C: the block runner's replay patches are undone in `finally`
+        blocks = stack.enter_context(closing(planned_blocks(model, data, by_block, progress, method)))
+        for run, planned in blocks:
             if awq:
                 awq_block(run, planned, arch, clip=False, info=info)
             staged: set[str] = set()

@@ -302,7 +302,11 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, data: torch.Te
 
 def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False, desc: str = "calibrate"
                    ) -> Iterator[BlockRun]:
-    """Yield a `BlockRun` per decoder block; after the caller quantised it, its outputs feed the next."""
+    """Yield a `BlockRun` per decoder block; after the caller quantised it, its outputs feed the next.
+
+    Each block's replay and freeze patches are removed in `finally`, however the caller's loop ends (an
+    error, KeyboardInterrupt, a `break`).  A generator's `finally` runs when it is closed: callers use
+    `contextlib.closing` so that happens at once, not when the traceback holding the frame is dropped."""
     from tqdm.auto import tqdm
 
     _, blocks, _ = decoder_blocks(model)
@@ -313,8 +317,10 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
     verified: dict[tuple[str, str], tuple | None] = {}
     for b in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress, leave=False):
         run = BlockRun(b, f"{prefix}.{b}", blocks[b], batches, hidden, kwargs[b], verified=verified)
-        yield run
-        hidden = run.advance()
-        run.finish()
+        try:
+            yield run
+            hidden = run.advance()
+        finally:  # an exception, Ctrl-C or the caller closing the generator: no module keeps replaying
+            run.finish()
         for fn in run.deferred:
             fn()

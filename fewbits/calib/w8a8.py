@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import closing
 from typing import Any
 
 import torch
@@ -45,28 +46,29 @@ def run_smoothquant(model: nn.Module, layers: Sequence[Any], data: torch.Tensor 
     data = check_calibration_data(data, "smoothquant")
     _, arch, by_block, outside = _split_by_block(model, layers)
     info: dict[str, Any] = {"alpha": alpha, "smoothed": []}
-    for run, planned in planned_blocks(model, data, by_block, progress, "smoothquant"):
-        if smooth:
-            stats = run.collect({p: run.module(p) for p in planned}, want_hessian=False, stop_early=False)
-            for m in arch.smooth:
-                cons = [p for p in m.linears if p in planned]
-                if not cons or any(not stats[p].reached for p in cons):
-                    continue
-                try:
-                    prev = run.module(m.prev)
-                    consumers = [run.module(p) for p in m.linears]
-                except AttributeError:
-                    continue
-                if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
-                    continue
-                s = smooth_scales(stats[cons[0]].absmax, [c.weight for c in consumers], alpha,
-                                  f"{run.prefix}.{m.prev}")
-                fold_scales(prev.weight.data, getattr(prev, "bias", None), [c.weight.data for c in consumers], s,
-                            m.prev_kind, arch.norm_plus_one)
-                info["smoothed"].append(f"{run.prefix}.{m.prev}")
-        for p, plan in planned.items():
-            mod = run.module(p)
-            commit(plan.name, _w8a8_module(mod.weight.detach(), getattr(mod, "bias", None), plan.format, act_bits))
+    with closing(planned_blocks(model, data, by_block, progress, "smoothquant")) as blocks:  # undone on error
+        for run, planned in blocks:
+            if smooth:
+                stats = run.collect({p: run.module(p) for p in planned}, want_hessian=False, stop_early=False)
+                for m in arch.smooth:
+                    cons = [p for p in m.linears if p in planned]
+                    if not cons or any(not stats[p].reached for p in cons):
+                        continue
+                    try:
+                        prev = run.module(m.prev)
+                        consumers = [run.module(p) for p in m.linears]
+                    except AttributeError:
+                        continue
+                    if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
+                        continue
+                    s = smooth_scales(stats[cons[0]].absmax, [c.weight for c in consumers], alpha,
+                                      f"{run.prefix}.{m.prev}")
+                    fold_scales(prev.weight.data, getattr(prev, "bias", None), [c.weight.data for c in consumers], s,
+                                m.prev_kind, arch.norm_plus_one)
+                    info["smoothed"].append(f"{run.prefix}.{m.prev}")
+            for p, plan in planned.items():
+                mod = run.module(p)
+                commit(plan.name, _w8a8_module(mod.weight.detach(), getattr(mod, "bias", None), plan.format, act_bits))
     commit_outside(model, outside, commit, info)
     return info
 

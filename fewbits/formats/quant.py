@@ -23,6 +23,8 @@ w = c * d + m with d = s and m = -z * s, written in HQQ's zero-point form.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from fewbits.formats.format import Format, FormatError, parse_format
@@ -95,12 +97,38 @@ def round_zero(z: torch.Tensor, fmt: Format) -> torch.Tensor:
     return z
 
 
+class ScaleRangeError(FormatError):
+    """Scales that the format's scale dtype cannot hold (inf, or 0 for a group that is not all zero)."""
+
+
+def check_scale_range(raw: torch.Tensor, rounded: torch.Tensor, fmt: Format) -> None:
+    """Raise ScaleRangeError when a scale overflowed to inf/NaN in `fmt.scale_dtype`, or a positive scale
+    underflowed to 0 (its group would decode to zeros): either would store a silently wrong weight."""
+    over = ~torch.isfinite(rounded)
+    under = (rounded == 0) & (raw > 0)
+    if not (bool(over.any()) or bool(under.any())):
+        return
+    wider = "fp32" if fmt.scale_dtype in ("fp16", "bf16", "e4m3") else None
+    hint = (f"use a wider scale dtype (-s{wider}, e.g. {replace(fmt, scale_dtype=wider).spec})" if wider
+            else "no scale dtype holds it; rescale the weights")
+    if bool(over.any()):
+        big = float(raw[over].abs().max()) if bool(torch.isfinite(raw[over]).any()) else float("inf")
+        raise ScaleRangeError(f"{int(over.sum())} scale(s) overflow {fmt.scale_dtype} (largest {big:.3g}, weights "
+                              f"too large for format {fmt.spec}); {hint}")
+    small = float(raw[under].min())
+    raise ScaleRangeError(f"{int(under.sum())} scale(s) underflow to 0 in {fmt.scale_dtype} (smallest {small:.3g}: "
+                          f"groups of tiny nonzero weights would decode to 0 in format {fmt.spec}); {hint}")
+
+
 def round_scale(s: torch.Tensor, fmt: Format) -> torch.Tensor:
-    """Round float scales to the precision of `fmt.scale_dtype`; zeros become 1 (all-zero groups)."""
+    """Round float scales to the precision of `fmt.scale_dtype`; zeros become 1 (all-zero groups).
+    Scales the dtype cannot hold raise ScaleRangeError (`check_scale_range`)."""
+    raw = s
     if fmt.scale_dtype in _TORCH_SCALE:
         s = s.to(_TORCH_SCALE[fmt.scale_dtype]).to(_work_dtype(s))
     elif fmt.scale_dtype == "e4m3":
         s = round_minifloat(s, E4M3, saturate=True)
+    check_scale_range(raw, s, fmt)
     return torch.where(s == 0, torch.ones_like(s), s)
 
 

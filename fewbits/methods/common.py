@@ -7,13 +7,15 @@ stored `QuantizedTensor`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from fewbits.formats.format import Format, FormatError, parse_format
-from fewbits.formats.quant import dequantize_codes
+from fewbits.formats.quant import ScaleRangeError, dequantize_codes
 
 #: method name -> (format kinds it accepts, what it needs), checked before any work is done
 METHOD_FORMATS: dict[str, tuple[frozenset[str], str]] = {
@@ -55,6 +57,15 @@ def check_method_format(method: str, fmt: Format | str) -> Format:
                           f"(-z{fmt.zero_dtype}) are taken by {', '.join(sorted(FLOAT_ZERO_METHODS))}; "
                           f"use {plain} (integer zero points) with {method}")
     return fmt
+
+
+@contextmanager
+def naming(name: str) -> Iterator[None]:
+    """Prefix a ScaleRangeError raised inside with the tensor's name (the scale check does not know it)."""
+    try:
+        yield
+    except ScaleRangeError as exc:
+        raise ScaleRangeError(f"{name}: {exc}") from None
 
 
 def column_format(fmt: Format) -> Format:

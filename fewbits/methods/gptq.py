@@ -32,7 +32,7 @@ import torch
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods import workspace
-from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format
+from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format, naming
 from fewbits.methods.gptq_loop import (
     gathered_transpose,
     permuted_transpose,
@@ -125,7 +125,8 @@ def gptq_quantize(
     static = (not grouped) or static_groups or act_order
     scale = zero = None
     if static:
-        scale, zero = compute_scales(W, fmt)  # (rows, n_groups) from the original weights
+        with naming(name):
+            scale, zero = compute_scales(W, fmt)  # (rows, n_groups) from the original weights
         if fmt.granularity == "tensor":  # broadcast the single scale to every row
             scale = scale.expand(rows, 1).contiguous()
             zero = zero.expand(rows, 1).contiguous() if zero is not None else None
@@ -174,7 +175,8 @@ def gptq_quantize(
         WT_, Hs_, d_, ET_ = WT[b0:b1].numpy(), Hs.numpy(), d.numpy(), ET.numpy()
         for a in range(b0, b1, step):
             if not static:  # a new group: scales from the current (updated) weights
-                s_, z_ = compute_scales(WT[a:a + g].T, cfmt)
+                with naming(name):
+                    s_, z_ = compute_scales(WT[a:a + g].T, cfmt)
                 scale[:, a // g] = s_[:, 0]
                 if zero is not None:
                     zero[:, a // g] = z_[:, 0]

@@ -37,7 +37,7 @@ import torch
 
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales, quantize_codes, round_scale, round_zero
-from fewbits.methods.common import QuantResult, check_method_format
+from fewbits.methods.common import QuantResult, check_method_format, naming
 
 
 def shrink_lp(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
@@ -81,7 +81,8 @@ def hqq_quantize(
     if not all_finite(w):
         raise ValueError(f"{name}: weight of shape {tuple(w.shape)} contains NaN or inf")
     rows, cols = w.shape
-    scale0, zero0 = compute_scales(w, fmt)
+    with naming(name):
+        scale0, zero0 = compute_scales(w, fmt)
     shape_s = scale0.shape
     W = w.reshape(shape_s[0] * shape_s[1], -1)  # one row per group: (rows * n_groups, group)
     s = scale0.reshape(-1, 1).clone()
@@ -112,7 +113,8 @@ def hqq_quantize(
         s = _refit_scale(q, z, target, s)
         # one Lloyd step: the codes at that scale, then the scale with the least squared error for them
         s = _refit_scale(_codes(W, s, z, fmt), z, W, s)
-    s = round_scale(s, fmt).reshape(shape_s)
+    with naming(name):
+        s = round_scale(s, fmt).reshape(shape_s)
     z = z.reshape(shape_s) if z is not None else None
     codes = quantize_codes(w, s, z, fmt)
     return QuantResult(codes, s, z, fmt, {"method": "hqq", "l1_error": best_err, "iters": done})

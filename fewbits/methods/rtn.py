@@ -10,7 +10,7 @@ import torch
 
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales, quantize_codes
-from fewbits.methods.common import QuantResult, check_method_format
+from fewbits.methods.common import QuantResult, check_method_format, naming
 
 
 def rtn_quantize(w: torch.Tensor, fmt: Format | str, name: str = "weight") -> QuantResult:
@@ -22,5 +22,6 @@ def rtn_quantize(w: torch.Tensor, fmt: Format | str, name: str = "weight") -> Qu
     w = w.detach().float()
     if not all_finite(w):
         raise ValueError(f"{name}: weight of shape {tuple(w.shape)} contains NaN or inf")
-    scale, zero = compute_scales(w, fmt)
+    with naming(name):
+        scale, zero = compute_scales(w, fmt)
     return QuantResult(quantize_codes(w, scale, zero, fmt), scale, zero, fmt, {"method": "rtn"})
