@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
 from fewbits.formats.format import FormatError, parse_format
+
+#: largest W a run may draw (rows x cols): 2^24 values, 128 MiB in float64, about a second per format
+MAX_ELEMENTS = 1 << 24
+
+
+def _finite(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value):
+        raise click.BadParameter(f"must be a finite number, got {value}")
+    return value
 
 
 def _specs(value: str) -> tuple[str, ...]:
@@ -22,18 +32,23 @@ def _specs(value: str) -> tuple[str, ...]:
 @click.command("layer-error")
 @click.option("--weights", default="int8,int4,int4-g128,int4-g32,int3-g128", show_default=True,
               help="Comma-separated weight format specs (any spec of `fewbits formats`).")
-@click.option("--rows", default=512, show_default=True, help="Output features of W.")
-@click.option("--cols", default=512, show_default=True, help="Input features of W (length of x).")
-@click.option("--w-std", default=0.02, show_default=True, help="Standard deviation of the weights.")
-@click.option("--outlier-channel", default=7, show_default=True, help="Channel of x set to --outlier-value.")
-@click.option("--outlier-value", default=20.0, show_default=True, help="Value of the outlier channel.")
+@click.option("--rows", type=click.IntRange(1), default=512, show_default=True, help="Output features of W.")
+@click.option("--cols", type=click.IntRange(1), default=512, show_default=True,
+              help="Input features of W (length of x).")
+@click.option("--w-std", type=click.FloatRange(min=0, min_open=True), callback=_finite, default=0.02,
+              show_default=True, help="Standard deviation of the weights.")
+@click.option("--outlier-channel", type=click.IntRange(0), default=7, show_default=True,
+              help="Channel of x set to --outlier-value.")
+@click.option("--outlier-value", callback=_finite, default=20.0, show_default=True,
+              help="Value of the outlier channel.")
 @click.option("--no-outlier", is_flag=True, help="Leave the outlier token equal to the normal one.")
-@click.option("--threshold", default=6.0, show_default=True,
+@click.option("--threshold", type=click.FloatRange(min=0), callback=_finite, default=6.0, show_default=True,
               help="LLM.int8()-style split: activation channels with |x| above this stay in 16-bit.")
 @click.option("--scales", "scale_dtype", default="fp64", show_default=True,
               type=click.Choice(["fp64", "fp32", "fp16", "bf16"]),
               help="Precision the scales are kept in (fp64: exact, as the textbook formula).")
-@click.option("--seed", default=0, show_default=True, help="numpy default_rng seed (W drawn first, then x).")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="numpy default_rng seed (W drawn first, then x).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def layer_error(weights: str, rows: int, cols: int, w_std: float, outlier_channel: int, outlier_value: float,
                 no_outlier: bool, threshold: float, scale_dtype: str, seed: int, as_json: bool) -> None:
@@ -45,6 +60,9 @@ def layer_error(weights: str, rows: int, cols: int, w_std: float, outlier_channe
     from fewbits.eval.layer_error import make_case, run
 
     specs = _specs(weights)
+    if rows * cols > MAX_ELEMENTS:
+        raise click.BadParameter(f"W of {rows} x {cols} = {rows * cols:,} values is more than this demonstration "
+                                 f"draws ({MAX_ELEMENTS:,}); use smaller --rows/--cols", param_hint="--rows/--cols")
     try:
         case = make_case(rows, cols, w_std, None if no_outlier else outlier_channel, outlier_value, seed)
         for s in specs:

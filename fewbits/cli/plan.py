@@ -83,6 +83,9 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
         raise click.UsageError(f"unexpected arguments {' '.join(axes)} (did you mean --sweep {' '.join(axes)}?)")
     if plot and Path(plot).suffix.lower() not in (".png", ".svg"):
         raise click.BadParameter(f"{plot}: the plot is written as .png or .svg", param_hint="--plot")
+    if plot and not (Path(plot).parent.is_dir() and os.access(Path(plot).parent, os.W_OK)):
+        raise click.BadParameter(f"{plot}: folder {Path(plot).parent} does not exist or is not writable",
+                                 param_hint="--plot")
     from fewbits.cost.plan import TABLE_KV, TABLE_WEIGHTS
 
     try:

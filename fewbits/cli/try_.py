@@ -11,7 +11,8 @@ import click
               help="Weights sharing one scale (64 = one scale for all).")
 @click.option("--outlier", is_flag=True, help="Make weight 5 an outlier (0.16, about 5x the largest).")
 @click.option("--asym", is_flag=True, help="Min-max with a zero point instead of symmetric absmax.")
-@click.option("--seed", default=0, show_default=True, help="numpy default_rng seed of the 64 weights.")
+@click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
+              help="numpy default_rng seed of the 64 weights (a non-negative integer).")
 def try_cmd(bits: int, group: str, outlier: bool, asym: bool, seed: int) -> None:
     """Quantise 64 weights ~ N(0, 0.02) and show each original and stored value.
 

@@ -226,6 +226,10 @@ def kv_terms(model: ModelSpec, kv: str | Format | KVFormat, profile: Profile, de
         return KVTerms(fmt.full_spec, fam, 8 * q / (2 * model.head_dim), heads * q, profile.kv_eff(fam),
                        profile.kv_overhead(fam), float(fmt.residual), float(fmt.block), heads * w,
                        profile.kv_window_eff(fam), profile.kv_quantized_overhead(fam))
+    if fmt.granularity == "group" and model.head_dim % fmt.group_size:
+        raise FormatError(f"KV format {fmt.spec}: its group of {fmt.group_size} values does not divide the head size "
+                          f"{model.head_dim} of {model.name} (each head's keys and values are grouped); use a group "
+                          f"size that divides {model.head_dim}")
     bits = fmt.bits_per_weight()
     per_token = 2 * model.n_layers * kv_heads_per_device * model.head_dim * bits / 8
     fam = format_family(fmt)

@@ -18,6 +18,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+#: largest size a config field may give (layers, widths, vocabulary): 2^31 - 1
+MAX_SIZE = 2**31 - 1
+#: largest config.json read (a real one is a few kB)
+MAX_CONFIG_BYTES = 16 << 20
+
 
 class ModelSpecError(ValueError):
     """A model shape or a config.json that cannot be read."""
@@ -80,7 +85,7 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for f in ("n_layers", "hidden_size", "n_heads", "n_kv_heads", "head_dim", "intermediate_size", "vocab_size"):
             v = getattr(self, f)
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= MAX_SIZE:
                 raise ModelSpecError(f"model {self.name!r}: {f} must be a positive integer, got {v!r}")
         if self.n_heads % self.n_kv_heads:
             raise ModelSpecError(
@@ -192,17 +197,30 @@ class ModelSpec:
         if p.is_dir():
             p = p / "config.json"
         try:
-            cfg = json.loads(p.read_text())
+            if p.is_dir():
+                raise ModelSpecError(f"{p} is a folder, not a config.json file")
+            if p.is_file() and p.stat().st_size > MAX_CONFIG_BYTES:
+                raise ModelSpecError(f"{p} is {p.stat().st_size:,} bytes, too large for a config.json")
+            cfg = json.loads(p.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ModelSpecError(f"no config.json at {p}") from None
-        except json.JSONDecodeError as e:
-            raise ModelSpecError(f"{p} is not valid JSON: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ModelSpecError(f"{p} is not UTF-8 text (byte {e.start}); a config.json is JSON") from None
+        except RecursionError:
+            raise ModelSpecError(f"{p} is nested too deeply to be a config.json") from None
+        except ValueError as e:  # json.JSONDecodeError, or an integer too long to convert
+            raise ModelSpecError(f"{p} is not valid JSON: {str(e).splitlines()[0]}") from None
+        except OSError as e:
+            raise ModelSpecError(f"{p} cannot be read: {e.strerror or e}") from None
         default_name = p.parent.name if p.name == "config.json" else p.stem
         return cls.from_config_dict(cfg, source=str(p), name=name or default_name)
 
     @classmethod
     def from_config_dict(cls, cfg: dict[str, Any], source: str = "config", name: str = "model") -> ModelSpec:
-        """Build a spec from the fields of a config.json (see `FAMILIES` for what each family adds)."""
+        """Build a spec from the fields of a config.json (see `FAMILIES` for what each family adds).
+        Every size must be a JSON integer (not a string, bool, float such as 576.7, NaN or inf)."""
+        if not isinstance(cfg, dict):
+            raise ModelSpecError(f"{source}: a config.json holds a JSON object, got a {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if "text_config" in cfg and isinstance(cfg["text_config"], dict):  # multimodal wrappers (Gemma-3)
             inner = dict(cfg["text_config"])
@@ -210,27 +228,38 @@ class ModelSpec:
             if "tie_word_embeddings" in cfg and "tie_word_embeddings" not in inner:
                 inner["tie_word_embeddings"] = cfg["tie_word_embeddings"]
             cfg, model_type = inner, inner["model_type"]
-        if model_type not in FAMILIES:
+        if not isinstance(model_type, str) or model_type not in FAMILIES:
             raise ModelSpecError(
                 f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
         fam = FAMILIES[model_type]
         vals = {**fam.get("defaults", {}), **{k: v for k, v in cfg.items() if v is not None}}
 
-        def need(key: str) -> Any:
+        def size(key: str, value: Any, least: int = 1) -> int:
+            """A config size: an integer (an integral float such as 576.0 too) in [least, MAX_SIZE]."""
+            if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ModelSpecError(f"{source}: field {key!r} must be an integer, got {value!r:.40}")
+            if not least <= value <= MAX_SIZE:
+                raise ModelSpecError(f"{source}: field {key!r} must be a positive integer up to {MAX_SIZE:,}, "
+                                     f"got {value}" if least else f"{source}: field {key!r} is out of range: {value}")
+            return value
+
+        def need(key: str, least: int = 1) -> int:
             if key not in vals:
                 raise ModelSpecError(f"{source}: field {key!r} is missing (needed for model_type {model_type!r})")
-            return vals[key]
+            return size(key, vals[key], least)
 
-        d, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-        head_dim = int(vals.get("head_dim") or d // heads)
-        kv_heads = int(vals.get("num_key_value_heads", heads))
-        n_experts = int(need(fam["experts"][0])) if "experts" in fam else 0
-        k_experts = int(need(fam["experts"][1])) if n_experts else 0
+        d, heads = need("hidden_size"), need("num_attention_heads")
+        head_dim = size("head_dim", vals["head_dim"]) if vals.get("head_dim") else d // heads
+        kv_heads = size("num_key_value_heads", vals.get("num_key_value_heads", heads))
+        n_experts = need(fam["experts"][0], 0) if "experts" in fam else 0
+        k_experts = need(fam["experts"][1]) if n_experts else 0
         bias = fam.get("qkv_bias", False)
         return cls(
-            name=name, family=model_type, n_layers=int(need("num_hidden_layers")), hidden_size=d,
+            name=name, family=model_type, n_layers=need("num_hidden_layers"), hidden_size=d,
             n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
-            intermediate_size=int(need("intermediate_size")), vocab_size=int(need("vocab_size")),
+            intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
             tie_embeddings=bool(vals.get("tie_word_embeddings", fam.get("tied", False))),
             n_experts=n_experts, experts_per_token=k_experts,
             qkv_bias=bool(vals.get(bias, False)) if isinstance(bias, str) else bias,
@@ -238,7 +267,7 @@ class ModelSpec:
             mlp_bias=bool(vals.get("mlp_bias", False)) if fam.get("mlp_bias_field") else False,
             norms_per_layer=fam.get("norms", 2), qk_norm=fam.get("qk_norm", False),
             fused_qkv=fam.get("fused", False), fused_gate_up=fam.get("fused", False),
-            max_position_embeddings=int(vals.get("max_position_embeddings") or 0),
+            max_position_embeddings=size("max_position_embeddings", vals.get("max_position_embeddings") or 0, 0),
         )
 
 
