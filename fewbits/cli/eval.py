@@ -16,8 +16,9 @@ from fewbits.cli.quantize import DTYPES
 @click.option("--text", "text_files", multiple=True, type=click.Path(dir_okay=False),
               help="text file to evaluate on (repeatable); default: the packaged evaluation texts")
 @click.option("--name", "names", multiple=True, help="category name for each --text (default: the file stem)")
-@click.option("--seq-len", default=512, show_default=True, help="tokens per window")
-@click.option("--windows", default=4, show_default=True, help="windows per text category (0 = all)")
+@click.option("--seq-len", type=click.IntRange(2), default=512, show_default=True, help="tokens per window")
+@click.option("--windows", type=click.IntRange(0), default=4, show_default=True,
+              help="windows per text category (0 = all; of a --text file at most 1024, read in pieces)")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
               help="dtype of the reference run")
 @click.option("--kernel", type=click.Choice(["cached", "reference", "auto"]), default="cached", show_default=True,

@@ -182,10 +182,15 @@ def load_texts(split: str = "eval", categories: Iterable[str] | None = None,
     return {c: _BUILDERS[c](split)[:max_chars] for c in cats}
 
 
-def texts_from_files(paths: Sequence[str | Path], names: Sequence[str] | None = None) -> dict[str, str]:
+def texts_from_files(paths: Sequence[str | Path], names: Sequence[str] | None = None, stream: bool = False
+                     ) -> dict[str, str] | dict[str, Path]:
     """{name: text} from user files (UTF-8).  `names` default to the file stems and must be unique.
 
-    A missing, unreadable, non-UTF-8 or empty (whitespace-only) file is a TextError naming it."""
+    A missing, non-regular (a folder, /dev/zero), unreadable, non-UTF-8 or empty (whitespace-only) file is
+    a TextError naming it.  With `stream`, {name: path} after those checks (on the file's first piece):
+    read the text in pieces with `fewbits.data.textfile.stream_text`, in memory independent of its size."""
+    from fewbits.data.textfile import STREAM_CHARS, check_text_file, read_prefix
+
     paths = [Path(p) for p in paths]
     if not paths:
         raise TextError("no text files given")
@@ -195,20 +200,27 @@ def texts_from_files(paths: Sequence[str | Path], names: Sequence[str] | None = 
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise TextError(f"duplicate text category name(s) {', '.join(map(repr, dupes))}; name each file uniquely")
-    out: dict[str, str] = {}
+    out: dict = {}
     for name, path in zip(names, paths, strict=True):
-        if not path.is_file():
-            raise TextError(f"text file {path} does not exist")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as exc:
-            raise TextError(f"text file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-        except OSError as exc:
-            raise TextError(f"text file {path} cannot be read: {exc}") from None
+        check_text_file(path)
+        head = read_prefix(path, STREAM_CHARS) if stream else None
+        text = head if stream and path.stat().st_size > 4 * STREAM_CHARS else _read_whole(path)
         if not text.strip():
             raise TextError(f"text file {path} is empty; nothing to calibrate or evaluate on")
-        out[name] = text
+        out[name] = path if stream else text
     return out
+
+
+def _read_whole(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise TextError(f"text file {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise TextError(f"text file {path} cannot be read: {exc}") from None
+    if "\0" in text:
+        raise TextError(f"text file {path} holds NUL characters; it is not text")
+    return text
 
 
 __all__ = ["load_texts", "texts_from_files", "token_windows", "wants_bos", "plain_play", "play_path",

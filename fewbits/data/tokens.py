@@ -8,6 +8,7 @@ expects BOS is read from the tokenizer itself: it does when encoding with specia
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -54,6 +55,39 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, n_windows: int | None
     return out
 
 
+def stream_token_windows(tokenizer: Any, pieces: Iterable[str], seq_len: int, n_windows: int,
+                         add_bos: bool | None = None) -> torch.Tensor:
+    """`token_windows` over a text given in pieces (`fewbits.data.textfile.stream_text`), reading and
+    tokenising only until `n_windows` windows are full: memory is the windows and one piece, whatever the
+    length of the text.  Each piece is tokenised on its own (pieces end at line breaks)."""
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be at least 2 (one predicted token), got {seq_len}")
+    if n_windows < 1:
+        raise ValueError(f"n_windows must be at least 1, got {n_windows}")
+    if add_bos is None:
+        add_bos = wants_bos(tokenizer)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if add_bos and bos is None:
+        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
+    body = seq_len - 1 if add_bos else seq_len
+    need = n_windows * body
+    ids: list[int] = []
+    chars = 0
+    for piece in pieces:
+        chars += len(piece)
+        ids += _encode(tokenizer, piece, need - len(ids))
+        if len(ids) >= need:
+            break
+    n = min(len(ids) // body, n_windows)
+    if n == 0:
+        raise ValueError(f"text of {chars} characters gives {len(ids)} tokens, fewer than one window of "
+                         f"{body} text tokens (seq_len {seq_len}{', BOS first' if add_bos else ''})")
+    out = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)  # (n, body)
+    if add_bos:
+        out = torch.cat([torch.full((n, 1), int(bos), dtype=torch.long), out], dim=1)  # (n, seq_len)
+    return out
+
+
 def _encode(tokenizer: Any, text: str, n_max: int | None) -> list[int]:
     """Token ids of `text` without special tokens.  When only `n_max` tokens are needed, a long text is
     encoded in growing prefixes (cut at a line break) so a few windows do not tokenise a whole play."""
@@ -77,4 +111,4 @@ def _encode_all(tokenizer: Any, text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-__all__ = ["token_windows", "wants_bos"]
+__all__ = ["token_windows", "stream_token_windows", "wants_bos"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -54,22 +55,38 @@ class Protocol:
         return {"seq_len": self.seq_len, "bos": self.bos, "windows": dict(self.windows_per_category)}
 
 
-def make_windows(tokenizer: Any, texts: Mapping[str, str], seq_len: int = 512, n_windows: int | None = None,
+#: windows taken from a streamed text file when "all" are asked for (`make_windows(n_windows=None)`)
+MAX_STREAM_WINDOWS = 1024
+
+
+def make_windows(tokenizer: Any, texts: Mapping[str, str | Path], seq_len: int = 512, n_windows: int | None = None,
                  add_bos: bool | None = None) -> tuple[list[Window], Protocol]:
     """Cut each category's text into windows with `fewbits.data.tokens.token_windows` (BOS first in each
-    window when the tokenizer puts one before text, unless `add_bos` says otherwise)."""
-    from fewbits.data.tokens import token_windows, wants_bos
+    window when the tokenizer puts one before text, unless `add_bos` says otherwise).
+
+    A category given as a Path (a user file) is read and tokenised in pieces only until its windows are
+    full (`stream_token_windows`), so a file of any size takes the same memory; "all windows"
+    (n_windows None) of a file means at most MAX_STREAM_WINDOWS."""
+    from fewbits.data.textfile import stream_text
+    from fewbits.data.tokens import stream_token_windows, token_windows, wants_bos
 
     bos = wants_bos(tokenizer) if add_bos is None else add_bos
     windows: list[Window] = []
     counts: dict[str, int] = {}
     for cat, text in texts.items():
-        if not text or not text.strip():
-            raise ValueError(f"text category {cat!r} is empty; nothing to evaluate")
-        try:
-            ids = token_windows(tokenizer, text, seq_len, n_windows=n_windows, add_bos=bos)  # (n, seq_len)
-        except ValueError as e:
-            raise ValueError(f"text category {cat!r}: {e}") from None
+        if isinstance(text, Path):
+            try:
+                ids = stream_token_windows(tokenizer, stream_text(text), seq_len, n_windows or MAX_STREAM_WINDOWS,
+                                           add_bos=bos)  # (n, seq_len)
+            except ValueError as e:
+                raise ValueError(f"text category {cat!r} ({text}): {e}") from None
+        else:
+            if not text or not text.strip():
+                raise ValueError(f"text category {cat!r} is empty; nothing to evaluate")
+            try:
+                ids = token_windows(tokenizer, text, seq_len, n_windows=n_windows, add_bos=bos)  # (n, seq_len)
+            except ValueError as e:
+                raise ValueError(f"text category {cat!r}: {e}") from None
         counts[cat] = int(ids.shape[0])
         windows += [Window(cat, i, row.clone()) for i, row in enumerate(ids)]
     return windows, Protocol(seq_len, bos, counts)

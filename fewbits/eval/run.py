@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,21 +20,21 @@ def is_causal_lm(model: torch.nn.Module) -> bool:
 
 
 def eval_texts(files: Sequence[str] = (), names: Sequence[str] = (), max_chars: int | None = None
-               ) -> dict[str, str]:
-    """The user's text files (category = `names` or the file stem), else the packaged evaluation texts."""
+               ) -> dict[str, str] | dict[str, Path]:
+    """The user's text files (category = `names` or the file stem) as checked paths, read in pieces when
+    their windows are cut (memory independent of their size), else the packaged evaluation texts."""
     from fewbits.data import texts as T
 
     if files:
-        texts = T.texts_from_files(list(files), list(names) or None)
-    else:
-        texts = T.load_texts(split="eval", max_chars=max_chars)
+        return T.texts_from_files(list(files), list(names) or None, stream=True)
+    texts = T.load_texts(split="eval", max_chars=max_chars)
     for cat, t in texts.items():
         if not t or not t.strip():
             raise ValueError(f"text category {cat!r} is empty; nothing to evaluate")
     return texts
 
 
-def causal_windows(tokenizer: Any, texts: Mapping[str, str], seq_len: int, windows: int | None
+def causal_windows(tokenizer: Any, texts: Mapping[str, str | Path], seq_len: int, windows: int | None
                    ) -> tuple[list[Window], Protocol]:
     if seq_len < 2:
         raise ValueError(f"--seq-len must be at least 2 tokens, got {seq_len}")
@@ -47,10 +48,12 @@ def result_row(method: str, fmt: str, bits_per_weight: float | None, size_bytes:
             "categories": {c: dict(v) for c, v in cmp["categories"].items()}, **extra}
 
 
-def compare_encoder(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any, texts: Mapping[str, str],
+def compare_encoder(model: torch.nn.Module, ref: torch.nn.Module, tokenizer: Any, texts: Mapping[str, str | Path],
                     per_category: int = 32) -> dict[str, Any]:
     """Cosine of mean-pooled sentence embeddings to the reference, per category and overall."""
-    cats = {c: split_sentences(t, per_category) for c, t in texts.items()}
+    from fewbits.data.textfile import read_prefix
+
+    cats = {c: split_sentences(read_prefix(t) if isinstance(t, Path) else t, per_category) for c, t in texts.items()}
     sentences = [s for ss in cats.values() for s in ss]
     cos = cosine_per_sentence(model, ref, tokenizer, sentences)  # (n,), categories in order
     out, i = {}, 0
