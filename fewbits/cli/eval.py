@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import click
@@ -27,7 +28,8 @@ from fewbits.cli.quantize import DTYPES
                    "the CPU's int4/int8 paths; what fewbits.api.load_quantized_model gives by default)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write results as JSON")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
-              help="write KL vs bits/weight plot (PNG)")
+              help="write a plot (PNG) of this run's KL per kind of text (mean and 99th percentile); "
+                   "`fewbits demo` plots KL against bits per weight over many formats")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names: tuple[str, ...], seq_len: int,
              windows: int, dtype: str, kernel: str, json_out: str | None, plot_out: str | None, quiet: bool) -> None:
@@ -41,6 +43,9 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
     from fewbits.models.swap import model_nbytes
 
     t0 = time.perf_counter()
+    for out in (json_out, plot_out):
+        if out and not os.path.isdir(os.path.dirname(out) or "."):
+            raise click.BadParameter(f"{out}: folder {os.path.dirname(out)} does not exist")
     try:
         if names and len(names) != len(text_files):
             raise ValueError(f"{len(names)} --name given for {len(text_files)} --text files")
@@ -76,7 +81,7 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
         if plot_out:
             if not run.is_causal_lm(model):
                 raise ValueError("--plot draws KL against bits per weight; an encoder has no KL")
-            R.plot_kl_vs_bits([row], plot_out, title=f"{ref_name}: KL against bits per weight")
+            R.plot_kl_by_category(row, plot_out, title=f"{quantized} against {ref_name}: KL per kind of text")
     except (ValueError, FileNotFoundError, OSError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")

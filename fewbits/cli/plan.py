@@ -116,7 +116,10 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
         for line in sweep_lines:
             click.echo(line)
     if plot:
-        _plot(r, plot)
+        if do_sweep:
+            _save(sweep_figure(out["sweep"], r), plot)
+        else:
+            _plot(r, plot)
         if not as_json:
             click.echo(f"wrote {plot}")
 
@@ -170,6 +173,48 @@ def _plot(r: PlanResult, path: str) -> None:
     dev = f"{r.devices}x {r.device}" if r.devices > 1 else r.device
     fig.suptitle(f"{r.model} on {dev}: batch {r.batch}, context {r.context} (profile {r.profile})", fontsize=10)
     fig.tight_layout()
+    try:
+        _save(fig, path)
+    finally:
+        plt.close(fig)
+
+
+def sweep_figure(data: dict, r: PlanResult):  # noqa: ANN201 - a matplotlib Figure
+    """The sweep: tokens/s and step time against batch, one line per context; hollow markers: does not fit."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    batch, context = data["batch"], data["context"]
+    fig = Figure(figsize=(11, 4.2))
+    ax1, ax2 = fig.subplots(1, 2)
+    for ci, c in enumerate(context):
+        tps = [data["tokens_per_s"][bi][ci] for bi in range(len(batch))]
+        ms = [data["time_s"][bi][ci] * 1e3 for bi in range(len(batch))]
+        fits = [data["fits"][bi][ci] for bi in range(len(batch))]
+        line = ax1.plot(batch, tps, marker="o", label=f"context {c:g}")[0]
+        ax2.plot(batch, ms, marker="o", color=line.get_color())
+        bad = [i for i, f in enumerate(fits) if not f]
+        for ax, ys in ((ax1, tps), (ax2, ms)):
+            ax.scatter([batch[i] for i in bad], [ys[i] for i in bad], s=90, facecolors="white",
+                       edgecolors="#c44", zorder=3)
+    for ax, label in ((ax1, "tokens/s (all sequences)"), (ax2, "decode step time (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batch, [f"{b:g}" for b in batch])
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences decoded together)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8, title="red rings: does not fit", title_fontsize=8)
+    dev = f"{r.devices}x {r.device}" if r.devices > 1 else r.device
+    fig.suptitle(f"{r.model} on {dev}, weights {r.weights}, KV {r.kv} (profile {r.profile})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _save(fig, path: str) -> None:  # noqa: ANN001
+    """Write a figure to `path` (png or svg): a temporary file in the same folder, then renamed."""
     target = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=target.suffix, dir=target.parent or ".")
     os.close(fd)
@@ -179,5 +224,3 @@ def _plot(r: PlanResult, path: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    finally:
-        plt.close(fig)

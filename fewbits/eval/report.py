@@ -98,6 +98,51 @@ def plot_kl_vs_bits(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
         raise
 
 
+def kl_by_category_figure(row: Mapping[str, Any], title: str = "") -> Any:
+    """One run's quality per kind of text: mean KL (bars) and 99th-percentile KL (ticks), overall last.
+    (One run is one point on the KL-against-bits plot; per category it says where the error lies.)"""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    from matplotlib.figure import Figure
+
+    cats = {**dict(row.get("categories", {})), "overall": row["overall"]}
+    names = list(cats)
+    means = [max(float(cats[c]["kl_mean"]), 1e-6) for c in names]
+    p99 = [max(float(cats[c].get("kl_p99") or 0.0), 1e-6) for c in names]
+    fig = Figure(figsize=(6.4, 0.5 * len(names) + 1.8))
+    ax = fig.add_subplot()
+    y = list(range(len(names)))
+    ax.barh(y, means, color=["#3b6fd4"] * (len(names) - 1) + ["#444"], label="mean KL")
+    ax.scatter(p99, y, marker="|", s=200, color="#c44", zorder=3, label="99th percentile KL")
+    for yi, m in zip(y, means, strict=True):
+        ax.annotate(f" {m:.4f}", (m, yi), va="center", fontsize=8)
+    ax.set_yticks(y, names)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("KL(ref || quant) per token [nats], log scale")
+    bpw = row.get("bits_per_weight")
+    ax.set_title(title or f"{row['method']} {row['format']}" + (f" ({bpw:.2f} bits/weight)" if bpw else ""))
+    ax.grid(True, axis="x", which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def plot_kl_by_category(row: Mapping[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
+    """`kl_by_category_figure` written to `path` (temporary file, then rename)."""
+    fig = kl_by_category_figure(row, title)
+    p = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=p.suffix)
+    os.close(fd)
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _lower_front(pts: Sequence[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
     """Points (bits, kl, name) sorted by bits where no point with fewer or equal bits has lower KL."""
     front: list[tuple[float, float, str]] = []

@@ -98,3 +98,22 @@ def test_cost_path_never_imports_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["weights"] == "int4-g128"
+
+
+def test_sweep_plot_draws_the_sweep(tmp_path: Path) -> None:
+    """--sweep --plot draws every swept point (one line per context over the batches), not the base point."""
+    from fewbits.cli.plan import sweep_figure
+    from fewbits.cost.plan import plan
+
+    out = tmp_path / "sweep.png"
+    r = _run("plan", "--model", "smollm2-135m", "--json", "--sweep", "batch=1,8,32", "context=1024,8192",
+             "--plot", str(out))
+    assert r.exit_code == 0, r.output
+    assert out.stat().st_size > 10_000
+    data = json.loads(r.output)["sweep"]
+    fig = sweep_figure(data, plan("smollm2-135m"))
+    tps, ms = fig.axes
+    lines = tps.get_lines()
+    assert [list(ln.get_xdata()) for ln in lines] == [[1, 8, 32]] * 2
+    assert [list(ln.get_ydata()) for ln in lines] == [[row[c] for row in data["tokens_per_s"]] for c in (0, 1)]
+    assert len(ms.get_lines()) == 2

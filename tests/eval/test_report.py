@@ -39,3 +39,18 @@ def test_json_plot_markdown(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.png", "r.json"]  # no temporary files left
     md = markdown_report("T", [("Plan", "x")], "TABLE", "p.png", "protocol: ...", ["a note"])
     assert "# T" in md and "TABLE" in md and "![KL against bits per weight](p.png)" in md and "- a note" in md
+
+
+def test_one_run_plot_shows_kl_per_category(tmp_path) -> None:
+    """`fewbits eval --plot` of one run: a bar per kind of text and overall, not a single dot."""
+    from fewbits.eval.report import kl_by_category_figure, plot_kl_by_category
+
+    row = {"method": "rtn", "format": "int4-g64", "bits_per_weight": 4.25,
+           "overall": {"kl_mean": 0.05, "kl_p99": 0.4},
+           "categories": {"verse": {"kl_mean": 0.04, "kl_p99": 0.3}, "code": {"kl_mean": 0.07, "kl_p99": 0.6}}}
+    fig = kl_by_category_figure(row)
+    ax = fig.axes[0]
+    assert [round(p.get_width(), 6) for p in ax.patches] == [0.04, 0.07, 0.05]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["verse", "code", "overall"]
+    plot_kl_by_category(row, tmp_path / "kl.png")
+    assert (tmp_path / "kl.png").stat().st_size > 5_000 and len(list(tmp_path.iterdir())) == 1
