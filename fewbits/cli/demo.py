@@ -29,11 +29,32 @@ def cost_plan_text(model: str, formats: tuple[str, ...] | list[str]) -> str:
     from fewbits.cost.plan import format_plan_text, plan
 
     r = plan(model, table_weights=("bf16", *formats), table_kv=("bf16",))
-    lines = [format_plan_text(r), "", f"{'weights':<12}{'step':>11}{'tok/s':>9}{'speed-up':>10}{'weights GB':>12}"]
+    lines = [f"Modelled on the {r.device}: the cost model's default device, a GPU that serving runs on, where "
+             "decode speed is read from bytes moved; this machine's own figures come from `fewbits probe -o "
+             "cpu.json` then `fewbits plan --profile cpu.json` (and `fewbits bench` measures them).", "",
+             format_plan_text(r), "", f"{'weights':<12}{'step':>11}{'tok/s':>9}{'speed-up':>10}{'weights GB':>12}"]
     for t in r.table:
         lines.append(f"{t.weights:<12}{t.time_s * 1e3:>8.3f} ms{t.tokens_per_s:>9.0f}{t.speedup:>9.2f}x"
                      f"{t.weight_bytes / 1e9:>12.3f}")
+    fixed = r.overhead_s + r.t_attention_s
+    lines += ["", f"Why the speed-ups are small: of the {r.time_s * 1e3:.3f} ms 16-bit step, "
+              f"{r.overhead_s * 1e3:.3f} ms is fixed per-step overhead (launches, synchronisation) and "
+              f"{r.t_attention_s * 1e3:.3f} ms attention over the cache ({fixed / r.time_s:.0%} together); "
+              "fewer weight bits shrink only the linear layers' "
+              f"{r.t_linear_s * 1e3:.3f} ms. A model whose weights dominate its step gains more:"
+              + _big_model_hint(formats)]
     return "\n".join(lines)
+
+
+def _big_model_hint(formats: tuple[str, ...] | list[str]) -> str:
+    """The same formats on Llama-3-8B (the cost model's speed-ups where the weights are most of the step)."""
+    from fewbits.cost.plan import plan
+
+    try:
+        big = plan("llama-3-8b", table_weights=("bf16", *formats), table_kv=("bf16",), misfit="regroup")
+    except ValueError:
+        return " (no Llama-3-8B figures for these formats)"
+    return " Llama-3-8B " + ", ".join(f"{t.weights} {t.speedup:.2f}x" for t in big.table if t.weights != "bf16") + "."
 
 
 @click.command("demo")

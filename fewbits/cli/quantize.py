@@ -10,6 +10,9 @@ import click
 from fewbits.models.recipe import MISFIT_POLICIES
 
 DTYPES = ("fp32", "bf16", "fp16")
+#: the methods of fewbits.api.METHODS, spelled out so that `--help` lists them without importing torch
+#: (tests/cli/test_quantize_help.py checks the two agree)
+METHOD_NAMES = ("rtn", "gptq", "awq", "awq+gptq", "hqq", "smoothquant", "llm-int8")
 
 
 def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, ANN201
@@ -30,7 +33,9 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.command("quantize")
 @click.argument("model")
 @click.option("--format", "fmt", default=None, help="format spec for every linear layer, e.g. int4-g64, int8, nf4-g64")
-@click.option("--method", default="rtn", show_default=True, help="how codes are chosen (see fewbits.api.METHODS)")
+@click.option("--method", type=click.Choice(METHOD_NAMES), default="rtn", show_default=True,
+              help="how codes are chosen: rtn (round-to-nearest, no data), gptq, awq, awq+gptq and smoothquant "
+                   "(calibrated on packaged text), hqq (no data), llm-int8 (int8 with 16-bit outlier inputs)")
 @click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False), default=None,
               help="recipe file (.toml or .json): per-layer formats/methods, ignore list, misfit policy")
 @click.option("--lm-head", "lm_head", default=None,

@@ -154,7 +154,7 @@ class Recipe:
             out.append(LayerPlan(name, shape2, "quantize", fmt.spec, rule.method, rule.options))
         if misfits and self.misfit == "error":
             head = f"{len(misfits)} layer(s) do not fit their format (use --misfit keep or --misfit regroup):\n  "
-            raise RecipeError(head + "\n  ".join(misfits))
+            raise RecipeError(head + "\n  ".join(_summarise(misfits)))
         return out
 
     def _misfit_plan(self, name: str, shape: tuple[int, int], rule: Rule, fmt: Format) -> LayerPlan:
@@ -253,3 +253,20 @@ def _toml(v: Any) -> str:
     if isinstance(v, str):
         return json.dumps(v)
     raise RecipeError(f"recipe option value {v!r} cannot be written to TOML (str, bool, int or float only)")
+
+
+#: most lines a misfit error lists (one per kind of layer: the same name in every block counts once)
+MISFIT_LINES = 8
+
+
+def _summarise(misfits: list[str]) -> list[str]:
+    """One line per kind of layer (block indices folded: model.layers.*.mlp.up_proj), the first layer's
+    message with the count of the others, at most MISFIT_LINES lines."""
+    kinds: dict[str, list[str]] = {}
+    for m in misfits:
+        name = m.split(": ", 1)[0]
+        kinds.setdefault(re.sub(r"\.\d+\.", ".*.", name), []).append(m)
+    lines = [ms[0] + (f" (and {len(ms) - 1} more {kind})" if len(ms) > 1 else "") for kind, ms in kinds.items()]
+    if len(lines) > MISFIT_LINES:
+        lines = lines[:MISFIT_LINES] + [f"... and {len(lines) - MISFIT_LINES} more kinds of layer"]
+    return lines
