@@ -39,6 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fewbits.export.files import write_dir
+from fewbits.guard import QuantizeError, check_layers, refuse_if_unusable, stopped_half_way
 from fewbits.models.qlinear import (
     KernelChooser,
     LayerMetaError,
@@ -48,7 +49,7 @@ from fewbits.models.qlinear import (
     rebuild_layer,
     reference_chooser,
 )
-from fewbits.models.recipe import LayerPlan, Recipe, RecipeError
+from fewbits.models.recipe import LayerPlan, Recipe
 from fewbits.models.swap import linear_shapes, model_nbytes, swap_in, tied_parameters
 from fewbits.tensor import QuantizedTensor, quantize_tensor
 
@@ -136,10 +137,6 @@ def kernels_in_use(model: nn.Module) -> dict[str, int]:
             name = kernel_name(mod.kernel)
             counts[name] = counts.get(name, 0) + 1
     return counts
-
-
-class QuantizeError(RecipeError):
-    """A model and recipe that cannot be quantised together (nothing has been changed)."""
 
 
 @dataclass
@@ -247,16 +244,8 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
             raise QuantizeError(f"method(s) did not quantise {len(missing)} planned layer(s): "
                                 f"{', '.join(missing[:8])}")
     except BaseException as exc:
-        if not after and method in READ_ONLY_METHODS:
-            raise  # nothing was changed: the method only reads weights until its first commit
-        _mark_unusable(model, f"quantize stopped in method {method} after {len(after)} of {len(todo)} layers "
-                              f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})")
-        note = (f"the model was changed in place before this ({len(after)} of {len(todo)} layers swapped; calibrated "
-                "methods also change weights they have not swapped yet) and is now unusable: load it again")
-        if isinstance(exc, Exception) and len(exc.args) == 1 and isinstance(exc.args[0], str):
-            exc.args = (f"{exc.args[0]}; {note}",)  # same exception type, the message says what state it left
-        else:
-            exc.add_note(f"fewbits: {note}")
+        if after or method not in READ_ONLY_METHODS:  # else nothing changed: such a method only reads weights
+            stopped_half_way(model, exc, method, len(after), len(todo))
         raise
     use_kernels(model, chooser)
     rows = [{"name": p.name, "shape": list(p.shape), "action": p.action, "format": p.format, "method": p.method,
@@ -268,48 +257,19 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
 #: methods that change nothing in the model until they commit a layer (the others fold scales or stage
 #: quantised values into the float weights as they go)
 READ_ONLY_METHODS = frozenset({"rtn", "hqq", "llm-int8"})
-#: attribute set on a model whose `quantize` failed half-way; its forward then raises
-UNUSABLE_ATTR = "fewbits_unusable"
 
 
 def check_before_quantize(model: nn.Module, todo: Sequence[LayerPlan], data: torch.Tensor | None) -> None:
-    """Every check that can fail, run over all planned layers before any layer changes, so that a refused
-    model is left exactly as it was: method x format, calibration data, finite weights (each layer named),
-    and scales that fit the format's scale dtype (`formats.quant.check_scale_range`)."""
+    """Every check that can fail, run before any layer changes, so that a refused model is left exactly as
+    it was: calibration data for the methods that need it, then each layer (`guard.check_layers`)."""
     from fewbits.calib.runner import check_calibration_data
-    from fewbits.formats.format import parse_format
-    from fewbits.formats.quant import all_finite, as_2d, compute_scales
-    from fewbits.methods.common import METHOD_FORMATS, check_method_format, naming
 
     for method in dict.fromkeys(p.method for p in todo):
         if METHODS[method].needs_data:
             if data is None:
                 raise QuantizeError(f"method {method} needs calibration data (token ids); none was given")
             check_calibration_data(data, method)
-    for p in todo:
-        if not parse_format(p.format).is_quantized:
-            continue
-        if p.method in METHOD_FORMATS:  # a plugged-in method checks its own formats
-            check_method_format(p.method, p.format)
-        w = model.get_submodule(p.name).weight.detach()
-        if not all_finite(w):
-            n_bad = int((~torch.isfinite(w)).sum())
-            raise QuantizeError(f"{p.name}: weight of shape {tuple(w.shape)} has {n_bad} NaN or inf values; "
-                                "nothing was quantised")
-        with naming(p.name):  # in float32: the same group extremes, reduced ~4-8x faster than in bf16 on a CPU
-            compute_scales(as_2d(w if w.dtype == torch.float64 else w.float()), p.format)
-
-
-def _mark_unusable(model: nn.Module, reason: str) -> None:
-    """Make a half-quantised model refuse to run (and to be saved): its forward raises naming `reason`."""
-    if getattr(model, UNUSABLE_ATTR, None):
-        return
-
-    def refuse(mod: nn.Module, args: Any, kwargs: Any = None) -> None:
-        raise RuntimeError(f"this model is unusable: {reason}; load it again")
-
-    setattr(model, UNUSABLE_ATTR, reason)
-    model.register_forward_pre_hook(refuse, with_kwargs=True)
+    check_layers(model, todo)
 
 
 def _weight_bytes(mod: nn.Module) -> int:
@@ -341,8 +301,7 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
     `out_dir` is replaced only with `overwrite=True`."""
     from safetensors.torch import save_file
 
-    if getattr(model, UNUSABLE_ATTR, None):
-        raise QuantizeError(f"cannot save: the model is unusable ({getattr(model, UNUSABLE_ATTR)})")
+    refuse_if_unusable(model, "save")
     out = Path(out_dir)
     if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
