@@ -262,9 +262,10 @@ def _load_hub(repo_id: str, dtype: Any, device: str, offline: bool) -> tuple[Any
         tokenizer = AutoTokenizer.from_pretrained(repo_id, local_files_only=offline, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        close = difflib.get_close_matches(repo_id.lower(), _packaged_names(), n=3, cutoff=0.4)
-        hint = f"did you mean {', '.join(close)}? " if close else ""
-        where = (f"not in the local hub cache (set {HUB_ENV}=1 to let fewbits download it)" if offline
+        close = difflib.get_close_matches(repo_id.lower(), _packaged_names(), n=2, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        where = (f"as a hub id it is not in the local hub cache (set {HUB_ENV}=1 to let fewbits download it)"
+                 if offline
                  else f"the model hub could not provide it: {first}")
         raise ModelLoadError(f"{repo_id!r} is not a packaged model ({', '.join(_packaged_names())}) nor a "
                              f"local directory; {hint}{where}") from None
