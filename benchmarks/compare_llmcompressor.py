@@ -40,7 +40,8 @@ def lc_worker(args: argparse.Namespace) -> None:
     from transformers import AutoModelForCausalLM
 
     ids = load_file(args.calib)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype))
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype),
+                                                 trust_remote_code=False)
     ds = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     scheme = {"targets": ["Linear"],
               "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",

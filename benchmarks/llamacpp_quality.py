@@ -96,7 +96,8 @@ def main() -> None:
             subprocess.run([args.llama_python, __file__, "--llama-worker", str(path), str(tmp / "ids.json"),
                             str(out), str(args.threads), str(batch)], check=True, capture_output=True)
             scores[engine][label] = dict(np.load(out))
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32,
+                                                     trust_remote_code=False).eval()
         with torch.no_grad():
             scores["transformers"][label] = {
                 cat: torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()

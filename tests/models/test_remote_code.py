@@ -79,10 +79,9 @@ def _loader_calls(tree: ast.AST) -> list[ast.Call]:
 
 
 def test_every_from_pretrained_passes_trust_remote_code_false() -> None:
-    """A source scan: every `.from_pretrained(` call in fewbits/ reading a folder says trust_remote_code=False
-    (a config object's save/load within one process is not a loader: there are none today)."""
+    """A source scan: every `.from_pretrained(` call in fewbits/ and benchmarks/ says trust_remote_code=False."""
     missing = []
-    for path in sorted((ROOT / "fewbits").rglob("*.py")):
+    for path in sorted([*(ROOT / "fewbits").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
         for call in _loader_calls(ast.parse(path.read_text())):
             kw = {k.arg: k.value for k in call.keywords}
             v = kw.get("trust_remote_code")
