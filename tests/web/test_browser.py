@@ -209,7 +209,7 @@ def test_each_playground_control_gives_try_json(browser, server) -> None:  # noq
     browser.execute_script("const p = document.getElementById('pasted'); p.value = arguments[0];"
                            "p.dispatchEvent(new Event('change'));", pasted.rsplit(",", 1)[0])
     wait_for(browser, lambda d: "64" in text(d, "error") and "weights" in text(d, "error"), "the 63-weight error")
-    assert console_errors(browser) == []
+    assert all("status of 422" in e for e in console_errors(browser))  # the refused request, nothing else
 
 
 def test_results_page(browser, server, artefacts) -> None:  # noqa: ANN001

@@ -103,6 +103,7 @@ function render(d) {
 }
 
 function drawBars(bars) {
+  $("bars").parentElement.style.height = `${Math.max(240, 34 * bars.length + 60)}px`;
   const data = {
     labels: bars.map(b => `${b.label}  ${b.text}${b.fits ? "" : " ✗"}`),
     datasets: [
@@ -114,7 +115,6 @@ function drawBars(bars) {
     indexAxis: "y", animation: false, responsive: true, maintainAspectRatio: false,
     scales: {x: {stacked: true, title: {display: true, text: "ms per step"}}, y: {stacked: true}},
     plugins: {legend: {display: false}}}});
-  $("bars").parentElement.style.height = `${Math.max(280, 40 * bars.length + 80)}px`;
 }
 
 const crossoverLine = {
