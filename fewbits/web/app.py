@@ -36,7 +36,7 @@ def _one_line(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors()[:3]:
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or "body"
-        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+        parts.append(f"{loc}: {str(err.get('msg', 'invalid')).removeprefix('Value error, ')}")
     return "; ".join(parts)
 
 

@@ -15,6 +15,25 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 SPEC = r"^[a-z0-9][a-z0-9-]{0,39}$"
 MAX_CONFIG_ENTRIES = 2000
+MAX_DIM = 100_000_000
+#: the config.json fields the cost model reads as sizes: at least 1 (the first group) or 0 (the others)
+POSITIVE = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+COUNTS = ("num_key_value_heads", "head_dim", "num_local_experts", "num_experts_per_tok", "max_position_embeddings")
+
+
+def _check_sizes(cfg: dict[str, Any], where: str = "config") -> None:
+    """Sizes must be integers in range, so that a strange upload is a message, not a division by zero."""
+    if "model_type" in cfg and not isinstance(cfg["model_type"], str):
+        raise ValueError(f"{where} field 'model_type' must be a string, got {str(cfg['model_type'])[:40]}")
+    for key in POSITIVE + COUNTS:
+        v = cfg.get(key)
+        if v is None:
+            continue
+        low = 1 if key in POSITIVE else 0
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= MAX_DIM:
+            raise ValueError(f"{where} field {key!r} must be an integer from {low} to {MAX_DIM:,}, got {str(v)[:40]}")
+    if isinstance(cfg.get("text_config"), dict):
+        _check_sizes(cfg["text_config"], f"{where}.text_config")
 
 
 def _count(x: Any, depth: int = 0) -> int:
@@ -59,6 +78,8 @@ class PlanRequest(BaseModel):
     def _small(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None and _count(v) > MAX_CONFIG_ENTRIES:
             raise ValueError(f"config has more than {MAX_CONFIG_ENTRIES} entries; is it a config.json?")
+        if v is not None:
+            _check_sizes(v)
         return v
 
 
