@@ -70,20 +70,21 @@ def server(app) -> Iterator[str]:  # noqa: ANN001
     t.join(10)
 
 
-def chromium_paths() -> tuple[str, str] | None:
+def require_chromium() -> tuple[str, str]:
+    """(chromium, chromedriver) paths; without them a skip with the reason, or a failure when CI=true."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     driver = shutil.which("chromedriver")
-    return (browser, driver) if browser and driver else None
+    if browser and driver:
+        return browser, driver
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail("CI=true but chromium/chromedriver are missing (apt-get install chromium chromium-driver)")
+    pytest.skip("chromium and chromedriver not installed (apt-get install chromium chromium-driver)")
 
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[object]:
     """Headless Debian chromium through Selenium (no browser download); skipped without it, except in CI."""
-    paths = chromium_paths()
-    if paths is None:
-        if os.environ.get("CI", "").lower() == "true":
-            pytest.fail("CI=true but chromium/chromedriver are missing (apt-get install chromium chromium-driver)")
-        pytest.skip("chromium and chromedriver not installed (apt-get install chromium chromium-driver)")
+    paths = require_chromium()
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service

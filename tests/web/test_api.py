@@ -184,3 +184,17 @@ def test_no_results_folder_and_the_pages() -> None:
         assert r.status_code == 200 and "text/html" in r.headers["content-type"]
     assert c.get("/static/vendor/chartjs/chart.umd.min.js").status_code == 200
     assert "/api/plan" in c.get("/openapi.json").json()["paths"]
+
+
+def test_browser_tests_skip_locally_but_fail_in_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from tests.web.conftest import require_chromium
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="chromium"):
+        require_chromium()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true"):
+        require_chromium()
