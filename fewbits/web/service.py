@@ -154,9 +154,11 @@ def options(profiles: dict[str, tuple[Profile, str]] | None = None) -> dict[str,
     from fewbits.models.presets import preset_names
 
     kv = list(dict.fromkeys((*KV_SPECS, "fp16", "int8-r0", "fp8-e4m3-r0", "int4-g32-r128", "int2-g32-r128")))
+    devices = {"h100": DEVICES["h100-sxm"].name, **{k: d.name for k, d in DEVICES.items()}}
+    if profiles:  # `--device profile`: the device a probed profile measured
+        devices["profile"] = "the probed profile's own device"
     return {
-        "models": preset_names(), "devices": {"h100": DEVICES["h100-sxm"].name,
-                                              **{k: d.name for k, d in DEVICES.items()}},
+        "models": preset_names(), "devices": devices,
         "weights": [s for s in EXAMPLE_SPECS if s != "fp32"], "kv": kv,
         "profiles": ["seed", "default", *sorted(profiles or {})], "defaults": DEFAULT_STATE,
         "families": {k: v for k, v in FAMILIES.items()}, "groups": list(GROUPS),

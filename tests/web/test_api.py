@@ -198,3 +198,25 @@ def test_browser_tests_skip_locally_but_fail_in_ci(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI=true"):
         require_chromium()
+
+
+def test_a_probed_profile_given_at_start(tmp_path: Path) -> None:
+    """A profile file passed to `fewbits ui --profile` is offered by name; the page's command names the file."""
+    import shutil
+
+    from fewbits.web.app import create_app
+
+    src = Path(__file__).parents[2] / "benchmarks/results/h200-2026-11-30/call1/probe-smollm2.json"
+    if not src.is_file():
+        pytest.skip("the H200 probe file is not in this checkout")
+    prof = tmp_path / "gpu.json"
+    shutil.copy(src, prof)
+    c = TestClient(create_app(profiles=(str(prof),)))
+    opts = c.get("/api/options").json()
+    name = json.loads(prof.read_text())["name"]
+    assert name in opts["profiles"] and "profile" in opts["devices"]
+    d = c.post("/api/plan", json={"model": "smollm2-135m", "device": "profile", "profile": name, "batch": 1,
+                                  "context": 2048}).json()
+    assert f"--profile {prof}" in d["command"]
+    assert d["report"] == cli(*shlex.split(d["command"])[1:], "--json")
+    assert d["report"]["device"].startswith("NVIDIA H200")
