@@ -129,7 +129,7 @@ const crossoverLine = {
   }};
 
 function drawSweep(sw) {
-  setText("sweep-caption", `Tokens/s against ${sw.axis === "batch" ? "batch" : "context per sequence"} (hollow: does not fit)`);
+  setText("sweep-caption", `Tokens/s against ${sw.axis === "batch" ? "batch" : "context per sequence"} (× marks: does not fit)`);
   setText("crossover", sw.crossover_text);
   const datasets = sw.lines.map((l, i) => ({
     label: l.label, data: sw.x.map((x, j) => ({x, y: l.tokens_per_s[j]})), borderColor: COLORS[i % COLORS.length],
