@@ -28,7 +28,8 @@ def ui_cmd(host: str, port: int, results: str | None, profiles: tuple[str, ...],
         app = create_app(results, profiles)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning")
+    # keep-alive longer than uvicorn's 5 s: a pooled client connection closed while a request is sent is a reset
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_keep_alive=30)
     server = uvicorn.Server(config)
     url_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
 

@@ -36,6 +36,10 @@ def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     bench = Path(__file__).parents[2] / "benchmarks/results/h200-2026-11-30/call1/bench-smollm2.json"
     if bench.is_file():
         shutil.copy(bench, root / "bench.json")
+    (root / "smol-int4").mkdir()
+    (root / "smol-int4" / "fewbits.json").write_text(json.dumps(
+        {"format": "fewbits.quantized", "version": 2, "source": "smollm2-135m", "dtype": "bfloat16",
+         "recipe": {"default": "int4-g64"}, "size_bytes": 123, "layers": {"a": 1}, "report": None}))
     (root / "notes.json").write_text(json.dumps({"hello": 1}))
     return root
 

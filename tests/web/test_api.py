@@ -161,6 +161,10 @@ def test_results_only_from_the_given_folder(client: TestClient, results_dir: Pat
     assert listing["root"] == results_dir.name
     kinds = {r["path"]: r["kind"] for r in listing["reports"]}
     assert kinds["demo/results.json"] == "demo" and "notes.json" not in kinds
+    assert kinds["smol-int4/fewbits.json"] == "quantize"
+    q = next(r["id"] for r in listing["reports"] if r["kind"] == "quantize")
+    meta = client.get(f"/api/results/{q}").json()["meta"]
+    assert meta["recipe"] == {"default": "int4-g64"} and "layers" not in meta
     demo = next(r["id"] for r in listing["reports"] if r["path"] == "demo/results.json")
     d = client.get(f"/api/results/{demo}").json()
     from fewbits.eval.report import table_text

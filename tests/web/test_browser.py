@@ -88,6 +88,8 @@ def test_explorer_defaults_show_seed_000(browser, server, artefacts) -> None:  #
     assert text(browser, "command") == ("fewbits plan --model llama-3-8b --device h100 --batch 16 --context 4096 "
                                         "--weights bf16 --kv bf16 --profile seed " + " ".join(TABLE))
     browser.save_screenshot(str(artefacts / "explorer.png"))
+    browser.find_element("id", "copy").click()
+    wait_for(browser, lambda d: text(d, "copied") == "copied", "the copy button")
     assert console_errors(browser) == []
 
 
