@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from fewbits.cost.plan import PlanResult, plan
-from fewbits.cost.profile import Profile
+from fewbits.cost.plan import PlanResult, pick_device, plan
+from fewbits.cost.profile import Profile, load_profile
 from fewbits.cost.report import plan_report
 from fewbits.cost.sweep import sweep
 from fewbits.models.spec import ModelSpec
@@ -107,9 +107,6 @@ def _sweep(s: ExploreInputs, r: PlanResult) -> dict[str, Any]:
     else:
         xs, batch, context = SWEEP_CONTEXT, (s.batch,), SWEEP_CONTEXT
         crossover = r.crossover_tokens / r.batch
-    from fewbits.cost.plan import pick_device
-    from fewbits.cost.profile import load_profile
-
     res = sweep(s.model, pick_device(s.device, load_profile(s.profile)), batch, context, formats, (r.kv,),
                 s.devices, s.profile)
     lines = []
@@ -161,5 +158,5 @@ def options(profiles: dict[str, tuple[Profile, str]] | None = None) -> dict[str,
         "models": preset_names(), "devices": devices,
         "weights": [s for s in EXAMPLE_SPECS if s != "fp32"], "kv": kv,
         "profiles": ["seed", "default", *sorted(profiles or {})], "defaults": DEFAULT_STATE,
-        "families": {k: v for k, v in FAMILIES.items()}, "groups": list(GROUPS),
+        "families": dict(FAMILIES), "groups": list(GROUPS),
     }

@@ -137,7 +137,8 @@ def test_try_bad_inputs(client: TestClient) -> None:
     for body, words in (({"bits": 9}, "bits: Input should be less than or equal to 8"),
                         ({"group": 12}, "group: Input should be 64, 32, 16 or 8"),
                         ({"weights": [0.1] * 63}, "weights: List should have at least 64 items"),
-                        ({"weights": [1e9] * 64}, "magnitude at most 1000"),
+                        ({"weights": [1e9] * 64}, "magnitude 1e-6 to 1000"),
+                        ({"weights": [1e-300] * 64}, "magnitude 1e-6 to 1000"),
                         ({"weights": [0.0] * 64}, "all zero"),
                         ({"family": "fp4", "asym": True}, "asym is for int only")):
         r = client.post("/api/try", json=body)

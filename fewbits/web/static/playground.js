@@ -7,6 +7,8 @@ let errorsChart = null;
 let seq = 0;
 function $(id) { return document.getElementById(id); }
 
+function pct(x) { return x == null ? "–" : `${(100 * x).toFixed(2)}%`; }
+
 function request() {
   const body = {family: $("family").value, bits: Number($("bits").value), group: Number($("group").value),
                 asym: $("asym").checked, outlier: $("outlier").checked, seed: Number($("seed").value)};
@@ -34,7 +36,7 @@ async function update() {
   showError("");
   setText("out-spec", r.spec);
   setText("out-scales", `${r.scales.length} scale(s) of ${r.weights_per_scale} weights`);
-  setText("out-rel", `${(100 * r.rel_error).toFixed(2)}%`);
+  setText("out-rel", pct(r.rel_error));
   setText("out-max", `max error ${r.max_error.toFixed(5)}`);
   setText("out-zeros", String(r.zeros));
   setText("out-bpw", r.bits_per_weight.toFixed(3));
@@ -81,9 +83,9 @@ async function runLayer() {
     tbody.appendChild(tr);
   };
   head("weight-only (activations stay 16-bit)");
-  for (const x of r["weight-only"]) row(`${x.name}: ${x.weights_per_scale} weights per scale`, x.bits_per_weight.toFixed(3), `${(100 * x.rel_error).toFixed(2)}%`);
+  for (const x of r["weight-only"]) row(`${x.name}: ${x.weights_per_scale} weights per scale`, x.bits_per_weight.toFixed(3), pct(x.rel_error));
   head("weights and activations in 8-bit (one scale per token)");
-  for (const x of r.w8a8) row(x.name, x.bits_per_weight.toFixed(3), `${(100 * x.rel_error).toFixed(2)}%`);
+  for (const x of r.w8a8) row(x.name, x.bits_per_weight.toFixed(3), pct(x.rel_error));
   document.body.dataset.layer = "done";
 }
 
