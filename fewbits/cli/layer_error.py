@@ -57,28 +57,25 @@ def layer_error(weights: str, rows: int, cols: int, w_std: float, outlier_channe
     Weight-only rows quantise W and keep x exact; W8A8 rows quantise W per output channel and x per token,
     for a normal token, a token with one outlier channel, and with the outlier channels kept in 16-bit.
     """
-    from fewbits.eval.layer_error import make_case, run
+    from fewbits.eval.layer_error import experiment
 
     specs = _specs(weights)
     if rows * cols > MAX_ELEMENTS:
         raise click.BadParameter(f"W of {rows} x {cols} = {rows * cols:,} values is more than this demonstration "
                                  f"draws ({MAX_ELEMENTS:,}); use smaller --rows/--cols", param_hint="--rows/--cols")
     try:
-        case = make_case(rows, cols, w_std, None if no_outlier else outlier_channel, outlier_value, seed)
-        for s in specs:
-            parse_format(s).check_shape((rows, cols), "W")
-        result = run(case, specs, threshold, scale_dtype)
+        result = experiment(specs, rows, cols, w_std, None if no_outlier else outlier_channel, outlier_value, seed,
+                            threshold, scale_dtype)
     except (ValueError, FormatError) as e:
         raise click.ClickException(str(e)) from e
     if as_json:
-        click.echo(json.dumps({k: [{"name": n, "bits_per_weight": b, "rel_error": e} for n, b, e in v]
-                               for k, v in result.items()}, indent=2))
+        click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"y = W x with W {rows}x{cols} ~ N(0, {w_std:g}), x ~ N(0, 1), seed {seed}; "
                f"relative error ||y - y_ref|| / ||y_ref||, scales in {scale_dtype}")
     click.echo("\nweight-only (activations stay 16-bit)")
-    for name, bpw, err in result["weight-only"]:
-        click.echo(f"  {name:<18} {bpw:6.3f} bits/weight   error {err:6.2%}")
+    for r in result["weight-only"]:
+        click.echo(f"  {r['name']:<18} {r['bits_per_weight']:6.3f} bits/weight   error {r['rel_error']:6.2%}")
     click.echo("\nweights and activations in 8-bit (weights per channel, activations one scale per token)")
-    for name, _, err in result["w8a8"]:
-        click.echo(f"  {name:<34} error {err:6.2%}")
+    for r in result["w8a8"]:
+        click.echo(f"  {r['name']:<34} error {r['rel_error']:6.2%}")

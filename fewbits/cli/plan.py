@@ -6,20 +6,15 @@ Pure Python + numpy on its default path (matplotlib only for --plot); never impo
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from pathlib import Path
 
 import click
 
-from fewbits.cost.devices import DeviceError
-from fewbits.cost.plan import PlanError, PlanResult, format_breakdown, plan
-from fewbits.cost.profile import ProfileError
-from fewbits.formats.format import MISFIT_POLICIES, FormatError
-from fewbits.models.spec import ModelSpecError
-
-DEFAULT_SWEEP = {"batch": (1, 8, 32, 128), "context": (1024, 4096, 16384, 65536)}
+from fewbits.cost.plan import PlanResult, format_breakdown
+from fewbits.cost.report import DEFAULT_SWEEP, plan_report
+from fewbits.formats.format import MISFIT_POLICIES
 
 
 def _parse_axes(axes: tuple[str, ...]) -> dict[str, tuple[int, ...]]:
@@ -86,29 +81,12 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
     if plot and not (Path(plot).parent.is_dir() and os.access(Path(plot).parent, os.W_OK)):
         raise click.BadParameter(f"{plot}: folder {Path(plot).parent} does not exist or is not writable",
                                  param_hint="--plot")
-    from fewbits.cost.plan import TABLE_KV, TABLE_WEIGHTS
-
     try:
-        r = plan(model, device, batch, context, weights, kv, devices, profile, activations,
-                 table_weights or TABLE_WEIGHTS, table_kv or TABLE_KV, misfit, lm_head)
-    except (ModelSpecError, DeviceError, ProfileError, FormatError, PlanError) as e:
+        rep = plan_report(model, device, batch, context, weights, kv, devices, profile, activations, table_weights,
+                          table_kv, misfit, lm_head, _parse_axes(axes) if do_sweep else None)
+    except ValueError as e:  # ModelSpecError, DeviceError, ProfileError, FormatError, PlanError
         raise click.ClickException(str(e)) from None
-    if not r.weights_fit:
-        fitting = list(dict.fromkeys(t.weights for t in r.table if t.fits))
-        usable_one = (r.memory_capacity - r.memory_headroom) / r.devices
-        need = math.ceil(r.memory_weights / usable_one)
-        hint = f"; formats that fit at this batch/context: {', '.join(fitting)}" if fitting else ""
-        hint += f"; the weights alone need at least {need} devices"
-        raise click.ClickException(
-            f"{r.model} in {r.weights} needs {r.memory_weights / 1e9:.1f} GB for its weights alone, but "
-            f"{r.devices} x {r.device} hold {r.memory_capacity / 1e9 - r.memory_headroom / 1e9:.1f} GB "
-            f"({r.memory_capacity / 1e9:.0f} GB less {r.memory_headroom / 1e9:.1f} GB headroom); try a smaller "
-            f"format or more --devices{hint}")
-    out = r.to_dict()
-    sweep_lines: list[str] = []
-    if do_sweep:
-        sweep_lines, out["sweep"] = _sweep(r, model, device, profile, activations, devices, _parse_axes(axes), misfit,
-                                           lm_head)
+    r, out, sweep_lines = rep.result, rep.data, rep.sweep_lines
     if as_json:
         click.echo(json.dumps(out, indent=2))
     else:
@@ -122,26 +100,6 @@ def plan_cmd(model: str, device: str | None, batch: int, context: int, weights: 
             _plot(r, plot)
         if not as_json:
             click.echo(f"wrote {plot}")
-
-
-def _sweep(r: PlanResult, model: str, device: str | None, profile: str, activations: str, devices: int,
-           axes: dict[str, tuple[int, ...]], misfit: str = "error", lm_head: str | None = None
-           ) -> tuple[list[str], dict]:
-    from fewbits.cost.plan import pick_device
-    from fewbits.cost.profile import load_profile
-    from fewbits.cost.sweep import format_sweep_table, summarize, sweep
-
-    try:
-        dev = pick_device(device, load_profile(profile))
-        res = sweep(model, dev, axes["batch"], axes["context"], (r.weights,), (r.kv,), devices, profile, activations,
-                    misfit, lm_head)
-        lines = summarize(res, model, dev, devices, profile, activations, misfit=misfit, lm_head=lm_head)
-    except (ModelSpecError, DeviceError, ProfileError, FormatError, ValueError) as e:
-        raise click.ClickException(str(e)) from None
-    data = {"batch": res.batch.tolist(), "context": res.context.tolist(), "time_s": res.time[0, 0].tolist(),
-            "tokens_per_s": res.tokens_per_s[0, 0].tolist(), "compute_bound": res.compute_bound[0, 0].tolist(),
-            "fits": res.fits[0, 0].tolist(), "summary": lines}
-    return ["", "sweep:", format_sweep_table(res), "", *lines], data
 
 
 def _plot(r: PlanResult, path: str) -> None:

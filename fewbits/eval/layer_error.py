@@ -92,3 +92,25 @@ def run(case: LayerCase, weights: tuple[str, ...] = DEFAULT_WEIGHTS, threshold: 
         (f"outlier kept in 16-bit (|x| > {threshold:g})", bpw8, w8a8_error(case, True, threshold, w8, a8)),
     ]
     return {"weight-only": wo, "w8a8": w8a8}
+
+
+def weights_per_scale(spec: str, shape: tuple[int, int]) -> int:
+    """How many weights of a (rows, cols) matrix share one scale in `spec` (0 for unquantised formats)."""
+    fmt = parse_format(spec)
+    rows, cols = shape
+    return {"group": fmt.group_size, "channel": cols, "tensor": rows * cols}.get(fmt.granularity, 0)
+
+
+def experiment(weights: tuple[str, ...] = DEFAULT_WEIGHTS, rows: int = 512, cols: int = 512, w_std: float = 0.02,
+               outlier_channel: int | None = 7, outlier_value: float = 20.0, seed: int = 0, threshold: float = 6.0,
+               scale_dtype: str | None = "fp64") -> dict[str, list[dict[str, object]]]:
+    """The whole experiment as `fewbits layer-error --json` prints it (and `fewbits ui` shows it):
+    {"weight-only": [{name, bits_per_weight, rel_error, weights_per_scale}], "w8a8": [...]}.
+    A format whose groups do not divide `cols` is a ValueError naming it."""
+    case = make_case(rows, cols, w_std, outlier_channel, outlier_value, seed)
+    for s in weights:
+        parse_format(s).check_shape((rows, cols), "W")
+    result = run(case, weights, threshold, scale_dtype)
+    return {k: [{"name": n, "bits_per_weight": b, "rel_error": e,
+                 "weights_per_scale": weights_per_scale(n if k == "weight-only" else "int8", (rows, cols))}
+                for n, b, e in v] for k, v in result.items()}
