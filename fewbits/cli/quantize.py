@@ -62,6 +62,7 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
 
     from fewbits import api
     from fewbits.calib import distributed
+    from fewbits.files import check_output, write_dir
     from fewbits.models.loading import load_model
     from fewbits.models.recipe import Recipe
 
@@ -88,8 +89,7 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
 
             for r in recipe.rules:  # before any work
                 gguf_type(parse_format(r.format))
-        if Path(out).exists() and not overwrite and (not Path(out).is_dir() or any(Path(out).iterdir())):
-            raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
+        check_output(out, overwrite)  # a used, foreign, read-only or too long OUT fails now, not after the work
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
@@ -110,12 +110,12 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
 
             path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite)
         elif target == "gguf":
-            from fewbits.export.files import write_dir
             from fewbits.export.gguf import export_gguf
             from fewbits.models.packaged import gguf_tokenizer_pre
 
             pre = gguf_tokenizer_pre(model)
-            path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre), overwrite)
+            path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre), overwrite,
+                             kind="gguf")
         else:
             path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
                                             overwrite=overwrite)
