@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
 import click
@@ -167,14 +165,10 @@ def _plot(r: PlanResult, path: str) -> None:
     dev = f"{r.devices}x {r.device}" if r.devices > 1 else r.device
     fig.suptitle(f"{r.model} on {dev}: batch {r.batch}, context {r.context} (profile {r.profile})", fontsize=10)
     fig.tight_layout()
+    from fewbits.files import write_file
+
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=target.suffix, dir=target.parent or ".")
-    os.close(fd)
     try:
-        fig.savefig(tmp, format=target.suffix.lstrip(".").lower(), dpi=120)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        write_file(target, lambda tmp: fig.savefig(tmp, format=target.suffix.lstrip(".").lower(), dpi=120), True)
     finally:
         plt.close(fig)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,16 +223,11 @@ class Recipe:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write as TOML (``.toml``) or JSON (anything else), atomically."""
+        from fewbits.files import write_text
+
         p = Path(path)
         text = self.to_toml() if p.suffix == ".toml" else self.to_json()
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text(p, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Recipe:
