@@ -264,17 +264,19 @@ def check_output(out: str | os.PathLike[str], overwrite: bool = False, kind: str
         raise OutputError(f"output {str(out)!r} names no new {'folder' if kind == 'dir' else 'file'}; "
                           "give a name, e.g. ./smol-int4")
     try:
-        if Path.cwd().resolve().is_relative_to(p.resolve()):
-            raise OutputError(f"output {str(out)!r} is the working folder or holds it; give another name")
-    except (OSError, RuntimeError):
-        pass
+        holds_cwd = Path.cwd().resolve().is_relative_to(p.resolve())
+    except (OSError, RuntimeError):  # no working folder, a symlink loop
+        holds_cwd = False
+    if holds_cwd:
+        raise OutputError(f"output {str(out)!r} is the working folder or holds it; give another name")
     what = "folder" if kind == "dir" else "file"
     try:
         st: os.stat_result | None = p.lstat()
     except FileNotFoundError:
         st = None
     except OSError as e:
-        raise OutputError(f"output {p}: {e.strerror}") from None
+        raise OutputError(f"output {p}: {e.strerror}" + (" (a file where a folder goes)" if e.errno == errno.ENOTDIR
+                                                          else "")) from None
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
             raise OutputError(f"output {p} is a symlink; fewbits writes a new {what} or replaces its own, "

@@ -60,9 +60,14 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
     from_pretrained) instead."""
     from pathlib import Path
 
+    from fewbits.files import check_output, write_dir
+
+    try:
+        check_output(out, overwrite)  # a used, foreign, read-only or too long OUT fails now, not after the work
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
     from fewbits import api
     from fewbits.calib import distributed
-    from fewbits.files import check_output, write_dir
     from fewbits.models.loading import load_model
     from fewbits.models.recipe import Recipe
 
@@ -89,7 +94,6 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
 
             for r in recipe.rules:  # before any work
                 gguf_type(parse_format(r.format))
-        check_output(out, overwrite)  # a used, foreign, read-only or too long OUT fails now, not after the work
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
