@@ -163,8 +163,8 @@ def test_modes_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
         def write(tmp: Path) -> None:
-            from safetensors.torch import save_file
             import torch
+            from safetensors.torch import save_file
 
             save_file({"w": torch.zeros(2)}, str(tmp / "model.safetensors"))  # safetensors makes it 0600
         out = F.write_dir(tmp_path / "o", write)

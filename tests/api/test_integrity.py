@@ -34,7 +34,7 @@ def _rewrite_tensors(out, change) -> None:
         t = {k: f.get_tensor(k) for k in f.keys()}
     change(t)
     save_file(t, str(wf), metadata=meta)
-    (out / "fewbits-manifest.json").unlink()
+    (out / "fewbits-manifest.json").unlink(missing_ok=True)
 
 
 def _refused(out, match: str) -> str:
@@ -143,7 +143,7 @@ def test_eval_refuses_a_damaged_model_without_a_traceback(saved):
 
 
 def test_a_model_saved_before_manifests_still_loads(saved, tiny):
-    (saved / "fewbits-manifest.json").unlink()
+    (saved / "fewbits-manifest.json").unlink(missing_ok=True)
     model, _, _ = api.load_quantized_model(saved, chooser="cached")
     api.use_kernels(tiny, "cached")
     ids = torch.tensor([[1, 2, 3, 4]])
