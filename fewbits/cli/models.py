@@ -24,9 +24,9 @@ def _safetensors_params(folder: Path) -> int:
 
 
 def _gguf_params(path: Path) -> int:
-    from gguf import GGUFReader
+    from fewbits.models.packaged import read_gguf
 
-    return int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+    return int(sum(int(t.n_elements) for t in read_gguf(path).tensors))
 
 
 def model_rows() -> list[dict[str, Any]]:

@@ -157,9 +157,7 @@ def gguf_tokenizer_pre(name: str) -> str | None:
     entry = packaged_entry(name)
     if entry is None or entry.gguf is None or entry.parts or not is_installed(entry):
         return None
-    from gguf import GGUFReader
-
-    field = GGUFReader(source_files(entry)[0]).fields.get("tokenizer.ggml.pre")
+    field = read_gguf(source_files(entry)[0]).fields.get("tokenizer.ggml.pre")
     return bytes(field.parts[field.data[0]]).decode() if field is not None else None
 
 
@@ -320,12 +318,23 @@ def convert_gguf(gguf: Path, out_dir: Path) -> dict[str, Any]:
             "parameters": int(sum(t.numel() for t in tensors.values())), "dtype": "float32"}
 
 
-def gguf_tensor_types(gguf: Path) -> dict[str, int]:
-    """How many tensors of each GGUF storage type the file holds, e.g. {"Q4_1": 210, "F32": 61}."""
+def read_gguf(path: str | os.PathLike[str]) -> Any:
+    """gguf-py's reader over `path` (memory-mapped: memory is bounded by the file, not by its size fields);
+    a file it cannot parse is a PackagedModelError naming it, whatever gguf-py raised."""
     from gguf import GGUFReader
 
+    try:
+        return GGUFReader(str(path))
+    except OSError as e:
+        raise PackagedModelError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except Exception as e:  # gguf-py raises ValueError, IndexError, KeyError, UnicodeDecodeError... on bad bytes
+        raise PackagedModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:160]})") from None
+
+
+def gguf_tensor_types(gguf: Path) -> dict[str, int]:
+    """How many tensors of each GGUF storage type the file holds, e.g. {"Q4_1": 210, "F32": 61}."""
     counts: dict[str, int] = {}
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in read_gguf(gguf).tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return dict(sorted(counts.items()))
 
@@ -360,5 +369,6 @@ def grid_report(weight: Any, group_size: int = 32, offset: int = 0, levels: int 
 
 
 __all__ = ["PACKAGED", "ALIASES", "PackagedModel", "PackagedModelError", "packaged_entry", "cache_root",
-           "converted_dir", "is_converted", "cache_state", "ensure_converted", "convert_gguf", "gguf_tensor_types",
+           "converted_dir", "read_gguf", "is_converted", "cache_state", "ensure_converted", "convert_gguf",
+           "gguf_tensor_types",
            "grid_report", "source_files", "source_bytes", "is_installed"]
