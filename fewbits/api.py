@@ -335,7 +335,7 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
         with safe_open(str(wf), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own types for truncated or garbled files
-        raise SavedModelError(f"{wf}: corrupt weight file ({e})") from e
+        raise SavedModelError(f"{wf}: corrupt weight file ({' '.join(str(e).split())[:300]})") from e
     check_finite(tensors, wf)
     try:
         config = transformers.AutoConfig.from_pretrained(d, trust_remote_code=False)

@@ -258,7 +258,7 @@ def load_quantized(path: str | os.PathLike) -> dict[str, QuantizedTensor]:
             header = (f.metadata() or {}).get("fewbits")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a truncated/corrupt file
-        raise FormatError(f"{path}: not a readable safetensors file ({e})") from e
+        raise FormatError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]})") from e
     if header is None:
         raise FormatError(f"{path}: no fewbits metadata; not written by fewbits")
     try:

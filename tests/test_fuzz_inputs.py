@@ -14,7 +14,6 @@ import shutil
 import struct
 import tracemalloc
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -67,10 +66,9 @@ def _clean(target: str, fn: Any, *args: Any, size: int = 0) -> None:
 # ---------------------------------------------------------------------- fewbits.json
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from tests.api.conftest import make_tiny_llama
-
     from fewbits import api
     from fewbits.models.recipe import Recipe
+    from tests.api.conftest import make_tiny_llama
 
     tiny = make_tiny_llama(hidden=32)
     recipe = Recipe.from_format("int4-g32")

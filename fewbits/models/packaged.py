@@ -328,7 +328,8 @@ def read_gguf(path: str | os.PathLike[str]) -> Any:
     except OSError as e:
         raise PackagedModelError(f"{path}: cannot be read ({e.strerror or e})") from None
     except Exception as e:  # gguf-py raises ValueError, IndexError, KeyError, UnicodeDecodeError... on bad bytes
-        raise PackagedModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e)[:160]})") from None
+        why = " ".join(str(e).split())[:160]
+        raise PackagedModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {why})") from None
 
 
 def gguf_tensor_types(gguf: Path) -> dict[str, int]:
