@@ -58,7 +58,7 @@ def read_saved_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise SavedModelError(f"{mf}: corrupt metadata ({type(e).__name__}: {str(e)[:120]})") from None
     if not isinstance(meta, dict) or meta.get("format") != SAVED_FORMAT or meta.get("version") not in READABLE_VERSIONS:
         got = "not an object" if not isinstance(meta, dict) else \
-            f"format {str(meta.get('format'))[:60]!r} version {str(meta.get('version'))[:20]!r}"
+            f"format {repr(meta.get('format'))[:60]} version {repr(meta.get('version'))[:20]}"
         raise SavedModelError(f"{mf}: {got} is not {SAVED_FORMAT!r} version "
                               f"{' or '.join(map(str, READABLE_VERSIONS))}")
     if meta["version"] == 1 and isinstance(meta.get("quantized_layers"), dict):
