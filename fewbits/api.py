@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fewbits.export.files import write_dir
+from fewbits.files import check_output, write_dir
 from fewbits.guard import QuantizeError, check_layers, refuse_if_unusable, stopped_half_way
 from fewbits.models.qlinear import (
     KernelChooser,
@@ -51,6 +51,17 @@ from fewbits.models.qlinear import (
 )
 from fewbits.models.recipe import LayerPlan, Recipe
 from fewbits.models.swap import linear_shapes, model_nbytes, swap_in, tied_parameters
+from fewbits.saved import (  # noqa: F401  (names of the api)
+    META_FILE,
+    READABLE_VERSIONS,
+    SAVED_FORMAT,
+    SAVED_VERSION,
+    WEIGHTS_FILE,
+    SavedModelError,
+    check_finite,
+    check_integrity,
+    read_saved_meta,
+)
 from fewbits.tensor import QuantizedTensor, quantize_tensor
 
 log = logging.getLogger("fewbits.api")
@@ -278,19 +289,6 @@ def _weight_bytes(mod: nn.Module) -> int:
 
 
 # ---------------------------------------------------------------------- saving and loading
-SAVED_FORMAT = "fewbits-quantized-model"
-#: 2: "layers" describes every replaced layer (kind + parameters, see models.qlinear.LAYER_KINDS);
-#: 1: "quantized_layers" held only QuantLinear weight metadata (still read)
-SAVED_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-WEIGHTS_FILE = "model.safetensors"
-META_FILE = "fewbits.json"
-
-
-class SavedModelError(ValueError):
-    """A saved quantised model directory that cannot be read (missing or corrupt files)."""
-
-
 def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.PathLike[str], tokenizer: Any = None,
                          report: QuantizeReport | None = None, source: str | None = None,
                          overwrite: bool = False) -> Path:
@@ -302,9 +300,7 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
     from safetensors.torch import save_file
 
     refuse_if_unusable(model, "save")
-    out = Path(out_dir)
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    out = check_output(out_dir, overwrite)  # before the tensors are gathered
     tensors, aliases = _dedup_state(model)
     layers = describe_layers(model)
     dtypes = {str(t.dtype) for n, t in model.named_parameters()}
@@ -321,7 +317,7 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
                   metadata={"fewbits": json.dumps({"format": SAVED_FORMAT, "version": SAVED_VERSION})})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
 
-    return write_dir(out, write, overwrite)
+    return write_dir(out, write, overwrite, kind=SAVED_FORMAT)
 
 
 def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -339,30 +335,6 @@ def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
     return kept, aliases
 
 
-def read_saved_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """fewbits.json of a saved model directory, checked for format and version; a version-1 file's
-    "quantized_layers" (packed weights only) is read as version 2's "layers" of kind "quant_linear"."""
-    d = Path(path)
-    if not d.is_dir():
-        raise SavedModelError(f"{d}: no such directory")
-    mf = d / META_FILE
-    if not mf.is_file():
-        raise SavedModelError(f"{d}: {META_FILE} is missing; not a model saved by fewbits")
-    try:
-        meta = json.loads(mf.read_text())
-    except json.JSONDecodeError as e:
-        raise SavedModelError(f"{mf}: corrupt metadata ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != SAVED_FORMAT or meta.get("version") not in READABLE_VERSIONS:
-        got = meta if not isinstance(meta, dict) else f"format {meta.get('format')!r} version {meta.get('version')!r}"
-        raise SavedModelError(f"{mf}: {got} is not {SAVED_FORMAT!r} version "
-                              f"{' or '.join(map(str, READABLE_VERSIONS))}")
-    if meta["version"] == 1 and isinstance(meta.get("quantized_layers"), dict):
-        meta["layers"] = {n: {"kind": "quant_linear", "qweight": q} for n, q in meta.pop("quantized_layers").items()}
-    if not isinstance(meta.get("layers"), dict):
-        raise SavedModelError(f"{mf}: the layer descriptions (\"layers\") are missing")
-    return meta
-
-
 def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | str | None = None
                          ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Read a directory written by `save_quantized_model` -> (model in eval mode, tokenizer or None, meta).
@@ -376,6 +348,7 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
 
     d = Path(path)
     meta = read_saved_meta(d)
+    check_integrity(d)  # sizes and sha256 against the manifest, before anything is built
     wf = d / WEIGHTS_FILE
     if not wf.is_file():
         raise SavedModelError(f"{d}: weight file {WEIGHTS_FILE} is missing")
@@ -383,37 +356,58 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
         with safe_open(str(wf), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own types for truncated or garbled files
-        raise SavedModelError(f"{wf}: corrupt weight file ({e})") from e
+        raise SavedModelError(f"{wf}: corrupt weight file ({' '.join(str(e).split())[:300]})") from e
+    check_finite(tensors, wf)
     from fewbits.models.loading import refuse_remote_code
 
     refuse_remote_code(d)  # no Python from the folder is ever run: an auto_map is refused by name
-    config = transformers.AutoConfig.from_pretrained(d, trust_remote_code=False)
+    try:
+        config = transformers.AutoConfig.from_pretrained(d, trust_remote_code=False)
+    except Exception as e:  # transformers' own errors for a missing or garbled config.json
+        raise SavedModelError(f"{d}: config.json cannot be read ({type(e).__name__}: {str(e)[:160]})") from None
     cls = getattr(transformers, meta["model_class"], None)
-    if cls is None:
-        raise SavedModelError(f"{d}: model class {meta['model_class']!r} is not known to transformers")
-    with no_init_weights():
-        model = cls._from_config(config, dtype=getattr(torch, meta["dtype"]))
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise SavedModelError(f"{d}: model class {meta['model_class']!r} is not a transformers model class")
+    archs = getattr(config, "architectures", None) or []
+    if archs and meta["model_class"] not in archs:
+        raise SavedModelError(f"{d}: {META_FILE} says {meta['model_class']}, config.json says {', '.join(archs)}")
+    try:
+        with no_init_weights():
+            model = cls._from_config(config, dtype=getattr(torch, meta["dtype"]))
+    except Exception as e:
+        raise SavedModelError(f"{d}: {meta['model_class']} cannot be built from config.json "
+                              f"({type(e).__name__}: {str(e)[:160]})") from None
     for name, lmeta in meta["layers"].items():
         try:
             want = tuple(model.get_submodule(name).weight.shape)
         except AttributeError:
-            raise SavedModelError(f"{wf}: layer {name} is not a linear layer of {meta['model_class']}") from None
+            raise SavedModelError(f"{wf}: layer {name[:80]} is not a linear layer of {meta['model_class']}") from None
         try:
             new = rebuild_layer(lmeta, tensors, name)  # the reference path until the weights are in
         except LayerMetaError as e:
             raise SavedModelError(f"{wf}: {e}") from e
+        except (AttributeError, TypeError, KeyError, ValueError) as e:
+            raise SavedModelError(f"{wf}: layer {name}: malformed description ({type(e).__name__}: {e})") from None
         if (new.out_features, new.in_features) != want:
             raise SavedModelError(f"{wf}: layer {name} was saved with shape {(new.out_features, new.in_features)}, "
                                   f"the model's layer has {want}")
         swap_in(model, name, new)
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    missing = [k for k in missing if k not in meta.get("tied", {})]
+    try:
+        missing, unexpected = model.load_state_dict(tensors, strict=False)
+    except RuntimeError as e:  # a tensor of the wrong shape
+        raise SavedModelError(f"{wf}: does not match the model ({str(e).strip().splitlines()[-1][:200]})") from None
+    missing = [k for k in missing if k not in meta["tied"]]
     if missing or unexpected:
         raise SavedModelError(f"{wf}: does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    if meta.get("tied"):
+    if meta["tied"]:
         model.tie_weights()  # the architecture's own tying, as from_pretrained does
         state = model.state_dict()
         for alias, name in meta["tied"].items():
+            if alias not in state or name not in state:
+                raise SavedModelError(f"{d}: {META_FILE} ties {alias[:80]!r} to {name[:80]!r}, "
+                                      "which the model does not have")
+            if state[alias].shape != state[name].shape:
+                raise SavedModelError(f"{d}: {META_FILE} ties {alias} to {name} of another shape")
             if state[alias].data_ptr() != state[name].data_ptr():
                 state[alias].copy_(state[name])  # the architecture did not tie them itself
     use_kernels(model, chooser)

@@ -18,13 +18,13 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fewbits.files import write_file
 from fewbits.formats.format import Format, FormatError, parse_format
 from fewbits.formats.grids import E4M3, decode_minifloat, encode_minifloat
 from fewbits.formats.packing import pack_bits, unpack_bits
@@ -188,6 +188,12 @@ class QuantizedTensor:
             got = None if self.scales is None else tuple(self.scales.shape)
             raise FormatError(f"{name}: scales {got} do not match shape {self.shape} in format {fmt.spec} "
                               f"(expected {want_scales})")
+        want_dtype = torch.uint8 if fmt.scale_dtype in ("e8m0", "e4m3") else _TORCH_SCALE[fmt.scale_dtype]
+        if self.scales.dtype != want_dtype:
+            raise FormatError(f"{name}: scales stored as {self.scales.dtype}, format {fmt.spec} stores "
+                              f"{fmt.scale_dtype} ({want_dtype}); the file was altered")
+        if not all_finite(self.scale_values()):
+            raise FormatError(f"{name}: scales hold NaN or inf values; the file is damaged")
         if (self.zeros is None) != fmt.symmetric:
             raise FormatError(f"{name}: zero points {'missing' if fmt.symmetric is False else 'unexpected'} "
                               f"for format {fmt.spec}")
@@ -197,6 +203,10 @@ class QuantizedTensor:
                               f"{self.shape} in format {fmt.spec} (expected {want_scales} {fmt.zero_dtype})")
         if fmt.tensor_scale and self.tensor_scale is None:
             raise FormatError(f"{name}: format {fmt.spec} needs a tensor scale")
+        for key in ("zeros", "tensor_scale"):
+            t = getattr(self, key)
+            if t is not None and t.is_floating_point() and not all_finite(t):
+                raise FormatError(f"{name}: {key} hold NaN or inf values; the file is damaged")
 
 
 def quantize_tensor(x: torch.Tensor, spec: str | Format, name: str = "tensor") -> QuantizedTensor:
@@ -228,7 +238,7 @@ def quantize_tensor(x: torch.Tensor, spec: str | Format, name: str = "tensor") -
 # ---------------------------------------------------------------------- files
 def save_quantized(path: str | os.PathLike, tensors: dict[str, QuantizedTensor],
                    extra_meta: dict[str, Any] | None = None) -> None:
-    """Write quantised tensors to one safetensors file, atomically (temp file, then rename)."""
+    """Write quantised tensors to one safetensors file, atomically (`fewbits.files`); replaces a regular file."""
     from safetensors.torch import save_file
 
     flat: dict[str, torch.Tensor] = {}
@@ -237,15 +247,7 @@ def save_quantized(path: str | os.PathLike, tensors: dict[str, QuantizedTensor],
         for k, v in qt.state_dict(f"{name}.").items():
             flat[k] = v.contiguous()
     header = {"fewbits": json.dumps({"version": FILE_VERSION, "tensors": meta, "extra": extra_meta or {}})}
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    os.close(fd)
-    try:
-        save_file(flat, tmp, metadata=header)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path, lambda tmp: save_file(flat, str(tmp), metadata=header), overwrite=True)
 
 
 def load_quantized(path: str | os.PathLike) -> dict[str, QuantizedTensor]:
@@ -260,10 +262,23 @@ def load_quantized(path: str | os.PathLike) -> dict[str, QuantizedTensor]:
             header = (f.metadata() or {}).get("fewbits")
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error types for a truncated/corrupt file
-        raise FormatError(f"{path}: not a readable safetensors file ({e})") from e
+        raise FormatError(f"{path}: not a readable safetensors file ({' '.join(str(e).split())[:300]})") from e
     if header is None:
         raise FormatError(f"{path}: no fewbits metadata; not written by fewbits")
-    meta = json.loads(header)
+    try:
+        meta = json.loads(header)
+    except (ValueError, RecursionError):
+        raise FormatError(f"{path}: the fewbits metadata is not valid JSON") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("tensors"), dict):
+        raise FormatError(f"{path}: the fewbits metadata is not an object with a \"tensors\" table")
     if meta.get("version") != FILE_VERSION:
         raise FormatError(f"{path}: file version {meta.get('version')!r} is not supported (reads {FILE_VERSION})")
-    return {name: QuantizedTensor.from_state_dict(tensors, f"{name}.", m) for name, m in meta["tensors"].items()}
+    out = {}
+    for name, m in meta["tensors"].items():
+        try:
+            out[name] = QuantizedTensor.from_state_dict(tensors, f"{name}.", m)
+        except FormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise FormatError(f"{path}: tensor {name}: malformed description ({type(e).__name__}: {e})") from None
+    return out

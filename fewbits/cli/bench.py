@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
 
 import click
+
+from fewbits.files import check_output, write_text
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -91,16 +90,14 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
                f"torch threads {torch.get_num_threads()}")
     click.echo(HEADER)
     try:
+        if json_out:
+            check_output(json_out, overwrite=True, kind="file")  # before the measuring
         rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
                          rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head)
-    except BenchMemoryError as exc:
+    except (BenchMemoryError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))
     if json_out:
         data = json.dumps({"model": model, "profile": prof.name, "device": dev, "random_weights": random_weights,
                            "rows": [r.to_dict() for r in rows]}, indent=1)
-        p = Path(json_out)
-        fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent or ".")
-        with os.fdopen(fd, "w") as f:
-            f.write(data)
-        os.replace(tmp, p)
+        write_text(json_out, data)

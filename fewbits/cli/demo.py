@@ -75,6 +75,7 @@ def demo_cmd(model: str, formats: str, seq_len: int, windows: int, dtype: str, o
     from fewbits.eval import report as R
     from fewbits.eval import run
     from fewbits.eval.perplexity import compare, fill_reference_cache
+    from fewbits.files import check_output
     from fewbits.models.loading import load_model
     from fewbits.models.recipe import Recipe
     from fewbits.models.swap import model_nbytes
@@ -83,6 +84,8 @@ def demo_cmd(model: str, formats: str, seq_len: int, windows: int, dtype: str, o
     specs = [s.strip() for s in formats.split(",") if s.strip()]
     try:
         recipes = {s: Recipe.from_format(s) for s in specs}  # bad specs fail before any work
+        for name in ("report.md", "results.json", "kl_vs_bits.png"):  # and an unwritable -o
+            check_output(Path(out) / name, overwrite=True, kind="file")
         try:
             plan_text = cost_plan_text(model, specs)
         except (ValueError, KeyError, ImportError) as e:
@@ -112,8 +115,7 @@ def demo_cmd(model: str, formats: str, seq_len: int, windows: int, dtype: str, o
                "overall": {"ppl": rows[0]["overall"]["ref_ppl"]} if rows else {"ppl": float("nan")}}
     table = R.table_text(rows, ref_row)
     click.echo("\n== quality against the unquantised model ==\n" + table)
-    o = Path(out)
-    o.mkdir(parents=True, exist_ok=True)
+    o = Path(out)  # each file below is written whole (fewbits.files) and replaces only a regular file
     R.plot_kl_vs_bits(rows, o / "kl_vs_bits.png", title=f"{model}: round-to-nearest, KL against bits per weight")
     wall = time.perf_counter() - t0
     results = {"model": model, "dtype": dtype, "protocol": protocol.to_dict(), "reference_size_bytes": ref_bytes,

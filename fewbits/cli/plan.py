@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import click
@@ -173,12 +172,7 @@ def sweep_figure(data: dict, r: PlanResult):  # noqa: ANN201 - a matplotlib Figu
 
 def _save(fig, path: str) -> None:  # noqa: ANN001
     """Write a figure to `path` (png or svg): a temporary file in the same folder, then renamed."""
+    from fewbits.files import write_file
+
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=target.suffix, dir=target.parent or ".")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, format=target.suffix.lstrip(".").lower(), dpi=120)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(target, lambda tmp: fig.savefig(tmp, format=target.suffix.lstrip(".").lower(), dpi=120), True)

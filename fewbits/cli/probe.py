@@ -23,6 +23,7 @@ def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, d
 
     from fewbits.bench.probe import build_profile
     from fewbits.cost.profile import save_profile
+    from fewbits.files import check_output
     from fewbits.generate import check_device
     from fewbits.models.presets import resolve_model
 
@@ -33,6 +34,10 @@ def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, d
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--device") from None
     spec = resolve_model(model)
+    try:
+        check_output(output, overwrite=True, kind="file")  # before minutes of measuring
+    except OSError as exc:
+        raise click.ClickException(str(exc)) from None
     prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo, device=dev)
     save_profile(prof, output)
     click.echo(f"wrote {output} ({prof.measured['probe_seconds']:.0f} s of measurement)")

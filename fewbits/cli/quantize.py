@@ -65,6 +65,12 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
     from_pretrained) instead."""
     from pathlib import Path
 
+    from fewbits.files import check_output, write_dir
+
+    try:
+        check_output(out, overwrite)  # a used, foreign, read-only or too long OUT fails now, not after the work
+    except OSError as e:
+        raise click.ClickException(str(e)) from None
     from fewbits import api
     from fewbits.calib import distributed
     from fewbits.models.loading import load_model
@@ -93,8 +99,6 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
 
             for r in recipe.rules:  # before any work
                 gguf_type(parse_format(r.format))
-        if Path(out).exists() and not overwrite and (not Path(out).is_dir() or any(Path(out).iterdir())):
-            raise FileExistsError(f"{out} exists; pass --overwrite to replace it")
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
@@ -115,12 +119,12 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
 
             path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite)
         elif target == "gguf":
-            from fewbits.export.files import write_dir
             from fewbits.export.gguf import export_gguf
             from fewbits.models.packaged import gguf_tokenizer_pre
 
             pre = gguf_tokenizer_pre(model)
-            path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre), overwrite)
+            path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre), overwrite,
+                             kind="gguf")
         else:
             path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
                                             overwrite=overwrite)

@@ -67,8 +67,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -285,16 +283,9 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
 
 def save_profile(profile: Profile, path: str | Path) -> None:
     """Write `profile` as JSON atomically (temporary file in the same folder, then rename)."""
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=p.name + ".", suffix=".tmp", dir=p.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(profile.to_dict(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from fewbits.files import write_text  # stdlib only: the cost path stays free of torch
+
+    write_text(path, json.dumps(profile.to_dict(), indent=2) + "\n")
 
 
 _ALL = dict.fromkeys(FAMILIES, 0.8)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -45,16 +44,9 @@ def table_text(rows: Sequence[Mapping[str, Any]], ref_row: Mapping[str, Any] | N
 
 def write_atomic(path: str | os.PathLike[str], data: str | bytes) -> None:
     """Write to a temporary file beside `path`, then rename it over `path`."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from fewbits.files import write_bytes
+
+    write_bytes(path, data.encode() if isinstance(data, str) else data)  # fewbits.files: the one writer
 
 
 def write_json(path: str | os.PathLike[str], results: Mapping[str, Any]) -> None:
@@ -87,15 +79,9 @@ def plot_kl_vs_bits(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[s
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=p.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    from fewbits.files import write_file
+
+    write_file(path, lambda tmp: fig.savefig(tmp, format=Path(path).suffix.lstrip(".").lower() or "png"), True)
 
 
 def kl_by_category_figure(row: Mapping[str, Any], title: str = "") -> Any:
@@ -132,15 +118,10 @@ def kl_by_category_figure(row: Mapping[str, Any], title: str = "") -> Any:
 def plot_kl_by_category(row: Mapping[str, Any], path: str | os.PathLike[str], title: str = "") -> None:
     """`kl_by_category_figure` written to `path` (temporary file, then rename)."""
     fig = kl_by_category_figure(row, title)
+    from fewbits.files import write_file
+
     p = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=p.parent if str(p.parent) else ".", prefix=f".{p.name}.", suffix=p.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp)
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(p, lambda tmp: fig.savefig(tmp, format=p.suffix.lstrip(".").lower() or "png"), True)
 
 
 def _lower_front(pts: Sequence[tuple[float, float, str]]) -> list[tuple[float, float, str]]:

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from fewbits.export.common import ExportError, quantised_layers
-from fewbits.export.files import write_dir
+from fewbits.files import check_output, write_dir
 from fewbits.formats.format import Format
 from fewbits.formats.packing import pack_bits
 from fewbits.models.qlinear import QuantLinear
@@ -119,6 +119,7 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str],
     """Write `model` (after `fewbits.api.quantize`) as a compressed-tensors checkpoint in `out_dir`."""
     from safetensors.torch import save_file
 
+    check_output(out_dir, overwrite)  # before the tensors are converted
     layers = quantised_layers(model, "compressed-tensors")
     schemes = {name: _scheme(m.qweight.fmt) for name, m in layers.items()}  # refuses before writing
     tensors: dict[str, torch.Tensor] = {}
@@ -164,4 +165,4 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str],
             tokenizer.save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
 
-    return write_dir(Path(out_dir), write, overwrite)
+    return write_dir(Path(out_dir), write, overwrite, kind="compressed-tensors")

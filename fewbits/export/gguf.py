@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from fewbits.export.common import ExportError, quantised_layers
-from fewbits.export.files import write_file
+from fewbits.files import check_output, write_file
 from fewbits.formats.format import Format, parse_format
 from fewbits.tensor import QuantizedTensor
 
@@ -161,9 +161,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
     """Write `model` (after `fewbits.api.quantize`) and `tokenizer` as one GGUF file at `out_path`."""
     import gguf
 
-    out = Path(out_path)
-    if out.exists() and not overwrite:  # before the work; write_file checks again
-        raise FileExistsError(f"{out} exists; pass overwrite=True (--overwrite) to replace it")
+    out = check_output(out_path, overwrite, "file")  # before the work; write_file checks again
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     arch = gguf_arch(model)
     layers = quantised_layers(model, "GGUF", require=False)  # a 16-bit model is written as it is

@@ -117,7 +117,18 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"weight file {path} is corrupt: unreadable safetensors header ({exc})") from None
     except OSError as exc:
         raise ModelLoadError(f"weight file {path} cannot be read: {exc}") from None
-    end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"weight file {path} is corrupt: its header is a {type(header).__name__}, not an object")
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        offs = v.get("data_offsets") if isinstance(v, dict) else None
+        shape = v.get("shape") if isinstance(v, dict) else None
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int and o >= 0 for o in offs)
+                and offs[0] <= offs[1] and isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)
+                and isinstance(v.get("dtype"), str)):
+            raise ModelLoadError(f"weight file {path} is corrupt: tensor {str(k)[:80]!r} is described wrongly")
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end != size:
         raise ModelLoadError(f"weight file {path} is corrupt or truncated: header describes "
                              f"{8 + n + end} bytes, file has {size}")

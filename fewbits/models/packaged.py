@@ -33,13 +33,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fewbits.files import IntegrityError, OutputError, clean_stale, verify_dir, write_dir
 
 #: file written into every converted directory, describing where it came from
 SOURCE_FILE = "fewbits_source.json"
@@ -155,9 +157,7 @@ def gguf_tokenizer_pre(name: str) -> str | None:
     entry = packaged_entry(name)
     if entry is None or entry.gguf is None or entry.parts or not is_installed(entry):
         return None
-    from gguf import GGUFReader
-
-    field = GGUFReader(source_files(entry)[0]).fields.get("tokenizer.ggml.pre")
+    field = read_gguf(source_files(entry)[0]).fields.get("tokenizer.ggml.pre")
     return bytes(field.parts[field.data[0]]).decode() if field is not None else None
 
 
@@ -169,6 +169,13 @@ def source_bytes(entry: PackagedModel) -> int:
     return total
 
 
+def _require(name: str) -> PackagedModel:
+    entry = packaged_entry(name)
+    if entry is None:
+        raise PackagedModelError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED)}")
+    return entry
+
+
 def converted_dir(name: str) -> Path:
     """Where the Hugging Face directory of packaged model `name` lives (converted or not)."""
     entry = _require(name)
@@ -177,40 +184,64 @@ def converted_dir(name: str) -> Path:
     return cache_root() / entry.name
 
 
-def is_converted(name: str) -> bool:
-    """True when the cached directory exists and was written by this conversion version."""
+def is_converted(name: str, full: bool = False) -> bool:
+    """True when the cached directory is complete and was written by this conversion version (`cache_state`)."""
+    return cache_state(name, full)[0] == "converted"
+
+
+def cache_state(name: str, full: bool = False) -> tuple[str, str]:
+    """("converted" | "missing" | "stale" | "damaged", why) of the cached directory of `name`.
+
+    Every use checks the files against the manifest's sizes (a killed or full-disk conversion, a truncated
+    file); `full` also checks their sha256 (what `fewbits models` does: a bit flip)."""
     entry = _require(name)
     if entry.model_dir is not None:
-        return is_installed(entry)
-    meta = cache_root() / entry.name / SOURCE_FILE
+        return ("converted", "") if is_installed(entry) else ("missing", "not installed")
+    target = cache_root() / entry.name
+    if not target.is_dir():
+        return "missing", "not converted yet"
     try:
-        return json.loads(meta.read_text()).get("conversion_version") == CONVERSION_VERSION
-    except (OSError, ValueError):
-        return False
+        version = json.loads((target / SOURCE_FILE).read_bytes()).get("conversion_version")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return "damaged", f"{target / SOURCE_FILE} is missing or unreadable"
+    if version != CONVERSION_VERSION:
+        return "stale", f"converted by conversion version {version!r}, this fewbits writes {CONVERSION_VERSION}"
+    try:
+        man = verify_dir(target, full=full)
+    except IntegrityError as e:
+        return "damaged", str(e)
+    if man is None:  # converted before manifests: the weight file's own header must describe its size
+        from fewbits.models.loading import ModelLoadError, read_safetensors_header
+
+        try:
+            read_safetensors_header(target / "model.safetensors")
+        except ModelLoadError as e:
+            return "damaged", str(e)
+    return "converted", ""
 
 
-def _require(name: str) -> PackagedModel:
-    entry = packaged_entry(name)
-    if entry is None:
-        raise PackagedModelError(f"unknown packaged model {name!r}; known: {', '.join(PACKAGED)}")
-    return entry
-
-
-def ensure_converted(name: str, log: Callable[[str], None] | None = None) -> Path:
+def ensure_converted(name: str, log: Callable[[str], None] | None = None, full: bool = False) -> Path:
     """Path of the Hugging Face directory of packaged model `name`, converting its GGUF first if needed.
 
     Conversion (once per machine) reads the GGUF with transformers, writes float32 safetensors, the
-    config, the generation config and the tokenizer into a temporary folder next to the cache entry,
-    then renames it into place.  Two processes converting at once both succeed; the later rename loses."""
+    config, the generation config and the tokenizer into a temporary folder next to the cache entry
+    (`fewbits.files.write_dir`: manifest last, then renamed into place).  A damaged or stale entry is
+    reported through `log` and converted again; temporaries of killed conversions are removed first.  Two
+    processes converting at once both succeed; the later one keeps the entry the first put in place."""
     entry = _require(name)
     target = converted_dir(entry.name)
-    if is_converted(entry.name):
+    if entry.model_dir is not None:
         return target
-    sources = source_files(entry)
     root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=root))
-    try:
+    clean_stale(root, entry.name, legacy=re.compile(rf"\.{re.escape(entry.name)}\.[a-z0-9_]{{8}}"))
+    state, why = cache_state(entry.name, full)
+    if state == "converted":
+        return target
+    if state in ("damaged", "stale") and log:
+        log(f"cached {entry.name} is {state} ({why}); converting it again")
+    sources = source_files(entry)
+
+    def write(tmp: Path) -> None:
         t0 = time.perf_counter()
         if entry.parts:
             gguf = tmp / ".source" / str(entry.gguf)
@@ -225,22 +256,14 @@ def ensure_converted(name: str, log: Callable[[str], None] | None = None) -> Pat
                     published=entry.published, conversion_version=CONVERSION_VERSION,
                     convert_seconds=round(time.perf_counter() - t0, 1))
         (tmp / SOURCE_FILE).write_text(json.dumps(info, indent=2) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is shared like any other
-        if target.exists():  # stale version, or another process finished first
-            if is_converted(entry.name):
-                shutil.rmtree(tmp, ignore_errors=True)
-                return target
-            shutil.rmtree(target)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process renamed its copy into place in between
-            if not is_converted(entry.name):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+
+    def keep_existing(_: Path) -> bool:  # another process finished first
+        return is_converted(entry.name)
+
+    try:
+        return write_dir(target, write, overwrite=True, kind="packaged-model", keep_existing=keep_existing)
+    except OutputError as e:
+        raise PackagedModelError(f"packaged model {entry.name!r}: cannot write the cache: {e}") from None
 
 
 def _join_parts(parts: list[Path], out: Path) -> None:
@@ -296,12 +319,24 @@ def convert_gguf(gguf: Path, out_dir: Path) -> dict[str, Any]:
             "parameters": int(sum(t.numel() for t in tensors.values())), "dtype": "float32"}
 
 
-def gguf_tensor_types(gguf: Path) -> dict[str, int]:
-    """How many tensors of each GGUF storage type the file holds, e.g. {"Q4_1": 210, "F32": 61}."""
+def read_gguf(path: str | os.PathLike[str]) -> Any:
+    """gguf-py's reader over `path` (memory-mapped: memory is bounded by the file, not by its size fields);
+    a file it cannot parse is a PackagedModelError naming it, whatever gguf-py raised."""
     from gguf import GGUFReader
 
+    try:
+        return GGUFReader(str(path))
+    except OSError as e:
+        raise PackagedModelError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except Exception as e:  # gguf-py raises ValueError, IndexError, KeyError, UnicodeDecodeError... on bad bytes
+        why = " ".join(str(e).split())[:160]
+        raise PackagedModelError(f"{path}: not a readable GGUF file ({type(e).__name__}: {why})") from None
+
+
+def gguf_tensor_types(gguf: Path) -> dict[str, int]:
+    """How many tensors of each GGUF storage type the file holds, e.g. {"Q4_1": 210, "F32": 61}."""
     counts: dict[str, int] = {}
-    for t in GGUFReader(str(gguf)).tensors:
+    for t in read_gguf(gguf).tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
     return dict(sorted(counts.items()))
 
@@ -336,5 +371,6 @@ def grid_report(weight: Any, group_size: int = 32, offset: int = 0, levels: int 
 
 
 __all__ = ["PACKAGED", "ALIASES", "PackagedModel", "PackagedModelError", "packaged_entry", "cache_root",
-           "converted_dir", "is_converted", "ensure_converted", "convert_gguf", "gguf_tensor_types",
+           "converted_dir", "read_gguf", "is_converted", "cache_state", "ensure_converted", "convert_gguf",
+           "gguf_tensor_types",
            "grid_report", "source_files", "source_bytes", "is_installed"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -184,14 +183,26 @@ class Recipe:
         unknown = set(d) - {"version", "misfit", "ignore", "rules"}
         if unknown:
             raise RecipeError(f"recipe has unknown keys {sorted(unknown)}")
+        raw_rules, ignore = d.get("rules", []), d.get("ignore", DEFAULT_IGNORE)
+        if not isinstance(raw_rules, list) or not all(isinstance(r, Mapping) for r in raw_rules):
+            raise RecipeError("recipe \"rules\" must be a list of tables (pattern, format, method, options)")
+        if not isinstance(ignore, (list, tuple)) or not all(isinstance(p, str) for p in ignore):
+            raise RecipeError("recipe \"ignore\" must be a list of patterns (strings)")
         rules = []
-        for i, r in enumerate(d.get("rules", [])):
+        for i, r in enumerate(raw_rules):
             extra = set(r) - {"pattern", "format", "method", "options"}
             if extra or "pattern" not in r or "format" not in r:
                 raise RecipeError(f"recipe rule {i} needs 'pattern' and 'format' (and optional 'method', "
-                                  f"'options'); got keys {sorted(r)}")
-            rules.append(Rule(r["pattern"], r["format"], r.get("method", "rtn"), r.get("options", {})))
-        return cls(tuple(rules), tuple(d.get("ignore", DEFAULT_IGNORE)), d.get("misfit", "error"))
+                                  f"'options'); got keys {sorted(map(str, r))[:8]}")
+            method, options = r.get("method", "rtn"), r.get("options", {})
+            if not all(isinstance(v, str) for v in (r["pattern"], r["format"], method)):
+                raise RecipeError(f"recipe rule {i}: 'pattern', 'format' and 'method' must be strings")
+            if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+                raise RecipeError(f"recipe rule {i}: 'options' must be a table of named values")
+            rules.append(_checked(f"recipe rule {i}", Rule, r["pattern"], r["format"], method, dict(options)))
+        if not isinstance(d.get("misfit", "error"), str):
+            raise RecipeError("recipe \"misfit\" must be a string: error, keep or regroup")
+        return _checked("recipe", cls, tuple(rules), tuple(ignore), d.get("misfit", "error"))
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -200,7 +211,7 @@ class Recipe:
     def from_json(cls, text: str) -> Recipe:
         try:
             return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError) as e:
             raise RecipeError(f"recipe is not valid JSON: {e}") from None
 
     def to_toml(self) -> str:
@@ -224,24 +235,34 @@ class Recipe:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write as TOML (``.toml``) or JSON (anything else), atomically."""
+        from fewbits.files import write_text
+
         p = Path(path)
         text = self.to_toml() if p.suffix == ".toml" else self.to_json()
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            os.replace(tmp, p)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_text(p, text)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Recipe:
         p = Path(path)
         if not p.is_file():
             raise RecipeError(f"recipe file {p} does not exist")
-        text = p.read_text()
+        try:
+            text = p.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"recipe file {p} is not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise RecipeError(f"recipe file {p} cannot be read ({e.strerror})") from None
         return cls.from_toml(text) if p.suffix == ".toml" else cls.from_json(text)
+
+
+def _checked(what: str, build: Any, *args: Any) -> Any:
+    """build(*args); an error that is not one of fewbits' own (a bad regex, a wrong type) as a RecipeError."""
+    try:
+        return build(*args)
+    except Exception as e:
+        if (type(e).__module__ or "").startswith("fewbits"):
+            raise
+        raise RecipeError(f"{what}: {type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
 
 
 def _toml(v: Any) -> str:

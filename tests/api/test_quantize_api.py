@@ -103,7 +103,8 @@ def test_save_load_identical_logits(tiny, tmp_path, spec):
     rep = api.quantize(tiny, recipe, progress=False)
     want = logits(tiny)
     out = api.save_quantized_model(tiny, recipe, tmp_path / "q", report=rep, source="tiny")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "fewbits.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "fewbits-manifest.json", "fewbits.json",
+                                                        "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["q"]  # no temporary directory left
     m2, tok, meta = api.load_quantized_model(out)
     assert tok is None and meta["source"] == "tiny" and meta["recipe"] == recipe.to_dict()
@@ -130,10 +131,18 @@ def test_save_refuses_existing_and_failed_save_writes_nothing(tiny, tmp_path, mo
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
     with pytest.raises(OSError, match="disk full"):
         api.save_quantized_model(tiny, recipe, tmp_path / "new")
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match="fewbits did not write"):  # not a fewbits output: never replaced
         api.save_quantized_model(tiny, recipe, tmp_path / "q", overwrite=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
     assert (tmp_path / "q" / "keep.txt").read_text() == "mine"  # the old directory is untouched
+    monkeypatch.undo()
+    api.save_quantized_model(tiny, recipe, tmp_path / "saved")
+    before = sorted((p.name, p.read_bytes()) for p in (tmp_path / "saved").iterdir())
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    with pytest.raises(OSError, match="disk full"):  # an earlier fewbits output: replaced only when whole
+        api.save_quantized_model(tiny, recipe, tmp_path / "saved", overwrite=True)
+    assert sorted((p.name, p.read_bytes()) for p in (tmp_path / "saved").iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q", "saved"]
 
 
 def test_missing_and_corrupt_files_are_clear_errors(tiny, tmp_path):
@@ -143,10 +152,15 @@ def test_missing_and_corrupt_files_are_clear_errors(tiny, tmp_path):
     wf = out / "model.safetensors"
     data = wf.read_bytes()
     wf.write_bytes(data[: len(data) // 2])
+    with pytest.raises(api.SavedModelError, match="manifest says .*truncated"):
+        api.load_quantized_model(out)
+    manifest = (out / "fewbits-manifest.json").read_bytes()
+    (out / "fewbits-manifest.json").unlink()  # a folder saved before manifests: the file's own check
     with pytest.raises(api.SavedModelError, match="corrupt weight file"):
         api.load_quantized_model(out)
+    (out / "fewbits-manifest.json").write_bytes(manifest)
     wf.unlink()
-    with pytest.raises(api.SavedModelError, match="model.safetensors is missing"):
+    with pytest.raises(api.SavedModelError, match="model.safetensors: listed in the manifest but missing"):
         api.load_quantized_model(out)
     with pytest.raises(api.SavedModelError, match="no such directory"):
         api.load_quantized_model(tmp_path / "nothing")
@@ -165,6 +179,9 @@ def test_load_detects_tampered_codes(tiny, tmp_path):
     name = "model.layers.0.mlp.up_proj.qweight_codes"
     t[name] = t[name][:, :-1].contiguous()
     save_file(t, out / "model.safetensors")
+    with pytest.raises(api.SavedModelError, match="manifest says"):
+        api.load_quantized_model(out)
+    (out / "fewbits-manifest.json").unlink()  # without the manifest, the shapes still give it away
     with pytest.raises(api.SavedModelError, match="up_proj.*codes"):
         api.load_quantized_model(out)
 

@@ -64,6 +64,10 @@ def test_saved_model_with_auto_map_refused(tmp_path: Path, tiny_llama) -> None:
     out = api.save_quantized_model(tiny_llama, api.Recipe.from_format("int8"), tmp_path / "q")
     (out / "evil.py").write_text(EVIL)
     _add_auto_map(out, "config.json")
+    from fewbits.manifest import MANIFEST, finish_dir
+
+    (out / MANIFEST).unlink()
+    finish_dir(out, "fewbits")  # a crafted folder with a matching manifest: the auto_map itself is refused
     with pytest.raises(ModelLoadError, match="auto_map"):
         api.load_quantized_model(out)
     assert not (out / "RAN").exists()
