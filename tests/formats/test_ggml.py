@@ -3,6 +3,7 @@ its quantisers (the 32-weight types, byte for byte), its block sizes; K-quant gr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,3 +143,34 @@ def test_float64_input_quantises_as_float32():
     a = ggml.quantize(w, parse_format("q4_k"))
     b = ggml.quantize(w.float(), parse_format("q4_k"))
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.slow
+def test_q4_1_reproduces_the_published_smollm2_file(smollm2_dir):
+    """The packaged SmolLM2 was published as Q4_1 by llama.cpp; fewbits' q4_1 round-to-nearest of its weights
+    (converted from that file) writes the published blocks again, byte for byte (all 210 tensors do; five
+    layers here).  q and k are compared in llama.cpp's rotary row order."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from fewbits.export.gguf import _permute_rows
+    from fewbits.models.packaged import packaged_entry, source_files
+
+    hf = {"ffn_down": "mlp.down_proj", "ffn_up": "mlp.up_proj", "ffn_gate": "mlp.gate_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj"}
+    fmt = parse_format("q4_1")
+    checked = 0
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as f:
+        for t in GGUFReader(source_files(packaged_entry("smollm2-135m"))[0]).tensors:
+            parts = t.name.split(".")
+            if t.tensor_type.name != "Q4_1" or int(parts[1]) >= 5:
+                continue
+            w = f.get_tensor(f"model.layers.{parts[1]}.{hf[parts[2]]}.weight").float()
+            if parts[2] in ("attn_q", "attn_k"):
+                w = w[_permute_rows(w.shape[0], 9 if parts[2] == "attn_q" else 3)]
+            codes, header = ggml.quantize(w, fmt)
+            assert torch.equal(ggml.to_gguf_blocks(codes, header, fmt).reshape(-1),
+                               torch.from_numpy(np.array(t.data)).reshape(-1)), t.name
+            checked += 1
+    assert checked == 35
