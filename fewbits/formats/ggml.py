@@ -204,8 +204,9 @@ def _quantize_k(x: torch.Tensor, t: GGMLType) -> tuple[torch.Tensor, torch.Tenso
     rmin, nstep = (-1.0, 20) if t.name == "q4_k" else (-0.5, 15)
     scales, mins, L = _make_qkx2(xs, weights, nmax, rmin, 0.1, nstep)
     scales, mins, L = scales.reshape(n, nsub), mins.reshape(n, nsub), L.reshape(n, t.block)
-    max_scale = scales.amax(1).clamp(min=0)
-    max_min = mins.amax(1).clamp(min=0)
+    max_scale, max_min = scales.amax(1), mins.amax(1)  # C starts both at +0 and takes only larger values
+    max_scale = torch.where(max_scale > 0, max_scale, torch.zeros_like(max_scale))
+    max_min = torch.where(max_min > 0, max_min, torch.zeros_like(max_min))
     inv_scale = torch.where(max_scale > 0, 63 / torch.where(max_scale > 0, max_scale, 1), 0)
     inv_min = torch.where(max_min > 0, 63 / torch.where(max_min > 0, max_min, 1), 0)
     ls = torch.round(inv_scale[:, None] * scales).clamp(max=63)

@@ -66,6 +66,8 @@ def test_round_to_nearest_through_quantize_tensor(spec):
     want = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), _qtype(spec)))
     assert torch.equal(qt.dequantize(), want.reshape(w.shape))
     assert torch.equal(qt.dequantize()[1, :256], torch.zeros(256))  # an all-zero block stays zero
+    if fmt.group_size == 256:  # with +0 scales, as llama.cpp's maxima start at +0 (no -0.0 sign bit)
+        assert int(qt.scales[1, :GGML_TYPES[spec].header_bytes].sum()) == 0
     rel = (qt.dequantize() - w).norm() / w.norm()
     assert rel < {4: 0.2, 5: 0.1, 6: 0.05, 8: 0.01}[fmt.bits], float(rel)
 
