@@ -415,3 +415,25 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
     if any((d / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt")):
         tokenizer = transformers.AutoTokenizer.from_pretrained(d, trust_remote_code=False)
     return model.eval(), tokenizer, meta
+
+
+def load_checkpoint(path: str | os.PathLike[str], chooser: KernelChooser | str | None = None
+                    ) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """Any checkpoint `fewbits eval` scores -> (model in eval mode, tokenizer or None, info).
+
+    A fewbits directory loads as `load_quantized_model` does (with `chooser`); a GGUF file, a
+    compressed-tensors, GPTQ or AWQ directory loads dequantised (models/external.py).  info: "kind",
+    "format", "method", "bits_per_weight" of the quantised linear weights, "size_bytes", "source" (the
+    model it was made from, where the checkpoint records it)."""
+    from fewbits.models.external import checkpoint_kind, load_external
+    from fewbits.models.swap import model_nbytes
+
+    if checkpoint_kind(path) != "fewbits":
+        model, info = load_external(path)
+        return model, None, {**info, "size_bytes": info.get("file_bytes"), "source": None}
+    model, tok, meta = load_quantized_model(path, chooser)
+    rules = Recipe.from_dict(meta["recipe"]).rules
+    return model, tok, {"kind": "fewbits", "format": ", ".join(sorted({r.format for r in rules})),
+                        "method": ", ".join(sorted({r.method for r in rules})), "source": meta.get("source"),
+                        "bits_per_weight": (meta.get("report") or {}).get("bits_per_weight"),
+                        "size_bytes": model_nbytes(model), "meta": meta}

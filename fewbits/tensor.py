@@ -26,6 +26,7 @@ import torch
 
 from fewbits.files import write_file
 from fewbits.formats.format import Format, FormatError, parse_format
+from fewbits.formats.ggml_types import GGML_TYPES
 from fewbits.formats.grids import E4M3, decode_minifloat, encode_minifloat
 from fewbits.formats.packing import pack_bits, unpack_bits
 from fewbits.formats.quant import (
@@ -46,6 +47,8 @@ _FLOAT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 
 def _store_scale(s: torch.Tensor, fmt: Format, ts: torch.Tensor | None) -> torch.Tensor:
     """float32 scales -> the dtype they are stored in."""
+    if fmt.kind == "ggml":  # block header bytes (formats/ggml.py)
+        return s.round().to(torch.uint8)
     if fmt.scale_dtype == "e8m0":
         return (torch.log2(s) + 127).round().to(torch.uint8)
     if fmt.scale_dtype == "e4m3":
@@ -54,7 +57,9 @@ def _store_scale(s: torch.Tensor, fmt: Format, ts: torch.Tensor | None) -> torch
 
 
 def _load_scale(s: torch.Tensor, fmt: Format, ts: torch.Tensor | None) -> torch.Tensor:
-    """Stored scales -> float32 effective scales."""
+    """Stored scales -> float32 effective scales (for llama.cpp block types: the header bytes)."""
+    if fmt.kind == "ggml":
+        return s.float()
     if fmt.scale_dtype == "e8m0":
         return torch.exp2(s.float() - 127)
     if fmt.scale_dtype == "e4m3":
@@ -184,11 +189,14 @@ class QuantizedTensor:
                               f"shape {self.shape} in format {fmt.spec} (expected {want_codes} uint8)")
         ng = 1 if fmt.granularity == "tensor" else n_groups(fmt, cols)
         want_scales = (1, 1) if fmt.granularity == "tensor" else (rows, ng)
+        if fmt.kind == "ggml":  # header bytes per block
+            want_scales = (rows, ng * GGML_TYPES[fmt.element].header_bytes)
         if self.scales is None or tuple(self.scales.shape) != want_scales:
             got = None if self.scales is None else tuple(self.scales.shape)
             raise FormatError(f"{name}: scales {got} do not match shape {self.shape} in format {fmt.spec} "
                               f"(expected {want_scales})")
-        want_dtype = torch.uint8 if fmt.scale_dtype in ("e8m0", "e4m3") else _TORCH_SCALE[fmt.scale_dtype]
+        byte_scales = fmt.kind == "ggml" or fmt.scale_dtype in ("e8m0", "e4m3")  # ggml: raw block headers
+        want_dtype = torch.uint8 if byte_scales else _TORCH_SCALE[fmt.scale_dtype]
         if self.scales.dtype != want_dtype:
             raise FormatError(f"{name}: scales stored as {self.scales.dtype}, format {fmt.spec} stores "
                               f"{fmt.scale_dtype} ({want_dtype}); the file was altered")

@@ -11,7 +11,7 @@ from fewbits.cli.quantize import DTYPES
 
 
 @click.command("eval")
-@click.argument("quantized", type=click.Path(file_okay=False))
+@click.argument("quantized", type=click.Path())
 @click.option("--ref", default=None,
               help="reference model (packaged name or directory); default: the model it was made from")
 @click.option("--text", "text_files", multiple=True, type=click.Path(dir_okay=False),
@@ -34,7 +34,10 @@ from fewbits.cli.quantize import DTYPES
 def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names: tuple[str, ...], seq_len: int,
              windows: int, dtype: str, kernel: str, json_out: str | None, plot_out: str | None, quiet: bool) -> None:
     """Perplexity, KL(ref || quant) mean and 99th percentile, top-1 agreement, per text category
-    (causal models), or sentence-embedding cosine (encoders), against the reference model."""
+    (causal models), or sentence-embedding cosine (encoders), against the reference model.
+
+    QUANTIZED: a directory fewbits saved, a GGUF file (any type gguf-py reads), or a compressed-tensors,
+    GPTQ or AWQ directory (these need --ref)."""
     from fewbits import api
     from fewbits.eval import report as R
     from fewbits.eval import run
@@ -54,19 +57,16 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
             if target:
                 check_output(target, overwrite=True, kind="file")
         texts = run.eval_texts(text_files, names)
-        model, tok, meta = api.load_quantized_model(quantized, chooser=api.kernel_chooser(kernel))
-        ref_name = ref or meta.get("source")
+        model, tok, info = api.load_checkpoint(quantized, chooser=api.kernel_chooser(kernel))
+        ref_name = ref or info.get("source")
         if not ref_name:
             raise ValueError(f"{quantized} does not record the model it was made from; pass --ref MODEL")
         ref_model, ref_tok = load_model(ref_name, dtype=dtype)
-        rep = meta.get("report") or {}
-        fmt = ", ".join(sorted({r.format for r in _rules(meta)}))
-        method = ", ".join(sorted({r.method for r in _rules(meta)}))
+        fmt, method, bpw, size = info["format"], info["method"], info["bits_per_weight"], info["size_bytes"]
         if run.is_causal_lm(model):
             wins, protocol = run.causal_windows(ref_tok, texts, seq_len, windows or None)
             cmp = compare(model.to(ref_model.dtype), ref_model, wins, progress=not quiet)
-            row = run.result_row(method, fmt, rep.get("bits_per_weight"), model_nbytes(model),
-                                 model_nbytes(ref_model), cmp)
+            row = run.result_row(method, fmt, bpw, size, model_nbytes(ref_model), cmp)
             click.echo(protocol.text())
             click.echo(f"reference: {ref_name} ({dtype}); quantised: {quantized}")
             click.echo(R.table_text([row], {"format": dtype, "bits_per_weight": 32.0 if dtype == "fp32" else 16.0,
@@ -75,8 +75,7 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
             results = {"protocol": protocol.to_dict(), "reference": ref_name, "rows": [row]}
         else:
             cmp = run.compare_encoder(model.to(ref_model.dtype), ref_model, ref_tok, texts)
-            row = run.result_row(method, fmt, rep.get("bits_per_weight"), model_nbytes(model),
-                                 model_nbytes(ref_model), cmp)
+            row = run.result_row(method, fmt, bpw, size, model_nbytes(ref_model), cmp)
             click.echo(f"encoder: cosine of mean-pooled sentence embeddings to {ref_name} ({dtype})")
             click.echo(run.encoder_table([row]))
             results = {"protocol": {"encoder_cosine": True}, "reference": ref_name, "rows": [row]}
@@ -90,8 +89,3 @@ def eval_cmd(quantized: str, ref: str | None, text_files: tuple[str, ...], names
         raise click.ClickException(str(e)) from None
     click.echo(f"done in {time.perf_counter() - t0:.1f} s")
 
-
-def _rules(meta: dict):  # noqa: ANN202
-    from fewbits.models.recipe import Recipe
-
-    return Recipe.from_dict(meta["recipe"]).rules

@@ -17,6 +17,7 @@ _KIND = {
     "mxfp4": "OCP MX: E2M1, E8M0 block scale",
     "mxfp8": "OCP MX: E4M3, E8M0 block scale",
     "nvfp4": "E2M1, E4M3 block scale + FP32 tensor scale",
+    "ggml": "llama.cpp block type, as GGUF stores it",
 }
 
 
@@ -30,7 +31,7 @@ def formats(specs: tuple[str, ...], shape: str, as_json: bool) -> None:
 
     With SPECS, describe those instead of the built-in list.  Grammar: bf16 | fp16 | fp32 |
     int{2..8}[-t|-g{N}][-asym] | fp8-e4m3 | fp8-e5m2 [-t|-g{N}] | fp4-g{N} | nf4-g{N} | mxfp4 | mxfp8 | nvfp4,
-    and -s{fp32,fp16,bf16} to change the scale dtype.
+    and -s{fp32,fp16,bf16} to change the scale dtype; llama.cpp's q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k.
     """
     try:
         dims = tuple(int(d) for d in shape.lower().split("x"))

@@ -50,7 +50,7 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--to", "target", type=click.Choice(("fewbits", "compressed-tensors", "gguf")), default="fewbits",
               show_default=True, help="output layout: fewbits' own (reloads with every format and method), "
               "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3), or gguf "
-              "(OUT/model.gguf for llama.cpp; Llama and Qwen2 models, int4-g32 as Q4_0 and int8-g32 as Q8_0)")
+              "(OUT/model.gguf for llama.cpp; Llama, Mistral, Qwen2, Gemma-3; q4_0 ... q6_k, int4/int5/int8-g32)")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
@@ -120,11 +120,14 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite)
         elif target == "gguf":
             from fewbits.export.gguf import export_gguf
-            from fewbits.models.packaged import gguf_tokenizer_pre
+            from fewbits.export.gguf_vocab import is_byte_level_bpe
+            from fewbits.models.packaged import gguf_tokenizer_pre, source_gguf
 
             pre = gguf_tokenizer_pre(model)
-            path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre), overwrite,
-                             kind="gguf")
+            with source_gguf(model) as src:  # a SentencePiece vocabulary is copied from the published file
+                vocab = None if is_byte_level_bpe(tok) else src
+                path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre,
+                                                                    vocab_from=vocab), overwrite, kind="gguf")
         else:
             path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
                                             overwrite=overwrite)

@@ -97,7 +97,7 @@ def format_family(fmt: Format) -> str:
         return "float"
     if fmt.kind in ("fp8", "mxfp8"):
         return "fp8"
-    if fmt.kind == "int":
+    if fmt.kind in ("int", "ggml"):  # llama.cpp's block types are integer codes with block scales
         return "int8" if fmt.bits == 8 else "int2" if fmt.bits <= 2 else "int4"
     return "fp4"
 

@@ -1,31 +1,37 @@
 """GGUF files for llama.cpp, written from fewbits' quantised weights without quantising again.
 
-    export_gguf(model, "smol.gguf", tokenizer)      # after fewbits.api.quantize with int4-g32 / int8-g32
+    export_gguf(model, "smol.gguf", tokenizer)      # after fewbits.api.quantize (any mix of the formats below)
 
 A fewbits format is written as the GGUF type that stores exactly the same numbers, or refused:
 
-=================  ==========  ==============================================================
-fewbits            GGUF        block (32 weights)
-=================  ==========  ==============================================================
-int8-g32           Q8_0        fp16 scale d, 32 int8 q:            w = d * q
-int4-g32           Q4_0        fp16 scale d, 16 bytes, q[j] low and q[j+16] high nibble:  w = d * (q - 8)
-bf16 / fp16 / fp32  BF16 / F16 / F32   the tensor as it is (norms always F32)
-=================  ==========  ==============================================================
+=====================  ===========  ==========================================================
+fewbits                GGUF         why it is the same numbers
+=====================  ===========  ==========================================================
+q4_0 ... q6_k          Q4_0 ...     llama.cpp's block types (formats/ggml.py): the bytes as stored
+int8-g32 / int5-g32    Q8_0 / Q5_0  fp16 scale d per 32, w = d * q, q = code - 2^(b-1)
+int4-g32               Q4_0         the same, codes 1..15 (the -8 code unused with the -7..7 grid)
+bf16 / fp16 / fp32     BF16 / F16   dense weights in 16 bits (fp32 as F16, BF16 beyond F16's range);
+                                    norms and biases F32
+=====================  ===========  ==========================================================
 
-so a model quantised by any fewbits method (GPTQ, AWQ, HQQ codes included) keeps its codes and scales.
-Architectures are data (`ARCHS`): the tensor names and metadata keys of each; Llama and Qwen2 (its q/k/v
-biases in F32) so far.  For Llama, llama.cpp stores the rows of q and k permuted for its rotary layout
-(each head's two halves interleaved); the writer permutes the packed rows the same way (a row keeps its
-blocks).  The tokenizer
-goes into the file as llama.cpp's "gpt2" BPE vocabulary (tokens, token types, merges, special ids) from a
-Hugging Face fast tokenizer; its pre-tokenizer name (`tokenizer.ggml.pre`) is taken from `pre` (the
-packaged SmolLM2 file says "smollm"), else "default".  Formats and architectures outside the table are
-refused by name before anything is written; the file is written beside `out_path` and renamed into place.
+so a model quantised by any fewbits method (GPTQ, AWQ, HQQ codes included) keeps its codes and scales,
+and a recipe that mixes formats layer by layer gives one file with one type per tensor.  Asymmetric
+integer formats are refused: Q4_1 / Q5_1 decode w = d * c + m with m an fp16 number, while fewbits' zero
+points give m = -z * s (integer z: up to 15 significant bits; fp16 z: up to 22), which fp16 does not hold
+in general, so the file would not hold fewbits' numbers; `q4_1` / `q5_1` quantise on Q4_1's own grid.
+
+Architectures are data (`ARCHS`): the tensor names and metadata keys of each; Llama and Mistral (written
+as llama.cpp's "llama"), Qwen2 (q/k/v biases in F32), Gemma-3 (q/k norms and sandwich norms; norm weights
+stored as 1 + w, as llama.cpp multiplies by the stored weight where Gemma's RMSNorm uses 1 + w).  For
+Llama, llama.cpp stores the rows of q and k permuted for its rotary layout (each head's two halves
+interleaved); the writer permutes the packed rows the same way (a row keeps its blocks).  The vocabulary
+is built from a byte-level BPE tokenizer or copied from a GGUF file (`vocab_from`: a packaged model's own;
+gguf_vocab.py).  Formats and architectures outside the tables are refused by name before anything is
+written; the file is written beside `out_path` and renamed into place.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +42,11 @@ import torch
 from torch import nn
 
 from fewbits.export.common import ExportError, quantised_layers
+from fewbits.export.gguf_vocab import Field, bpe_fields, gguf_fields, write_fields
 from fewbits.files import check_output, write_file
+from fewbits.formats import ggml
 from fewbits.formats.format import Format, parse_format
+from fewbits.formats.ggml_types import GGML_TYPES
 from fewbits.tensor import QuantizedTensor
 
 
@@ -48,6 +57,9 @@ class GGUFArch:
     name: str  # general.architecture
     tensors: dict[str, str]  # HF parameter name (with {i} for the block) -> GGUF tensor name
     permute_qk: bool  # llama.cpp's rotary row order for q and k
+    norm_shift: float = 0.0  # added to every norm weight (Gemma: llama.cpp multiplies by the weight as stored)
+    head_dims: bool = False  # write attention.key_length / value_length (head_dim need not be hidden / heads)
+    sliding_window: bool = False  # write attention.sliding_window from the config
 
 
 _LLAMA_TENSORS = {
@@ -66,10 +78,21 @@ _LLAMA_TENSORS = {
 }
 _QWEN2_TENSORS = {**_LLAMA_TENSORS, **{f"model.layers.{{i}}.self_attn.{p}_proj.bias": f"blk.{{i}}.attn_{p}.bias"
                                         for p in "qkv"}}
+_GEMMA3_TENSORS = {
+    **{k: v for k, v in _LLAMA_TENSORS.items() if "post_attention_layernorm" not in k},
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.post_attention_norm.weight",
+    "model.layers.{i}.pre_feedforward_layernorm.weight": "blk.{i}.ffn_norm.weight",
+    "model.layers.{i}.post_feedforward_layernorm.weight": "blk.{i}.post_ffw_norm.weight",
+}
 #: transformers model_type -> how it is written
 ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", _LLAMA_TENSORS, permute_qk=True),
+    "mistral": GGUFArch("llama", _LLAMA_TENSORS, permute_qk=True),  # llama.cpp reads Mistral as Llama
     "qwen2": GGUFArch("qwen2", _QWEN2_TENSORS, permute_qk=False),  # q/k/v biases; rotary rows as HF keeps them
+    "gemma3_text": GGUFArch("gemma3", _GEMMA3_TENSORS, permute_qk=False, norm_shift=1.0, head_dims=True,
+                            sliding_window=True),
 }
 
 
@@ -84,30 +107,45 @@ def gguf_arch(model: nn.Module) -> GGUFArch:
 
 
 def gguf_type(fmt: Format) -> str:
-    """The GGUF type that holds `fmt`'s numbers exactly ("Q8_0", "Q4_0", "F32", ...), or ExportError."""
+    """The GGUF type that holds `fmt`'s numbers exactly ("Q4_K", "Q8_0", "F16", ...), or ExportError."""
     if not fmt.is_quantized:
         return {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}[fmt.spec]
+    if fmt.kind == "ggml":
+        return GGML_TYPES[fmt.element].gguf_name
     exact = fmt.kind == "int" and fmt.symmetric and fmt.granularity == "group" and fmt.group_size == 32 \
         and fmt.scale_dtype == "fp16"
-    if exact and fmt.bits == 8:
-        return "Q8_0"
-    if exact and fmt.bits == 4:
-        return "Q4_0"
-    raise ExportError(f"{fmt.spec}: GGUF export writes int8-g32 (Q8_0) and int4-g32 (Q4_0), symmetric with "
-                      f"fp16 scales, whose numbers those types hold exactly")
+    if exact and fmt.bits in _SYMMETRIC_G32:
+        return _SYMMETRIC_G32[fmt.bits].upper()
+    why = ("Q4_1 / Q5_1 store the group minimum as an fp16 number, which fewbits' zero points (-z * s) do not "
+           "give exactly; quantise with q4_1 / q5_1 instead" if fmt.kind == "int" and not fmt.symmetric else
+           "they are symmetric with fp16 scales per 32")
+    raise ExportError(f"{fmt.spec}: GGUF export writes llama.cpp's block types (q4_0 ... q6_k) and int4-g32 / "
+                      f"int5-g32 / int8-g32 as Q4_0 / Q5_0 / Q8_0, whose numbers those types hold exactly: {why}")
 
 
-def _blocks(qt: QuantizedTensor, kind: str) -> np.ndarray:
-    """(rows, bytes per row) uint8 in llama.cpp's block layout for Q8_0 / Q4_0."""
-    rows, cols = qt.shape
-    nb = cols // 32
-    c = qt.unpacked_codes().reshape(rows, nb, 32).to(torch.int16)
-    d = qt.scales.to(torch.float16).reshape(rows, nb, 1).contiguous().view(torch.uint8)  # (rows, nb, 2)
-    if kind == "Q8_0":
-        q = (c - 128).to(torch.int8).view(torch.uint8)  # codes carry offset 128: q = c - 128
-    else:  # Q4_0: byte j holds element j (low nibble) and element j + 16 (high nibble)
-        q = (c[..., :16] | (c[..., 16:] << 4)).to(torch.uint8)
-    return torch.cat([d, q], -1).reshape(rows, -1).numpy()
+#: symmetric integer g32 formats -> the block type with the same numbers (code offset 2^(b-1), fp16 d)
+_SYMMETRIC_G32 = {4: "q4_0", 5: "q5_0", 8: "q8_0"}
+
+
+def _blocks(qt: QuantizedTensor) -> np.ndarray:
+    """(rows, bytes per row) uint8 in llama.cpp's block layout."""
+    if qt.fmt.kind == "ggml":
+        return ggml.to_gguf_blocks(qt.unpacked_codes(), qt.scales, qt.fmt).numpy()
+    bt = parse_format(_SYMMETRIC_G32[qt.fmt.bits])  # same numbers: the scale is the block's fp16 d
+    header = qt.scales.to(torch.float16).contiguous().view(torch.uint8)  # (rows, groups * 2)
+    return ggml.to_gguf_blocks(qt.unpacked_codes(), header, bt).numpy()
+
+
+def dense_type(value: torch.Tensor) -> str:
+    """The GGUF type a dense tensor is written in: F32 for vectors (norms, biases), else 16 bits: BF16 and
+    F16 as they are, fp32 as F16 (as llama.cpp's converter does), BF16 where a value exceeds F16's range."""
+    if value.dim() == 1:
+        return "F32"
+    if value.dtype == torch.bfloat16:
+        return "BF16"
+    if value.dtype == torch.float16:
+        return "F16"
+    return "F16" if float(value.detach().abs().max()) <= 65504.0 else "BF16"
 
 
 def _permute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -122,43 +160,12 @@ def _take_rows(qt: QuantizedTensor, idx: torch.Tensor) -> QuantizedTensor:
                    zeros=qt.zeros[idx] if qt.zeros is not None else None)
 
 
-def _tokenizer_fields(tokenizer: Any, vocab_size: int, pre: str | None) -> list[tuple[str, Any, str]]:
-    """(key, value, kind) of llama.cpp's "gpt2" BPE vocabulary from a Hugging Face fast tokenizer."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    state = json.loads(backend.to_str()) if backend is not None else {}
-    if state.get("model", {}).get("type") != "BPE":
-        raise ExportError("GGUF export writes BPE tokenizers (llama.cpp's gpt2 model); this tokenizer is "
-                          f"{state.get('model', {}).get('type', type(tokenizer).__name__)}")
-    vocab = {i: t for t, i in tokenizer.get_vocab().items()}
-    special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-    added = set(getattr(tokenizer, "added_tokens_encoder", {}))
-    tokens, types = [], []
-    for i in range(vocab_size):
-        t = vocab.get(i)
-        if t is None:
-            tokens.append(f"[PAD{i}]")
-            types.append(5)  # unused
-        else:
-            tokens.append(t)
-            types.append(3 if t in special else 4 if t in added else 1)  # control, user-defined, normal
-    merges = [m if isinstance(m, str) else " ".join(m) for m in state["model"].get("merges", [])]
-    fields: list[tuple[str, Any, str]] = [
-        ("tokenizer.ggml.model", "gpt2", "str"), ("tokenizer.ggml.pre", pre or "default", "str"),
-        ("tokenizer.ggml.tokens", tokens, "strs"), ("tokenizer.ggml.token_type", types, "ints"),
-        ("tokenizer.ggml.merges", merges, "strs")]
-    for key, tid in (("bos", tokenizer.bos_token_id), ("eos", tokenizer.eos_token_id),
-                     ("unknown", tokenizer.unk_token_id), ("padding", tokenizer.pad_token_id)):
-        if tid is not None:
-            fields.append((f"tokenizer.ggml.{key}_token_id", int(tid), "u32"))
-    fields.append(("tokenizer.ggml.add_bos_token", bool(getattr(tokenizer, "add_bos_token", False)), "bool"))
-    if getattr(tokenizer, "chat_template", None):
-        fields.append(("tokenizer.chat_template", tokenizer.chat_template, "str"))
-    return fields
-
-
 def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: Any, pre: str | None = None,
-                overwrite: bool = False) -> Path:
-    """Write `model` (after `fewbits.api.quantize`) and `tokenizer` as one GGUF file at `out_path`."""
+                overwrite: bool = False, vocab_from: str | os.PathLike[str] | None = None) -> Path:
+    """Write `model` (after `fewbits.api.quantize`) and `tokenizer` as one GGUF file at `out_path`.
+
+    vocab_from: a GGUF file whose tokenizer.* fields are copied instead of being built from `tokenizer`
+    (needed for SentencePiece vocabularies such as Gemma's)."""
     import gguf
 
     out = check_output(out_path, overwrite, "file")  # before the work; write_file checks again
@@ -177,17 +184,22 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
     for key, value in state.items():
         if tied and key == "lm_head.weight":
             continue  # llama.cpp reads a missing output.weight from token_embd
+        if not isinstance(value, QuantizedTensor) and not value.is_floating_point():
+            continue  # integer buffers are no weights
         gname = _gguf_name(arch, key)
         if isinstance(value, QuantizedTensor):
             kind = gguf_type(value.fmt)
             if arch.permute_qk and (".attn_q." in gname or ".attn_k." in gname):
                 value = _take_rows(value, _permute_rows(value.shape[0], n_head if ".attn_q." in gname else n_kv))
         else:
-            kind = "F32" if value.dim() == 1 else gguf_type(parse_format(_dense_spec(value.dtype)))
+            kind = dense_type(value)
+            if arch.norm_shift and gname.endswith("norm.weight"):
+                value = value.float() + arch.norm_shift
             if arch.permute_qk and (".attn_q." in gname or ".attn_k." in gname):
                 value = value[_permute_rows(value.shape[0], n_head if ".attn_q." in gname else n_kv)]
         items.append((gname, value, kind))
-    tok_fields = _tokenizer_fields(tokenizer, int(cfg.vocab_size), pre)
+    tok_fields: list[Field] = gguf_fields(vocab_from) if vocab_from is not None else \
+        bpe_fields(tokenizer, int(cfg.vocab_size), pre)
 
     def write(tmp: Path) -> None:
         w = gguf.GGUFWriter(tmp, arch.name)
@@ -203,21 +215,18 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
         w.add_rope_freq_base(float(_rope_theta(cfg)))
         w.add_rope_dimension_count(head_dim)
         w.add_vocab_size(int(cfg.vocab_size))
-        for key, value, kind in tok_fields:
-            if kind == "str":
-                w.add_string(key, value)
-            elif kind in ("strs", "ints"):
-                w.add_array(key, value)
-            elif kind == "bool":
-                w.add_bool(key, value)
-            else:
-                w.add_uint32(key, value)
+        if arch.head_dims:
+            w.add_key_length(head_dim)
+            w.add_value_length(head_dim)
+        if arch.sliding_window and getattr(cfg, "sliding_window", None):
+            w.add_sliding_window(int(cfg.sliding_window))
+        write_fields(w, tok_fields)
         for gname, value, kind in items:
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             if isinstance(value, QuantizedTensor):
-                w.add_tensor(gname, _blocks(value, kind), raw_dtype=qtype)  # shape: (rows, bytes)
+                w.add_tensor(gname, _blocks(value), raw_dtype=qtype)  # shape: (rows, bytes)
             else:
-                arr = value.detach().float() if kind == "F32" else value.detach()
+                arr = value.detach().to({"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[kind])
                 data = arr.view(torch.int16).numpy() if kind == "BF16" else arr.numpy()
                 w.add_tensor(gname, data, raw_shape=list(arr.shape), raw_dtype=qtype)
         w.write_header_to_file()
@@ -228,14 +237,12 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
     return write_file(out, write, overwrite)
 
 
-def _dense_spec(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
-
-
 def _rope_theta(cfg: Any) -> float:
     theta = getattr(cfg, "rope_theta", None)
-    if theta is None:  # transformers >= 5 keeps it in rope_parameters
-        theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    if theta is None:  # transformers >= 5 keeps it in rope_parameters, per layer type where they differ
+        params = getattr(cfg, "rope_parameters", None) or {}
+        params = params.get("full_attention", params)  # Gemma-3: the global layers' base (local: 10000)
+        theta = params.get("rope_theta", 10000.0)
     return float(theta)
 
 

@@ -12,6 +12,9 @@ Spec grammar (canonical spellings; `parse_format(f.spec) == f` for every format)
     fp4-g{N} | nf4-g{N} [-s{dtype}]            E2M1 / NormalFloat-4 codes, one scale per group
     mxfp4 | mxfp8                              OCP MX: blocks of 32, power-of-two E8M0 scale
     nvfp4                                      blocks of 16, E4M3 scale, plus one FP32 tensor scale
+    q4_0 | q4_1 | q5_0 | q5_1 | q8_0 | q4_k | q5_k | q6_k
+                                               llama.cpp's block types, stored as GGUF stores them
+                                               (formats/ggml_types.py)
 
 Granularity refers to a weight of shape (out_features, in_features): "channel" is one scale per
 row, "group" is one scale per `group_size` consecutive values along the input (last) dimension,
@@ -33,11 +36,13 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from fewbits.formats.ggml_types import GGML_TYPES
+
 FORMAT_VERSION = 2
 #: metadata versions `Format.from_dict` reads
 READABLE_VERSIONS = (1, 2)
 
-Kind = Literal["float", "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4"]
+Kind = Literal["float", "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4", "ggml"]
 Granularity = Literal["none", "tensor", "channel", "group"]
 
 #: storage bits of each scale dtype
@@ -117,6 +122,8 @@ class Format:
             return self.element
         if self.kind in ("mxfp4", "mxfp8", "nvfp4"):
             return self.kind
+        if self.kind == "ggml":
+            return self.element
         base = {"int": f"int{self.bits}", "fp8": f"fp8-{self.element}", "fp4": "fp4", "nf4": "nf4"}[self.kind]
         parts = [base]
         if self.granularity == "tensor":
@@ -164,6 +171,8 @@ class Format:
             return numel * self.bits
         cols = shape[-1]
         rows = numel // cols
+        if self.kind == "ggml":  # whole GGUF blocks: header + codes
+            return rows * (cols // self.group_size) * GGML_TYPES[self.element].block_bytes * 8
         code_bits = rows * (-(-cols * self.bits // 8) * 8)
         n_scales = 1 if self.granularity == "tensor" else rows * self.groups_per_row(cols)
         scale_bits = n_scales * SCALE_BITS[self.scale_dtype]
@@ -187,6 +196,8 @@ class Format:
             return self.storage_bits(tuple(shape)) / math.prod(shape)
         if self.kind == "float":
             return float(self.bits)
+        if self.kind == "ggml":
+            return GGML_TYPES[self.element].bits_per_weight
         bpw = float(self.bits)
         if self.granularity == "group":
             bpw += SCALE_BITS[self.scale_dtype] / self.group_size
@@ -259,7 +270,7 @@ class Format:
 #: largest group size that divides (`Format.regrouped`)
 MISFIT_POLICIES: tuple[str, ...] = ("error", "keep", "regroup")
 #: formats whose block size is part of the format itself (cannot be regrouped)
-FIXED_BLOCK_KINDS = frozenset({"mxfp4", "mxfp8", "nvfp4"})
+FIXED_BLOCK_KINDS = frozenset({"mxfp4", "mxfp8", "nvfp4", "ggml"})
 
 
 def largest_dividing_group(cols: int, requested: int) -> int:
@@ -286,6 +297,9 @@ def parse_format(spec: str | Format) -> Format:
         return Format("mxfp8", 8, "group", 32, True, "e8m0", "e4m3")
     if s == "nvfp4":
         return Format("nvfp4", 4, "group", 16, True, "e4m3", "e2m1", tensor_scale=True)
+    if s in GGML_TYPES:  # one scale dtype, block and header per type: no suffixes
+        t = GGML_TYPES[s]
+        return Format("ggml", t.bits, "group", t.block, True, "fp16", t.name)
     m = re.match(r"^(int(\d+)|fp8-(e4m3|e5m2)|fp4|nf4)((?:-[a-z0-9]+)*)$", s)
     if not m:
         raise FormatError(f"unknown format {spec!r}; " + _hint(s))
@@ -337,6 +351,7 @@ EXAMPLE_SPECS = (
     "int3-g128", "int3-g64", "int2-g64", "int2-g32-asym",
     "fp8-e4m3", "fp8-e4m3-t", "fp8-e5m2",
     "fp4-g32", "nf4-g64", "mxfp4", "mxfp8", "nvfp4",
+    "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k",
 )
 
 

@@ -27,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from fewbits.formats import ggml
 from fewbits.formats.format import Format, FormatError, parse_format
 from fewbits.formats.grids import (
     E2M1,
@@ -148,6 +149,8 @@ def compute_scales(
     to the zero dtype) for formats with floating zeros, else None.
     """
     fmt = parse_format(fmt)
+    if fmt.kind == "ggml":  # llama.cpp block types: the "scales" are each block's header bytes (formats/ggml.py)
+        return ggml.quantize(w2d, fmt)[1].float(), None
     g = _grouped(w2d.detach(), fmt)  # reductions run in the input dtype; only their results are cast
     wd = _work_dtype(w2d)
     if fmt.float_zeros:  # exact group range: s = (max - min) / (2^b - 1), z = -min / s
@@ -181,6 +184,12 @@ def quantize_codes(
     """Codes (uint8, (rows, cols), unpacked) of `w2d` under the given scales and zero points."""
     fmt = parse_format(fmt)
     rows, cols = w2d.shape
+    if fmt.kind == "ggml":  # llama.cpp chooses codes and block headers together
+        codes, header = ggml.quantize(w2d, fmt)
+        if not torch.equal(header.float(), scale.float().reshape(header.shape)):
+            raise FormatError(f"{fmt.spec}: codes are chosen with their block headers; these headers are not "
+                              f"the ones round-to-nearest gives")
+        return codes
     g = _grouped(w2d.detach(), fmt)
     x = g.to(_work_dtype(g)) / scale.unsqueeze(-1)  # (rows, n_groups, group)
     if fmt.kind == "int" and zero is not None and fmt.float_zeros:  # the zero is not an integer: add, then round
@@ -206,6 +215,8 @@ def dequantize_codes(
 ) -> torch.Tensor:
     """Float values (rows, cols) of codes under the given scales and zero points."""
     fmt = parse_format(fmt)
+    if fmt.kind == "ggml":  # `scale` holds the block header bytes
+        return ggml.dequantize(codes, scale.to(torch.uint8), fmt, dtype)
     rows, cols = codes.shape
     c = _grouped(codes, fmt)
     if fmt.kind == "int":
@@ -230,6 +241,9 @@ def fake_quantize(w: torch.Tensor, fmt: Format | str) -> torch.Tensor:
         return w.to(_TORCH_SCALE.get(fmt.element, torch.float32)).to(w.dtype)
     fmt.check_shape(tuple(w.shape))
     w2d = as_2d(w)
+    if fmt.kind == "ggml":
+        codes, header = ggml.quantize(w2d, fmt)
+        return ggml.dequantize(codes, header, fmt, w.dtype).reshape(w.shape)
     scale, zero = compute_scales(w2d, fmt)
     codes = quantize_codes(w2d, scale, zero, fmt)
     return dequantize_codes(codes, scale, zero, fmt, dtype=w.dtype).reshape(w.shape)

@@ -19,7 +19,7 @@ from fewbits.formats.quant import ScaleRangeError, dequantize_codes
 
 #: method name -> (format kinds it accepts, what it needs), checked before any work is done
 METHOD_FORMATS: dict[str, tuple[frozenset[str], str]] = {
-    "rtn": (frozenset({"int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4"}), "any quantised format"),
+    "rtn": (frozenset({"int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4", "ggml"}), "any quantised format"),
     "gptq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
     "awq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
     "awq+gptq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),

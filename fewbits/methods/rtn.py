@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fewbits.formats import ggml
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales, quantize_codes
 from fewbits.methods.common import QuantResult, check_method_format, naming
@@ -22,6 +23,9 @@ def rtn_quantize(w: torch.Tensor, fmt: Format | str, name: str = "weight") -> Qu
     w = w.detach().float()
     if not all_finite(w):
         raise ValueError(f"{name}: weight of shape {tuple(w.shape)} contains NaN or inf")
+    if fmt.kind == "ggml":  # llama.cpp's reference picks codes and block headers in one pass
+        codes, header = ggml.quantize(w, fmt)
+        return QuantResult(codes, header.float(), None, fmt, {"method": "rtn"})
     with naming(name):
         scale, zero = compute_scales(w, fmt)
     return QuantResult(quantize_codes(w, scale, zero, fmt), scale, zero, fmt, {"method": "rtn"})

@@ -35,8 +35,10 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -159,6 +161,24 @@ def gguf_tokenizer_pre(name: str) -> str | None:
         return None
     field = read_gguf(source_files(entry)[0]).fields.get("tokenizer.ggml.pre")
     return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+
+
+@contextmanager
+def source_gguf(name: str) -> Iterator[Path | None]:
+    """The GGUF file packaged model `name` was published as (its parts joined into a temporary file that is
+    removed afterwards), or None for a model that is not packaged as GGUF: what a GGUF export copies the
+    vocabulary from when the Hugging Face tokenizer cannot rebuild it (Gemma's SentencePiece scores)."""
+    entry = packaged_entry(name)
+    if entry is None or entry.gguf is None or not is_installed(entry):
+        yield None
+        return
+    if not entry.parts:
+        yield source_files(entry)[0]
+        return
+    with tempfile.TemporaryDirectory(prefix=f".{entry.name}.vocab.") as tmp:
+        path = Path(tmp) / str(entry.gguf)
+        _join_parts(source_files(entry), path)
+        yield path
 
 
 def source_bytes(entry: PackagedModel) -> int:

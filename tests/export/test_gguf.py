@@ -35,15 +35,26 @@ def _bpe_tokenizer():
     return tok
 
 
-def _tiny(seed: int = 0, tie: bool = False):
+def _tiny(seed: int = 0, tie: bool = False, hidden: int = 128, inter: int = 192):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        cfg = LlamaConfig(vocab_size=272, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+        cfg = LlamaConfig(vocab_size=272, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie,
                           max_position_embeddings=128, bos_token_id=262, eos_token_id=263)
         return LlamaForCausalLM(cfg).eval()
+
+
+def _as_written(model):
+    """`model` with its dense matrices (embedding, unquantised head) rounded to F16, as an fp32 model's are
+    written: the model a reader of the file should reproduce."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2 and p.dtype == torch.float32:
+                p.copy_(p.half().float())
+    return m
 
 
 def _logits(model) -> torch.Tensor:
@@ -58,9 +69,11 @@ def _load(path):
     return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize(("spec", "kind"), [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0")])
+@pytest.mark.parametrize(("spec", "kind"), [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0"), ("int5-g32", "Q5_0"),
+                                          ("q4_k", "Q4_K"), ("q5_k", "Q5_K"), ("q6_k", "Q6_K"), ("q4_1", "Q4_1"),
+                                          ("q5_1", "Q5_1")])
 def test_gguf_reader_dequantises_fewbits_weights_exactly(spec, kind, tmp_path):
-    m = _tiny()
+    m = _tiny(hidden=256, inter=512)
     api.quantize(m, spec, progress=False, chooser="cached")
     path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
     reader = gguf.GGUFReader(path)
@@ -87,7 +100,44 @@ def test_transformers_loads_the_same_model(spec, tie, tmp_path):
     path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     assert ("output.weight" in names) != tie  # a tied head is read from token_embd
-    assert torch.equal(_logits(m), _logits(_load(path)))
+    assert torch.equal(_logits(_as_written(m)), _logits(_load(path)))
+
+
+def test_mixed_recipe_one_file(tmp_path):
+    """One file, one GGUF type per tensor as the recipe chose it (K-quants, 32-weight types, a calibrated
+    integer format), read back exactly by gguf-py and to the same logits by transformers."""
+    from fewbits.models.recipe import Recipe, Rule
+
+    m = _tiny(hidden=256, inter=512)
+    recipe = Recipe(rules=(Rule(r"self_attn\.(q|k)_proj", "q4_k"), Rule(r"self_attn", "q6_k"),
+                           Rule(r"down_proj", "int5-g32", "gptq"), Rule(r"layers\.0\.", "q5_k"),
+                           Rule(r".", "int4-g32")))
+    data = torch.randint(0, 262, (4, 32), generator=torch.Generator().manual_seed(2))
+    api.quantize(m, recipe, data=data, progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    reader = gguf.GGUFReader(path)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.1.attn_v.weight"] == "Q6_K"
+    assert types["blk.0.ffn_down.weight"] == "Q5_0" and types["blk.0.ffn_up.weight"] == "Q5_K"
+    down = {t.name: t for t in reader.tensors}["blk.1.ffn_down.weight"]  # GPTQ's codes, not rounded again
+    got = torch.from_numpy(gguf.quants.dequantize(down.data, down.tensor_type))
+    assert torch.equal(got.reshape(256, 512), m.model.layers[1].mlp.down_proj.qweight.dequantize())
+    assert types["blk.1.ffn_gate.weight"] == "Q4_0" and types["token_embd.weight"] == "F16"
+    assert torch.equal(_logits(_as_written(m)), _logits(_load(path)))
+
+
+def test_fp32_model_is_written_in_16_bits(tmp_path):
+    """An fp32 model's tied embedding goes in as F16 (never F32): half the bytes, the values F16 holds."""
+    m = _tiny(tie=True)
+    api.quantize(m, "int8-g32", progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    t = {t.name: t for t in gguf.GGUFReader(path).tensors}["token_embd.weight"]
+    assert t.tensor_type.name == "F16"
+    assert torch.equal(torch.from_numpy(np.array(t.data)).float(), m.model.embed_tokens.weight.half().float())
+    with torch.no_grad():
+        m.model.embed_tokens.weight[0, 0] = 1e5  # beyond F16: BF16 keeps the range
+    path = export_gguf(m, tmp_path / "m2.gguf", _bpe_tokenizer())
+    assert {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}["token_embd.weight"] == "BF16"
 
 
 def test_bf16_model_and_its_tokenizer(tmp_path):
@@ -106,8 +156,9 @@ def test_bf16_model_and_its_tokenizer(tmp_path):
     assert torch.allclose(_logits(m.float()), _logits(loaded), atol=1e-4)
 
 
-@pytest.mark.parametrize(("spec", "why"), [("int4-g64", "int4-g32"), ("int4-g32-asym", "symmetric"),
-                                           ("nf4-g32", "Q4_0"), ("int8", "Q8_0"), ("int4-g32-sbf16", "fp16")])
+@pytest.mark.parametrize(("spec", "why"), [("int4-g64", "int4-g32"), ("int4-g32-asym", "q4_1"),
+                                           ("int4-g32-asym-zfp16", "fp16 number"), ("nf4-g32", "Q4_0"),
+                                           ("int8", "Q8_0"), ("int4-g32-sbf16", "fp16")])
 def test_formats_without_an_exact_gguf_type_are_refused(spec, why, tmp_path):
     with pytest.raises(ExportError, match=why):
         gguf_type(parse_format(spec))
@@ -134,16 +185,58 @@ def test_qwen2_with_biases(tie, tmp_path):
     path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.bias"] == "F32" and types["blk.1.attn_v.weight"] == "Q4_0"
-    assert torch.equal(_logits(m), _logits(_load(path)))
+    assert torch.equal(_logits(_as_written(m)), _logits(_load(path)))
+
+
+def test_mistral_is_written_as_llama(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        m = MistralForCausalLM(MistralConfig(vocab_size=272, hidden_size=256, intermediate_size=512,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             max_position_embeddings=128, sliding_window=None)).eval()
+    api.quantize(m, "q4_k", progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    field = gguf.GGUFReader(path).fields["general.architecture"]
+    assert bytes(field.parts[field.data[0]]).decode() == "llama"
+    assert torch.equal(_logits(_as_written(m)), _logits(_load(path)))
+
+
+def test_gemma3_norms_shifted_and_logits_kept(tmp_path):
+    """Gemma's RMSNorm multiplies by 1 + w; GGUF stores 1 + w (llama.cpp multiplies by the weight).  Norm
+    weights are multiples of 2^-8 so that 1 + w - 1 is exact and transformers' reader gives the same logits."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        cfg = Gemma3TextConfig(vocab_size=272, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, head_dim=128,
+                               max_position_embeddings=128, sliding_window=8)
+        m = Gemma3ForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for name, p in m.named_parameters():
+                if "norm" in name:
+                    p.copy_(torch.round(torch.randn_like(p) * 32) / 256)
+    api.quantize(m, "q6_k", progress=False, chooser="cached")
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
+    reader = gguf.GGUFReader(path)
+    t = {t.name: t for t in reader.tensors}
+    assert t["blk.0.attn_q_norm.weight"].tensor_type.name == "F32"
+    want = m.model.layers[0].post_feedforward_layernorm.weight + 1
+    assert torch.equal(torch.from_numpy(np.array(t["blk.0.post_ffw_norm.weight"].data)), want)
+    assert int(reader.fields["gemma3.attention.sliding_window"].contents()) == 8
+    loaded = _load(path)
+    assert torch.equal(_logits(_as_written(m)), _logits(loaded))
 
 
 def test_other_architectures_are_refused(tmp_path):
-    from transformers import MistralConfig, MistralForCausalLM
+    from transformers import PhiConfig, PhiForCausalLM
 
-    m = MistralForCausalLM(MistralConfig(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    m = PhiForCausalLM(PhiConfig(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                 num_attention_heads=4)).eval()
     api.quantize(m, "int4-g32", progress=False, chooser="cached")
-    with pytest.raises(ExportError, match="mistral"):
+    with pytest.raises(ExportError, match="phi"):
         export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())
     assert not any(tmp_path.iterdir())
 
@@ -172,4 +265,4 @@ def test_packaged_smollm2_round_trip(smollm2, tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path, gguf_file="smol.gguf")(text).input_ids == tok(text).input_ids
     ids = torch.tensor([tok(text).input_ids])
     with torch.no_grad():
-        assert torch.equal(m(ids).logits, _load(path)(ids).logits)
+        assert torch.equal(_as_written(m)(ids).logits, _load(path)(ids).logits)
