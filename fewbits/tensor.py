@@ -32,11 +32,10 @@ from fewbits.formats.quant import (
     _TORCH_SCALE,
     all_finite,
     as_2d,
-    compute_scales,
     dequantize_codes,
     n_groups,
     nvfp4_tensor_scale,
-    quantize_codes,
+    round_to_nearest,
 )
 
 FILE_VERSION = 1
@@ -216,8 +215,7 @@ def quantize_tensor(x: torch.Tensor, spec: str | Format, name: str = "tensor") -
         return QuantizedTensor(x.detach().to(_FLOAT_DTYPES[fmt.element]).contiguous(), None, None, None, shape, fmt)
     w2d = as_2d(x.detach())
     ts = nvfp4_tensor_scale(w2d) if fmt.tensor_scale else None
-    scale, zero = compute_scales(w2d, fmt, ts)
-    codes = quantize_codes(w2d, scale, zero, fmt)
+    codes, scale, zero = round_to_nearest(w2d, fmt, ts)
     return QuantizedTensor.from_codes(codes, scale, zero, fmt, shape, ts)
 
 

@@ -11,8 +11,10 @@ import click
               help="Weights sharing one scale (64 = one scale for all).")
 @click.option("--outlier", is_flag=True, help="Make weight 5 an outlier (0.16, about 5x the largest).")
 @click.option("--asym", is_flag=True, help="Min-max with a zero point instead of symmetric absmax.")
+@click.option("--full-grid", is_flag=True,
+              help="Symmetric codes -2^(b-1)..2^(b-1)-1 (the extreme on the end code) instead of -L..L.")
 @click.option("--seed", default=0, show_default=True, help="numpy default_rng seed of the 64 weights.")
-def try_cmd(bits: int, group: str, outlier: bool, asym: bool, seed: int) -> None:
+def try_cmd(bits: int, group: str, outlier: bool, asym: bool, full_grid: bool, seed: int) -> None:
     """Quantise 64 weights ~ N(0, 0.02) and show each original and stored value.
 
     Prints the error, how many weights became zero, and the bits per weight including fp16 scales.
@@ -26,7 +28,9 @@ def try_cmd(bits: int, group: str, outlier: bool, asym: bool, seed: int) -> None
     w = np.random.default_rng(seed).normal(0, 0.02, 64)
     if outlier:
         w[5] = 0.16
-    spec = f"int{bits}" + ("" if group == "64" else f"-g{group}") + ("-asym" if asym else "")
+    # symmetric codes default to the textbook absmax grid -L..L of the reference documents
+    grid = "-asym" if asym else "" if full_grid else "-narrow"
+    spec = f"int{bits}" + ("" if group == "64" else f"-g{group}") + grid
     x = torch.from_numpy(w).float().reshape(1, 64)
     qt = quantize_tensor(x, spec, "weights")
     hat = qt.dequantize().reshape(64).double().numpy()
