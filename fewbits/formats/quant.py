@@ -124,9 +124,14 @@ def nvfp4_tensor_scale(w: torch.Tensor) -> torch.Tensor:
 
 def signed_extreme(g: torch.Tensor) -> torch.Tensor:
     """The value of largest magnitude of each group (rows, n_groups, group) -> (rows, n_groups), with its
-    sign; the first one when several share the magnitude (as ggml's quantisers pick it)."""
-    idx = g.abs().argmax(-1, keepdim=True)  # torch returns the first maximal index
-    return g.gather(-1, idx).squeeze(-1)
+    sign; the first one when +x and -x share it (as ggml's quantisers pick it)."""
+    lo, hi = g.amin(-1), g.amax(-1)
+    ext = torch.where(hi >= -lo, hi, lo)
+    tie = (hi == -lo) & (hi != 0)  # rare: look for which of the two comes first
+    if bool(tie.any()):
+        first = g[tie].abs().argmax(-1, keepdim=True)  # torch returns the first maximal index
+        ext[tie] = g[tie].gather(-1, first).squeeze(-1)
+    return ext
 
 
 def compute_scales(
@@ -218,7 +223,7 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
     """C's roundf (ties away from zero), in the steps of gguf-py's np_roundf so that float rounding agrees."""
     a = x.abs()
     f = torch.floor(a)
-    return torch.copysign(f + torch.floor(2 * (a - f)), x)
+    return a.sub_(f).mul_(2).floor_().add_(f).copysign_(x)
 
 
 def round_to_nearest(
@@ -247,9 +252,9 @@ def round_to_nearest(
     x = g * torch.reciprocal(d).unsqueeze(-1)  # (rows, n_groups, group); x / d in ggml's steps
     off = 2 ** (fmt.bits - 1)
     if fmt.grid == "full":  # floor(x + off + 1/2) = round half up; x + off + 1/2 >= 1/2, so trunc = floor
-        q = torch.floor(x + (off + 0.5)).clamp_(0, 2**fmt.bits - 1)
+        q = x.add_(off + 0.5).floor_().clamp_(0, 2**fmt.bits - 1)
     else:
-        q = _roundf(x).clamp_(fmt.qmin, fmt.qmax) + off
+        q = _roundf(x).clamp_(fmt.qmin, fmt.qmax).add_(off)
     return q.to(torch.uint8).reshape(rows, cols), scale, None
 
 
