@@ -13,6 +13,9 @@ bf16 / fp16 / fp32  BF16 / F16 / F32   the tensor as it is (norms always F32)
 =================  ==========  ==============================================================
 
 so a model quantised by any fewbits method (GPTQ, AWQ, HQQ codes included) keeps its codes and scales.
+Either symmetric grid fits both types (the full grid's q = -8 / -128 included, scales of either sign);
+fewbits' RTN rounds as llama.cpp does, so RTN int4-g32 (the full grid) writes Q4_0's bytes and RTN
+int8-g32-narrow Q8_0's (Q8_0's grid is the narrow +-127).
 Architectures are data (`ARCHS`): the tensor names and metadata keys of each; Llama and Qwen2 (its q/k/v
 biases in F32) so far.  For Llama, llama.cpp stores the rows of q and k permuted for its rotary layout
 (each head's two halves interleaved); the writer permutes the packed rows the same way (a row keeps its
