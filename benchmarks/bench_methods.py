@@ -12,6 +12,10 @@ Evaluation: packaged evaluation texts (never the same passages), W windows of S 
     python benchmarks/bench_methods.py --only smollm2-135m:int4-g64:gptq --threads 1
     python benchmarks/bench_methods.py --only smollm2-135m:int2-g64:hqq --only smollm2-135m:int2-g64:rtn-asym
     python benchmarks/bench_methods.py --json results.json
+    python benchmarks/bench_methods.py --only smollm2-135m:int4-g64:gptq --only smollm2-135m:int4-g64-narrow:gptq
+
+Symmetric integer formats run on the full grid -2^(b-1)..2^(b-1)-1 unless spelled -narrow (-L..L, the grid
+fewbits used before); the second line above compares the two.
 """
 
 from __future__ import annotations

@@ -34,11 +34,10 @@ from fewbits.formats.quant import (
     ScaleRangeError,
     all_finite,
     as_2d,
-    compute_scales,
     dequantize_codes,
     n_groups,
     nvfp4_tensor_scale,
-    quantize_codes,
+    round_to_nearest,
 )
 
 FILE_VERSION = 1
@@ -236,10 +235,9 @@ def quantize_tensor(x: torch.Tensor, spec: str | Format, name: str = "tensor") -
     w2d = as_2d(x.detach())
     ts = nvfp4_tensor_scale(w2d) if fmt.tensor_scale else None
     try:
-        scale, zero = compute_scales(w2d, fmt, ts)
+        codes, scale, zero = round_to_nearest(w2d, fmt, ts)
     except ScaleRangeError as exc:  # the scale check does not know the tensor's name
         raise ScaleRangeError(f"{name}: {exc}") from None
-    codes = quantize_codes(w2d, scale, zero, fmt)
     return QuantizedTensor.from_codes(codes, scale, zero, fmt, shape, ts)
 
 

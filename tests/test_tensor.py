@@ -44,9 +44,22 @@ def test_sqnr_floors(spec, floor_db):
 def test_symmetric_int_levels_and_seed_worked_example():
     # a group whose absmax is 0.035 at 4 bits: s = 0.035/7 = 0.005; 0.012 -> q = round(2.4) = 2 -> 0.010
     w = torch.tensor([[0.035, 0.012, -0.035, 0.0]], dtype=torch.float64)
-    qt = quantize_tensor(w, "int4-sfp64")
+    qt = quantize_tensor(w, "int4-narrow-sfp64")  # the narrow grid -7..7 of the reference document
     assert qt.dequantize(torch.float64)[0].tolist() == pytest.approx([0.035, 0.010, -0.035, 0.0])
     assert (qt.unpacked_codes().int() - 8).tolist() == [[7, 2, -7, 0]]
+
+
+def test_full_grid_puts_the_extreme_of_either_sign_on_minus_eight():
+    # llama.cpp's Q4_0 by hand: the first value of largest magnitude x_e gives d = x_e / -8, so x_e is -8 d
+    # whatever its sign; 0.012 / -0.004375 = -2.74 -> -3 -> 0.013125; -0.035 -> +8 -> clamped to 7 -> -0.030625
+    w = torch.tensor([[0.035, 0.012, -0.035, 0.0]], dtype=torch.float64)
+    qt = quantize_tensor(w, "int4-sfp64")
+    assert qt.scale_values().item() == pytest.approx(-0.004375)
+    assert (qt.unpacked_codes().int() - 8).tolist() == [[-8, -3, 7, 0]]
+    assert qt.dequantize(torch.float64)[0].tolist() == pytest.approx([0.035, 0.013125, -0.030625, 0.0])
+    neg = quantize_tensor(-w, "int4-sfp64")  # the negative extreme comes first: a positive scale
+    assert neg.scale_values().item() == pytest.approx(0.004375)
+    assert (neg.unpacked_codes().int() - 8).tolist() == [[-8, -3, 7, 0]]
 
 
 def test_asym_covers_min_and_max():

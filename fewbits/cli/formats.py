@@ -10,7 +10,7 @@ from fewbits.formats.format import EXAMPLE_SPECS, FormatError, parse_format
 
 _KIND = {
     "float": "no quantisation",
-    "int": "integer codes, absmax (or min-max with -asym)",
+    "int": "integer codes",
     "fp8": "OCP 8-bit float codes",
     "fp4": "E2M1 codes",
     "nf4": "NormalFloat-4 codes",
@@ -30,8 +30,10 @@ def formats(specs: tuple[str, ...], shape: str, as_json: bool) -> None:
     """List format specs with their bits per weight (codes + scales + zero points).
 
     With SPECS, describe those instead of the built-in list.  Grammar: bf16 | fp16 | fp32 |
-    int{2..8}[-t|-g{N}][-asym] | fp8-e4m3 | fp8-e5m2 [-t|-g{N}] | fp4-g{N} | nf4-g{N} | mxfp4 | mxfp8 | nvfp4,
-    and -s{fp32,fp16,bf16} to change the scale dtype; llama.cpp's q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k.
+    int{2..8}[-t|-g{N}][-asym|-narrow] | fp8-e4m3 | fp8-e5m2 [-t|-g{N}] | fp4-g{N} | nf4-g{N} | mxfp4 | mxfp8 |
+    nvfp4, and -s{fp32,fp16,bf16} to change the scale dtype; llama.cpp's q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k.
+    Symmetric integers use the full grid -2^(b-1)..2^(b-1)-1 (the group's extreme on the end code, as GGUF
+    Q4_0); -narrow keeps -L..L, L = 2^(b-1)-1.
     """
     try:
         dims = tuple(int(d) for d in shape.lower().split("x"))
@@ -50,4 +52,15 @@ def formats(specs: tuple[str, ...], shape: str, as_json: bool) -> None:
             scale = f"{f.scale_dtype}/{f.group_size}"
         else:
             scale = f"{f.scale_dtype}/{f.granularity}"
-        click.echo(f"{f.spec:<16} {b:11.4f}  {scale:<14} {_KIND[f.kind]}")
+        click.echo(f"{f.spec:<16} {b:11.4f}  {scale:<14} {_KIND[f.kind]}{_grid(f)}")
+
+
+def _grid(f) -> str:  # noqa: ANN001
+    """Which integer codes a format uses (the grid of symmetric formats, min-max for -asym)."""
+    if f.kind != "int":
+        return ""
+    if not f.symmetric:
+        return f" 0..{2**f.bits - 1}, min-max with a zero point"
+    if f.grid == "narrow":
+        return f" -{f.qmax}..{f.qmax}, absmax scale (narrow grid)"
+    return f" {f.qmin}..{f.qmax}, the extreme of either sign on {f.qmin} (full grid)"

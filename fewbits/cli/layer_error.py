@@ -47,11 +47,14 @@ def _specs(value: str) -> tuple[str, ...]:
 @click.option("--scales", "scale_dtype", default="fp64", show_default=True,
               type=click.Choice(["fp64", "fp32", "fp16", "bf16"]),
               help="Precision the scales are kept in (fp64: exact, as the textbook formula).")
+@click.option("--grid", default="narrow", show_default=True, type=click.Choice(["narrow", "full", "spec"]),
+              help="Grid of symmetric integers: narrow -L..L (the textbook absmax), full -2^(b-1)..2^(b-1)-1, "
+                   "or spec (each format's own).")
 @click.option("--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True,
               help="numpy default_rng seed (W drawn first, then x).")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
 def layer_error(weights: str, rows: int, cols: int, w_std: float, outlier_channel: int, outlier_value: float,
-                no_outlier: bool, threshold: float, scale_dtype: str, seed: int, as_json: bool) -> None:
+                no_outlier: bool, threshold: float, scale_dtype: str, grid: str, seed: int, as_json: bool) -> None:
     """Quantise one linear layer y = W x and measure how far y moves from the exact answer.
 
     Weight-only rows quantise W and keep x exact; W8A8 rows quantise W per output channel and x per token,
@@ -65,14 +68,16 @@ def layer_error(weights: str, rows: int, cols: int, w_std: float, outlier_channe
                                  f"draws ({MAX_ELEMENTS:,}); use smaller --rows/--cols", param_hint="--rows/--cols")
     try:
         result = experiment(specs, rows, cols, w_std, None if no_outlier else outlier_channel, outlier_value, seed,
-                            threshold, scale_dtype)
+                            threshold, scale_dtype, None if grid == "spec" else grid)
     except (ValueError, FormatError) as e:
         raise click.ClickException(str(e)) from e
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return
     click.echo(f"y = W x with W {rows}x{cols} ~ N(0, {w_std:g}), x ~ N(0, 1), seed {seed}; "
-               f"relative error ||y - y_ref|| / ||y_ref||, scales in {scale_dtype}")
+               f"relative error ||y - y_ref|| / ||y_ref||, scales in {scale_dtype}, symmetric integers on the "
+               + {"narrow": "narrow grid -L..L", "full": "full grid -2^(b-1)..2^(b-1)-1",
+                  "spec": "grid each format names"}[grid])
     click.echo("\nweight-only (activations stay 16-bit)")
     for r in result["weight-only"]:
         click.echo(f"  {r['name']:<18} {r['bits_per_weight']:6.3f} bits/weight   error {r['rel_error']:6.2%}")

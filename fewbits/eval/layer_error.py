@@ -66,25 +66,29 @@ def w8a8_error(case: LayerCase, outlier: bool, threshold: float | None = None,
     return rel_error(y, ref)
 
 
-def with_scales(spec: str, scale_dtype: str | None) -> str:
-    """`spec` with its scales computed in `scale_dtype` ("fp64" = exact) unless the spec names one."""
+def with_scales(spec: str, scale_dtype: str | None, grid: str | None = None) -> str:
+    """`spec` with its scales computed in `scale_dtype` ("fp64" = exact) unless the spec names one, and, for
+    symmetric integer formats, on `grid` ("narrow": the reference documents' -L..L; None: as spelled)."""
     fmt = parse_format(spec)
+    if grid is not None and fmt.sym_int:
+        fmt = replace(fmt, grid=grid)
     if scale_dtype is None or fmt.scale_dtype != fmt.default_scale_dtype or fmt.scale_dtype in ("e8m0", "e4m3"):
         return fmt.spec
     return replace(fmt, scale_dtype=scale_dtype).spec
 
 
 def run(case: LayerCase, weights: tuple[str, ...] = DEFAULT_WEIGHTS, threshold: float = 6.0,
-        scale_dtype: str | None = "fp64") -> dict[str, list[tuple[str, float, float]]]:
+        scale_dtype: str | None = "fp64", grid: str | None = "narrow") -> dict[str, list[tuple[str, float, float]]]:
     """All rows of the experiment: {"weight-only": [(spec, stored bits/weight, err)], "w8a8": [...]}.
 
-    Errors use scales in `scale_dtype` (default fp64: the exact textbook quantiser); the bits per weight
-    are those of the format as stored (its default scale dtype).
+    Errors use scales in `scale_dtype` (default fp64: the exact textbook quantiser) and symmetric integers
+    on `grid` (default "narrow", the textbook absmax grid -L..L; "full" for -2^(b-1)..2^(b-1)-1, None
+    for each spec's own); the bits per weight are those of the format as stored (its default scale dtype).
     """
     shape = tuple(case.W.shape)
     wo = [(parse_format(spec).spec, parse_format(spec).bits_per_weight(shape),
-           weight_only_error(case, with_scales(spec, scale_dtype))) for spec in weights]
-    w8, a8 = with_scales("int8", scale_dtype), with_scales("int8", scale_dtype)
+           weight_only_error(case, with_scales(spec, scale_dtype, grid))) for spec in weights]
+    w8, a8 = with_scales("int8", scale_dtype, grid), with_scales("int8", scale_dtype, grid)
     bpw8 = parse_format("int8").bits_per_weight(shape)
     w8a8 = [
         ("normal token", bpw8, w8a8_error(case, False, None, w8, a8)),
@@ -103,14 +107,14 @@ def weights_per_scale(spec: str, shape: tuple[int, int]) -> int:
 
 def experiment(weights: tuple[str, ...] = DEFAULT_WEIGHTS, rows: int = 512, cols: int = 512, w_std: float = 0.02,
                outlier_channel: int | None = 7, outlier_value: float = 20.0, seed: int = 0, threshold: float = 6.0,
-               scale_dtype: str | None = "fp64") -> dict[str, list[dict[str, object]]]:
+               scale_dtype: str | None = "fp64", grid: str | None = "narrow") -> dict[str, list[dict[str, object]]]:
     """The whole experiment as `fewbits layer-error --json` prints it (and `fewbits ui` shows it):
     {"weight-only": [{name, bits_per_weight, rel_error, weights_per_scale}], "w8a8": [...]}.
-    A format whose groups do not divide `cols` is a ValueError naming it."""
+    A format whose groups do not divide `cols` is a ValueError naming it; `grid` as in `run`."""
     case = make_case(rows, cols, w_std, outlier_channel, outlier_value, seed)
     for s in weights:
         parse_format(s).check_shape((rows, cols), "W")
-    result = run(case, weights, threshold, scale_dtype)
+    result = run(case, weights, threshold, scale_dtype, grid)
     return {k: [{"name": n, "bits_per_weight": b, "rel_error": e,
                  "weights_per_scale": weights_per_scale(n if k == "weight-only" else "int8", (rows, cols))}
                 for n, b, e in v] for k, v in result.items()}

@@ -32,8 +32,11 @@ FAMILIES: dict[str, dict[str, bool]] = {
 GROUPS = (64, 32, 16, 8)
 
 
-def playground_spec(family: str = "int", bits: int = 4, group: int = 64, asym: bool = False) -> str:
-    """The format spec for a family, bits (int only), weights per scale (64 = one scale for all) and asym."""
+def playground_spec(family: str = "int", bits: int = 4, group: int = 64, asym: bool = False,
+                    full_grid: bool = False) -> str:
+    """The format spec for a family, bits (int only), weights per scale (64 = one scale for all) and asym.
+    Symmetric integers default to the reference documents' textbook grid -L..L (`-narrow`); `full_grid`
+    gives fewbits' default -2^(b-1)..2^(b-1)-1."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
     if group not in GROUPS:
@@ -41,7 +44,8 @@ def playground_spec(family: str = "int", bits: int = 4, group: int = 64, asym: b
     if family == "int":
         if not 2 <= bits <= 8:
             raise ValueError(f"bits must be 2..8, got {bits}")
-        return f"int{bits}" + ("" if group == N_WEIGHTS else f"-g{group}") + ("-asym" if asym else "")
+        grid = "-asym" if asym else "" if full_grid else "-narrow"
+        return f"int{bits}" + ("" if group == N_WEIGHTS else f"-g{group}") + grid
     if asym:
         raise ValueError(f"{family} has no asymmetric (zero point) variant; asym is for int only")
     if family.startswith("fp8"):

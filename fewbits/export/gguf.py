@@ -15,10 +15,13 @@ bf16 / fp16 / fp32     BF16 / F16   dense weights in 16 bits (fp32 as F16, BF16 
 =====================  ===========  ==========================================================
 
 so a model quantised by any fewbits method (GPTQ, AWQ, HQQ codes included) keeps its codes and scales,
-and a recipe that mixes formats layer by layer gives one file with one type per tensor.  Asymmetric
-integer formats are refused: Q4_1 / Q5_1 decode w = d * c + m with m an fp16 number, while fewbits' zero
-points give m = -z * s (integer z: up to 15 significant bits; fp16 z: up to 22), which fp16 does not hold
-in general, so the file would not hold fewbits' numbers; `q4_1` / `q5_1` quantise on Q4_1's own grid.
+and a recipe that mixes formats layer by layer gives one file with one type per tensor.  Either symmetric
+grid fits Q4_0 and Q8_0 (the full grid's q = -8 / -128 included, scales of either sign); fewbits' RTN
+rounds as llama.cpp does, so RTN int4-g32 (the full grid) writes Q4_0's bytes and RTN int8-g32-narrow
+Q8_0's (Q8_0's grid is the narrow +-127).  Asymmetric integer formats are refused: Q4_1 / Q5_1 decode
+w = d * c + m with m an fp16 number, while fewbits' zero points give m = -z * s (integer z: up to 15
+significant bits; fp16 z: up to 22), which fp16 does not hold in general, so the file would not hold
+fewbits' numbers; `q4_1` / `q5_1` quantise on Q4_1's own grid.
 
 Architectures are data (`ARCHS`): the tensor names and metadata keys of each; Llama and Mistral (written
 as llama.cpp's "llama"), Qwen2 (q/k/v biases in F32), Gemma-3 (q/k norms and sandwich norms; norm weights

@@ -5,8 +5,9 @@ This module is pure Python (no torch, no numpy) so that the cost model can impor
 Spec grammar (canonical spellings; `parse_format(f.spec) == f` for every format):
 
     bf16 | fp16 | fp32                         no quantisation
-    int{2..8}[-t|-g{N}][-asym][-s{dtype}][-z{dtype}]
+    int{2..8}[-t|-g{N}][-asym|-narrow][-s{dtype}][-z{dtype}]
                                                integer codes; default one scale per output channel;
+                                               -narrow: symmetric codes -L..L only (see below);
                                                -z{fp16|bf16|fp32} (with -asym): floating zero points
     fp8-e4m3 | fp8-e5m2 [-t|-g{N}][-s{dtype}]  OCP 8-bit floats with a high-precision scale
     fp4-g{N} | nf4-g{N} [-s{dtype}]            E2M1 / NormalFloat-4 codes, one scale per group
@@ -25,8 +26,23 @@ default.  `-zfp16` (or -zbf16, -zfp32) stores them as one float per group instea
 the grid anywhere (HQQ optimises it; GGUF's Q4_1 keeps a 16-bit "min" the same way): the decoded value
 is w = (c - z) * s for code c, scale s and float zero z, and each zero costs 16 (or 32) bits.
 
-Metadata versions: version 1 dicts have no zero dtype (integer zeros); `to_dict` still writes version 1
-for every format version 1 can describe, and version 2 (with "zero_dtype") only for floating zeros.
+The grid of symmetric integer codes.  "full" (the default): all 2^b codes -2^(b-1)..2^(b-1)-1, the
+group's extreme value of either sign on the end code -2^(b-1) (scale s = x_extreme / -2^(b-1), so the
+scale is negative when the extreme is positive and the other sign reaches at most 2^(b-1)-1 steps); this is
+llama.cpp's Q4_0 (d = max / -8) and compressed-tensors' symmetric int4 (-8..7).  "narrow" (`-narrow`):
+the textbook absmax grid -L..L, L = 2^(b-1)-1, s = max|x| / L (codes -7..7 at 4 bits, one code unused);
+GGUF's Q8_0 and the grid of fewbits before the full grid.  Both store code c = q + 2^(b-1) and decode
+w = (c - 2^(b-1)) * s, so the stored bits per weight are the same.  The full grid is the default because
+it measured better (benchmarks/bench_methods.py, mean KL to the float model, narrow -> full): SmolLM2-135M
+int4-g64 RTN 0.538 -> 0.304, GPTQ 0.176 -> 0.131; int4-g32 RTN 0.364 -> 0.265, GPTQ 0.144 -> 0.107;
+int3-g64 RTN 2.43 -> 1.25, GPTQ 1.10 -> 0.54; int8 RTN 0.0030 -> 0.0028; Gemma-3-270M int4-g128 RTN
+0.699 -> 0.572.
+
+Metadata versions: version 1 dicts have no zero dtype (integer zeros) and no grid; version 2 adds
+"zero_dtype" (floating zeros); version 3 adds "grid".  `to_dict` writes version 3 (with "grid") for every
+symmetric integer format, version 2 for floating zeros and version 1 for everything else.  A version 1 or 2
+dict of a symmetric integer format was written before the full grid existed: it reads as the narrow grid,
+its "spec" spelled without `-narrow` (the spelling of that time).
 """
 
 from __future__ import annotations
@@ -38,9 +54,9 @@ from typing import Any, Literal
 
 from fewbits.formats.ggml_types import GGML_TYPES
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: metadata versions `Format.from_dict` reads
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 Kind = Literal["float", "int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4", "ggml"]
 Granularity = Literal["none", "tensor", "channel", "group"]
@@ -52,6 +68,8 @@ FLOAT_KINDS = {"bf16": 16, "fp16": 16, "fp32": 32}
 ELEMENTS = {"e4m3", "e5m2"}
 #: storage bits of each floating zero-point dtype ("int": integer zeros packed with the code width)
 ZERO_BITS = {"fp32": 32, "fp16": 16, "bf16": 16}
+#: grids of symmetric integer codes (module docstring); the first is the default
+GRIDS = ("full", "narrow")
 
 
 class FormatError(ValueError):
@@ -72,6 +90,8 @@ class Format:
     tensor_scale: an extra FP32 scale for the whole tensor (NVFP4).
     zero_dtype: "int" (zero points are integers packed with the code width) or "fp16"/"bf16"/"fp32"
         (one float zero point per group, asymmetric integer formats only).
+    grid: "full" (codes -2^(b-1)..2^(b-1)-1, the default) or "narrow" (-L..L, L = 2^(b-1)-1); "narrow"
+        applies to symmetric integer formats only (the others use every code already).
     """
 
     kind: Kind
@@ -83,6 +103,7 @@ class Format:
     element: str = "int"
     tensor_scale: bool = False
     zero_dtype: str = "int"
+    grid: str = "full"
 
     def __post_init__(self) -> None:
         if self.kind == "int" and not 2 <= self.bits <= 8:
@@ -100,11 +121,33 @@ class Format:
                 raise FormatError(f"floating zero points (-z{self.zero_dtype}) need an asymmetric integer "
                                   f"format (e.g. int4-g64-asym-z{self.zero_dtype}), not {self.kind} "
                                   f"{'symmetric' if self.symmetric else ''}".rstrip())
+        if self.grid not in GRIDS:
+            raise FormatError(f"unknown grid {self.grid!r}; one of {', '.join(GRIDS)}")
+        if self.grid == "narrow" and not self.sym_int:
+            raise FormatError(f"the narrow grid (-narrow) applies to symmetric integer formats, not "
+                              f"{'asymmetric ' if self.kind == 'int' else ''}{self.kind}")
 
     # ------------------------------------------------------------------ naming
     @property
     def is_quantized(self) -> bool:
         return self.kind != "float"
+
+    @property
+    def sym_int(self) -> bool:
+        """True for symmetric integer formats, the ones that have a grid to choose (`grid`)."""
+        return self.kind == "int" and self.symmetric
+
+    @property
+    def qmin(self) -> int:
+        """Lowest rounded value q of an integer code (stored as q + 2^(b-1) when symmetric, as is when not)."""
+        if not self.symmetric:
+            return 0
+        return -(2 ** (self.bits - 1)) + (self.grid == "narrow")
+
+    @property
+    def qmax(self) -> int:
+        """Highest rounded value q of an integer code (see `qmin`)."""
+        return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
 
     @property
     def float_zeros(self) -> bool:
@@ -132,6 +175,8 @@ class Format:
             parts.append(f"g{self.group_size}")
         if not self.symmetric:
             parts.append("asym")
+        if self.grid != "full":
+            parts.append(self.grid)
         if self.scale_dtype != self.default_scale_dtype:
             parts.append(f"s{self.scale_dtype}")
         if self.zero_dtype != "int":
@@ -216,9 +261,10 @@ class Format:
 
     # ------------------------------------------------------------------ metadata
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able fields; version 1 (no "zero_dtype") whenever version 1 can describe the format."""
+        """JSON-able fields: version 3 (with "grid") for symmetric integer formats, version 2 (with
+        "zero_dtype") for floating zeros, version 1 for the rest (module docstring)."""
         d: dict[str, Any] = {
-            "version": FORMAT_VERSION if self.float_zeros else 1,
+            "version": 3 if self.sym_int else 2 if self.float_zeros else 1,
             "spec": self.spec,
             "kind": self.kind,
             "bits": self.bits,
@@ -231,6 +277,8 @@ class Format:
         }
         if self.float_zeros:
             d["zero_dtype"] = self.zero_dtype
+        if self.sym_int:
+            d["grid"] = self.grid
         return d
 
     @classmethod
@@ -241,11 +289,17 @@ class Format:
                               f"(this fewbits reads {', '.join(map(str, READABLE_VERSIONS))})")
         if version == 1 and "zero_dtype" in d:
             raise FormatError("format metadata version 1 cannot carry 'zero_dtype' (written as version 2)")
+        if version < 3 and "grid" in d:
+            raise FormatError(f"format metadata version {version} cannot carry 'grid' (written as version 3)")
         fields = {k: d[k] for k in ("kind", "bits", "granularity", "group_size", "symmetric",
-                                    "scale_dtype", "element", "tensor_scale", "zero_dtype") if k in d}
+                                    "scale_dtype", "element", "tensor_scale", "zero_dtype", "grid") if k in d}
+        legacy = version < 3 and fields.get("kind") == "int" and fields.get("symmetric", True)
+        if legacy:  # written before the full grid existed: the narrow grid, spelled without -narrow
+            fields["grid"] = "narrow"
         fmt = cls(**fields)
-        if "spec" in d and d["spec"] != fmt.spec:
-            raise FormatError(f"format metadata is inconsistent: spec {d['spec']!r} but fields give {fmt.spec!r}")
+        spelled = replace(fmt, grid="full").spec if legacy else fmt.spec
+        if "spec" in d and d["spec"] != spelled:
+            raise FormatError(f"format metadata is inconsistent: spec {d['spec']!r} but fields give {spelled!r}")
         return fmt
 
     def with_group(self, group_size: int) -> Format:
@@ -279,7 +333,7 @@ def largest_dividing_group(cols: int, requested: int) -> int:
 
 
 # ---------------------------------------------------------------------- parsing
-_SUFFIX = re.compile(r"^(t|g(\d+)|asym|s(fp64|fp32|fp16|bf16)|z(fp32|fp16|bf16))$")
+_SUFFIX = re.compile(r"^(t|g(\d+)|asym|full|narrow|s(fp64|fp32|fp16|bf16)|z(fp32|fp16|bf16))$")
 
 
 def parse_format(spec: str | Format) -> Format:
@@ -312,12 +366,14 @@ def parse_format(spec: str | Format) -> Format:
         kind, bits, element = "fp8", 8, fp8_elem
     else:
         kind, bits, element = head, 4, "e2m1" if head == "fp4" else "nf4"
-    granularity, group, symmetric, zero_dtype = "channel", 0, True, "int"
+    granularity, group, symmetric, zero_dtype, grid = "channel", 0, True, "int", "full"
     scale_dtype = "fp32" if kind == "fp8" else "fp16"
     seen: set[str] = set()
     for part in [p for p in rest.split("-") if p]:
         sm = _SUFFIX.match(part)
-        key = part[0] if not part.startswith("asym") else "asym"
+        key = part if part in ("asym", "full", "narrow") else part[0]
+        if part in ("full", "narrow"):
+            key = "grid"
         if not sm or key in seen or (key in "tg" and ("t" in seen or "g" in seen)):
             raise FormatError(f"format {spec!r}: cannot read the suffix {part!r}; " + _hint(s))
         seen.add(key)
@@ -325,6 +381,8 @@ def parse_format(spec: str | Format) -> Format:
             granularity = "tensor"
         elif part == "asym":
             symmetric = False
+        elif key == "grid":
+            grid = part
         elif sm.group(2):
             granularity, group = "group", int(sm.group(2))
             if group <= 0:
@@ -340,14 +398,17 @@ def parse_format(spec: str | Format) -> Format:
     if zero_dtype != "int" and (kind != "int" or symmetric):
         raise FormatError(f"format {spec!r}: floating zero points (-z{zero_dtype}) need an asymmetric integer "
                           f"format, e.g. int4-g64-asym-z{zero_dtype}")
-    return Format(kind, bits, granularity, group, symmetric, scale_dtype, element, zero_dtype=zero_dtype)
+    if "grid" in seen and not (kind == "int" and symmetric):
+        raise FormatError(f"format {spec!r}: -{grid} chooses the grid of symmetric integer codes; "
+                          f"{'-asym uses all codes already' if kind == 'int' else kind + ' has no such grid'}")
+    return Format(kind, bits, granularity, group, symmetric, scale_dtype, element, zero_dtype=zero_dtype, grid=grid)
 
 
 #: the formats `fewbits formats` lists (every spec the grammar accepts works as well)
 EXAMPLE_SPECS = (
     "fp32", "bf16", "fp16",
     "int8", "int8-t", "int8-g128", "int8-asym",
-    "int4", "int4-g128", "int4-g64", "int4-g32", "int4-g128-asym", "int4-g64-asym-zfp16",
+    "int4", "int4-g128", "int4-g64", "int4-g32", "int4-g64-narrow", "int4-g128-asym", "int4-g64-asym-zfp16",
     "int3-g128", "int3-g64", "int2-g64", "int2-g32-asym",
     "fp8-e4m3", "fp8-e4m3-t", "fp8-e5m2",
     "fp4-g32", "nf4-g64", "mxfp4", "mxfp8", "nvfp4",

@@ -10,9 +10,19 @@ Scales are returned as float32 values already rounded to the precision they are 
 E8M0 powers of two, E4M3 block scales times the FP32 tensor scale), so codes and dequantisation agree
 exactly with what a `QuantizedTensor` holds.
 
-Integer codes are unsigned: symmetric b-bit codes store q + 2^(b-1) for q in [-L, L], L = 2^(b-1)-1
-(absmax scale s = max|w| / L); asymmetric codes store round(w/s) + z in [0, 2^b-1] with
-s = (max - min) / (2^b - 1), z = round(-min / s) (min-max with the range widened to include 0).
+Integer codes are unsigned: symmetric b-bit codes store q + 2^(b-1).  On the full grid (the default)
+q lies in [-2^(b-1), 2^(b-1)-1] and the scale is signed, s = x_e / -2^(b-1) for the group's value x_e of
+largest magnitude (the first one on a tie), so x_e gets q = -2^(b-1) whatever its sign; on the narrow grid
+(`-narrow`) q lies in [-L, L], L = 2^(b-1)-1, with the absmax scale s = max|w| / L.  Asymmetric codes store
+round(w/s) + z in [0, 2^b-1] with s = (max - min) / (2^b - 1), z = round(-min / s) (min-max with the
+range widened to include 0).
+
+Round-to-nearest of symmetric integers (`round_to_nearest`) is llama.cpp's reference quantiser on both
+grids, so that fewbits' RTN is byte-exact with GGUF's: codes are taken from the scale before it is rounded
+to its storage dtype, multiplying by its reciprocal, with ties away from zero (ggml's quantize_row_q4_0:
+floor(x / d + 8.5), d = x_e / -8; quantize_row_q8_0: roundf(x / d), d = max|x| / 127); the stored scale is
+d rounded to the scale dtype.  `quantize_codes` rounds against a given (stored) scale, half to even, as
+methods that choose their own scales need.
 
 Floating zero points (`-zfp16` formats): the same decoding w = (c - z) * s, but z is any float, rounded
 to its storage dtype.  Round-to-nearest then takes the group's exact range (no widening to include 0):
@@ -79,9 +89,10 @@ def _expand(s: torch.Tensor, w2d: torch.Tensor, fmt: Format) -> torch.Tensor:
 
 
 def elem_max(fmt: Format) -> float:
-    """Largest magnitude of a code of the element grid before scaling."""
+    """Largest magnitude of a code of the element grid before scaling (the end code -2^(b-1) on the full
+    integer grid, L = 2^(b-1)-1 on the narrow one)."""
     if fmt.kind == "int":
-        return float(2 ** (fmt.bits - 1) - 1)
+        return float(-fmt.qmin)
     if fmt.kind in ("fp8", "mxfp8"):
         return MINIFLOATS[fmt.element].max
     if fmt.kind in ("fp4", "mxfp4", "nvfp4"):
@@ -103,10 +114,11 @@ class ScaleRangeError(FormatError):
 
 
 def check_scale_range(raw: torch.Tensor, rounded: torch.Tensor, fmt: Format) -> None:
-    """Raise ScaleRangeError when a scale overflowed to inf/NaN in `fmt.scale_dtype`, or a positive scale
-    underflowed to 0 (its group would decode to zeros): either would store a silently wrong weight."""
+    """Raise ScaleRangeError when a scale overflowed to inf/NaN in `fmt.scale_dtype`, or a nonzero scale
+    (negative ones too: the full grid's) underflowed to 0 (its group would decode to zeros): either would
+    store a silently wrong weight."""
     over = ~torch.isfinite(rounded)
-    under = (rounded == 0) & (raw > 0)
+    under = (rounded == 0) & (raw != 0)
     if not (bool(over.any()) or bool(under.any())):
         return
     wider = "fp32" if fmt.scale_dtype in ("fp16", "bf16", "e4m3") else None
@@ -116,7 +128,7 @@ def check_scale_range(raw: torch.Tensor, rounded: torch.Tensor, fmt: Format) -> 
         big = float(raw[over].abs().max()) if bool(torch.isfinite(raw[over]).any()) else float("inf")
         raise ScaleRangeError(f"{int(over.sum())} scale(s) overflow {fmt.scale_dtype} (largest {big:.3g}, weights "
                               f"too large for format {fmt.spec}); {hint}")
-    small = float(raw[under].min())
+    small = float(raw[under].abs().min())
     raise ScaleRangeError(f"{int(under.sum())} scale(s) underflow to 0 in {fmt.scale_dtype} (smallest {small:.3g}: "
                           f"groups of tiny nonzero weights would decode to 0 in format {fmt.spec}); {hint}")
 
@@ -138,6 +150,18 @@ def nvfp4_tensor_scale(w: torch.Tensor) -> torch.Tensor:
     amax = w.detach().abs().max().float()
     ts = amax / (E2M1.max * E4M3.max)
     return torch.where(ts == 0, torch.ones_like(ts), ts)
+
+
+def signed_extreme(g: torch.Tensor) -> torch.Tensor:
+    """The value of largest magnitude of each group (rows, n_groups, group) -> (rows, n_groups), with its
+    sign; the first one when +x and -x share it (as ggml's quantisers pick it)."""
+    lo, hi = g.amin(-1), g.amax(-1)
+    ext = torch.where(hi >= -lo, hi, lo)
+    tie = (hi == -lo) & (hi != 0)  # rare: look for which of the two comes first
+    if bool(tie.any()):
+        first = g[tie].abs().argmax(-1, keepdim=True)  # torch returns the first maximal index
+        ext[tie] = g[tie].gather(-1, first).squeeze(-1)
+    return ext
 
 
 def compute_scales(
@@ -167,6 +191,8 @@ def compute_scales(
         s = round_scale((hi - lo) / qmax, fmt)
         z = torch.round(-lo / s).clamp(0, qmax)
         return s, z
+    if fmt.kind == "int" and fmt.grid == "full":
+        return round_scale(signed_extreme(g).to(wd) / fmt.qmin, fmt), None
     amax = torch.maximum(hi, -lo)
     if fmt.kind in ("mxfp4", "mxfp8"):
         return torch.exp2(e8m0_exponent(amax, MINIFLOATS[fmt.element])), None
@@ -197,8 +223,7 @@ def quantize_codes(
     elif fmt.kind == "int":
         torch.round(x, out=x)
         if fmt.symmetric:
-            L = 2 ** (fmt.bits - 1) - 1
-            x.clamp_(-L, L).add_(2 ** (fmt.bits - 1))
+            x.clamp_(fmt.qmin, fmt.qmax).add_(2 ** (fmt.bits - 1))
         else:
             x.add_(zero.unsqueeze(-1)).clamp_(0, 2**fmt.bits - 1)
         codes = x.to(torch.uint8)
@@ -234,6 +259,45 @@ def as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() != 1 else x.reshape(1, -1)
 
 
+def _roundf(x: torch.Tensor) -> torch.Tensor:
+    """C's roundf (ties away from zero), in the steps of gguf-py's np_roundf so that float rounding agrees."""
+    a = x.abs()
+    f = torch.floor(a)
+    return a.sub_(f).mul_(2).floor_().add_(f).copysign_(x)
+
+
+def round_to_nearest(
+    w2d: torch.Tensor, fmt: Format | str, tensor_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest of `w2d` (rows, cols): (codes, scale, zero) as `quantize_codes` and
+    `compute_scales` lay them out.
+
+    Symmetric integers follow llama.cpp's reference quantisers (module docstring): the codes come from
+    the unrounded scale d (float32, float64 for float64 input) times 1 / d.  Where d rounds to zero in its
+    storage dtype (the stored scale is then 1), the codes are taken against the stored scale instead.
+    Every other format: `compute_scales` then `quantize_codes`.
+    """
+    fmt = parse_format(fmt)
+    if not fmt.sym_int:
+        scale, zero = compute_scales(w2d, fmt, tensor_scale)
+        return quantize_codes(w2d, scale, zero, fmt), scale, zero
+    rows, cols = w2d.shape
+    g = _grouped(w2d.detach(), fmt).to(_work_dtype(w2d))  # (rows, n_groups, group)
+    if fmt.grid == "full":
+        d = signed_extreme(g) / fmt.qmin
+    else:
+        d = g.abs().amax(-1) / fmt.qmax
+    scale = round_scale(d, fmt)
+    d = torch.where(d.to(_TORCH_SCALE.get(fmt.scale_dtype, d.dtype)) == 0, scale, d)
+    x = g * torch.reciprocal(d).unsqueeze(-1)  # (rows, n_groups, group); x / d in ggml's steps
+    off = 2 ** (fmt.bits - 1)
+    if fmt.grid == "full":  # floor(x + off + 1/2) = round half up; x + off + 1/2 >= 1/2, so trunc = floor
+        q = x.add_(off + 0.5).floor_().clamp_(0, 2**fmt.bits - 1)
+    else:
+        q = _roundf(x).clamp_(fmt.qmin, fmt.qmax).add_(off)
+    return q.to(torch.uint8).reshape(rows, cols), scale, None
+
+
 def fake_quantize(w: torch.Tensor, fmt: Format | str) -> torch.Tensor:
     """Round-to-nearest quantise then dequantise; same shape and dtype as `w`."""
     fmt = parse_format(fmt)
@@ -244,6 +308,5 @@ def fake_quantize(w: torch.Tensor, fmt: Format | str) -> torch.Tensor:
     if fmt.kind == "ggml":
         codes, header = ggml.quantize(w2d, fmt)
         return ggml.dequantize(codes, header, fmt, w.dtype).reshape(w.shape)
-    scale, zero = compute_scales(w2d, fmt)
-    codes = quantize_codes(w2d, scale, zero, fmt)
+    codes, scale, zero = round_to_nearest(w2d, fmt)
     return dequantize_codes(codes, scale, zero, fmt, dtype=w.dtype).reshape(w.shape)

@@ -71,11 +71,9 @@ def inverse_hessian_factor(
 
 
 def _int_range(fmt: Format) -> tuple[int, int, int]:
-    """(lowest, highest) rounded value and the offset that turns it into a stored code."""
-    if fmt.symmetric:
-        L = 2 ** (fmt.bits - 1) - 1
-        return -L, L, 2 ** (fmt.bits - 1)
-    return 0, 2**fmt.bits - 1, 0
+    """(lowest, highest) rounded value and the offset that turns it into a stored code: -2^(b-1)..2^(b-1)-1
+    on the full symmetric grid, -L..L on the narrow one, 0..2^b-1 with a zero point."""
+    return fmt.qmin, fmt.qmax, 2 ** (fmt.bits - 1) if fmt.symmetric else 0
 
 
 def gptq_quantize(

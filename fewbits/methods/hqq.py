@@ -46,9 +46,8 @@ def shrink_lp(x: torch.Tensor, beta: float, p: float) -> torch.Tensor:
 
 
 def _codes(W: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, fmt: Format) -> torch.Tensor:
-    if z is None:
-        L = 2 ** (fmt.bits - 1) - 1
-        return torch.round(W / s).clamp(-L, L)
+    if z is None:  # the format's grid (full: -2^(b-1)..2^(b-1)-1 with a signed scale; narrow: -L..L)
+        return torch.round(W / s).clamp(fmt.qmin, fmt.qmax)
     # HQQ's rule round(W / s + z): the zero point is a float while it is optimised, whatever is stored
     return torch.round(W / s + z).clamp(0, 2**fmt.bits - 1)
 
@@ -61,7 +60,7 @@ def _refit_scale(q: torch.Tensor, z: torch.Tensor | None, target: torch.Tensor, 
     v = q - z if z is not None else q
     den = (v * v).sum(-1, keepdim=True)
     new = (v * target).sum(-1, keepdim=True) / den.clamp_min(1e-12)
-    return torch.where((den > 0) & (new > 0), new, s)
+    return torch.where((den > 0) & (new * s > 0), new, s)  # the sign is kept (full grid: s < 0 is allowed)
 
 
 def hqq_quantize(

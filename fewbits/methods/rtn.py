@@ -1,7 +1,10 @@
 """Round-to-nearest: the baseline every other method must beat.
 
 Each weight is mapped to the nearest code of its group's grid, with the scale (and zero point) taken
-from the group's range (absmax for symmetric, min-max for asymmetric formats).  No data is used.
+from the group's range (the signed extreme on the full symmetric grid, absmax on the narrow one, min-max
+for asymmetric formats).  No data is used.  Symmetric integers are rounded as llama.cpp's reference
+quantisers do (`fewbits.formats.quant.round_to_nearest`): int4-g32 is GGUF Q4_0 and int8-g32-narrow is
+Q8_0, byte for byte.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import torch
 
 from fewbits.formats import ggml
 from fewbits.formats.format import Format
-from fewbits.formats.quant import all_finite, compute_scales, quantize_codes
+from fewbits.formats.quant import all_finite, round_to_nearest
 from fewbits.methods.common import QuantResult, check_method_format, naming
 
 
@@ -27,5 +30,5 @@ def rtn_quantize(w: torch.Tensor, fmt: Format | str, name: str = "weight") -> Qu
         codes, header = ggml.quantize(w, fmt)
         return QuantResult(codes, header.float(), None, fmt, {"method": "rtn"})
     with naming(name):
-        scale, zero = compute_scales(w, fmt)
-    return QuantResult(quantize_codes(w, scale, zero, fmt), scale, zero, fmt, {"method": "rtn"})
+        codes, scale, zero = round_to_nearest(w, fmt)
+    return QuantResult(codes, scale, zero, fmt, {"method": "rtn"})

@@ -88,7 +88,7 @@ def create_app(results: str | Path | None = None, profiles: tuple[str | Path, ..
     def post_try(req: TryRequest) -> dict[str, Any]:
         from fewbits.eval.playground import playground_spec, try_quantiser
 
-        spec = playground_spec(req.family, req.bits, req.group, req.asym)
+        spec = playground_spec(req.family, req.bits, req.group, req.asym, req.full_grid)
         return try_quantiser(spec, req.weights, req.seed, req.outlier).to_dict()
 
     @app.post("/api/layer-error")

@@ -92,6 +92,7 @@ class TryRequest(BaseModel):
     bits: int = Field(4, ge=2, le=8)
     group: Literal[64, 32, 16, 8] = 64
     asym: bool = False
+    full_grid: bool = Field(False, description="int: codes -2^(b-1)..2^(b-1)-1 instead of the textbook -L..L")
     outlier: bool = False
     seed: int = Field(0, ge=0, le=2**32 - 1)
     weights: list[float] | None = Field(None, min_length=64, max_length=64,

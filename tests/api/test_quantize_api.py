@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from fewbits import api
+from fewbits.formats.format import parse_format
 from fewbits.models.qlinear import QuantLinear
 from fewbits.models.recipe import Recipe, RecipeError
 from fewbits.models.swap import linear_layers, model_nbytes
+from fewbits.tensor import quantize_tensor
 
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
 
@@ -240,3 +242,35 @@ def test_quantised_tied_head_saves_and_reloads_exactly(tmp_path, tiny_factory):
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, before)
     assert torch.equal(loaded.model.embed_tokens.weight, emb)
+
+
+def _as_saved_before_the_full_grid(node):
+    """fewbits.json as the code before the full grid wrote it: symmetric integer formats as version 1 dicts
+    without "grid", spelled without -narrow (the grid they had then), the recipe's specs likewise."""
+    if isinstance(node, dict):
+        if node.get("kind") == "int" and "grid" in node:
+            assert node.pop("grid") == "narrow" and node["version"] == 3
+            return {**node, "version": 1, "spec": node["spec"].replace("-narrow", "")}
+        return {k: _as_saved_before_the_full_grid(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_as_saved_before_the_full_grid(v) for v in node]
+    return node.replace("-narrow", "") if isinstance(node, str) else node
+
+
+def test_a_model_saved_before_the_full_grid_loads_on_its_narrow_grid(tiny, tmp_path):
+    recipe = Recipe.from_format("int4-g32-narrow")
+    api.quantize(tiny, recipe, progress=False, chooser="cached")
+    want = logits(tiny)
+    out = api.save_quantized_model(tiny, recipe, tmp_path / "q")
+    meta_file = out / "fewbits.json"
+    old = _as_saved_before_the_full_grid(json.loads(meta_file.read_text()))
+    assert "narrow" not in json.dumps(old) and '"grid"' not in json.dumps(old)
+    meta_file.write_text(json.dumps(old))
+    (out / "fewbits-manifest.json").unlink()  # saves of that time had no manifest
+    m2, _, _ = api.load_quantized_model(out, chooser="cached")
+    fmts = {m.qweight.fmt for m in m2.modules() if isinstance(m, QuantLinear)}
+    assert fmts == {parse_format("int4-g32-narrow")}
+    assert torch.equal(logits(m2), want)
+    # re-quantised in the format it was loaded with, a weight stays on the narrow grid (codes 1..15)
+    qt = next(m.qweight for m in m2.modules() if isinstance(m, QuantLinear))
+    assert int(quantize_tensor(qt.dequantize(), qt.fmt).unpacked_codes().min()) >= 1

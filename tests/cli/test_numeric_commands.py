@@ -65,3 +65,22 @@ def test_every_subcommand_has_help():
 def test_python_dash_m_works():
     out = subprocess.run([sys.executable, "-m", "fewbits", "--help"], capture_output=True, text=True, check=True)
     assert "layer-error" in out.stdout
+
+
+def test_formats_lists_both_integer_grids_at_the_same_bits():
+    res = run("formats", "int4-g64", "int4-g64-narrow", "int4-g64-asym")
+    assert res.exit_code == 0, res.output
+    rows = {ln.split()[0]: ln for ln in res.output.splitlines()[1:]}
+    assert "-8..7" in rows["int4-g64"] and "-7..7" in rows["int4-g64-narrow"] and "0..15" in rows["int4-g64-asym"]
+    assert float(rows["int4-g64"].split()[1]) == float(rows["int4-g64-narrow"].split()[1]) == 4.25
+
+
+def test_try_and_layer_error_show_the_full_grid_on_request():
+    narrow = run("try", "--bits", "4", "--group", "8")
+    full = run("try", "--bits", "4", "--group", "8", "--full-grid")
+    assert "format int4-g8-narrow" in narrow.output and "format int4-g8:" in full.output
+    codes = [int(ln.split()[2]) for ln in full.output.splitlines()[2:66]]
+    assert min(codes) == 0  # each group's extreme lands on the end code -8 (stored 0)
+    res = run("layer-error", "--grid", "spec", "--weights", "int4-g32,int4-g32-narrow")
+    errs = [float(e) for e in re.findall(r"error\s+([\d.]+)%", res.output)[:2]]
+    assert errs[0] < errs[1] and errs[1] == 10.17  # the full grid beats the reference's 10.17% at int4-g32

@@ -39,7 +39,7 @@ def test_the_outlier_story_of_seed_001() -> None:
 
 def test_pasted_weights_and_bad_input() -> None:
     w = np.linspace(-1, 1, 64)
-    r = try_quantiser("int8", w)
+    r = try_quantiser("int8-narrow", w)
     assert np.allclose(r.stored, textbook(w, 8, 64), atol=2**-10)
     with pytest.raises(ValueError, match="exactly 64"):
         try_quantiser("int8", w[:63])
@@ -49,3 +49,16 @@ def test_pasted_weights_and_bad_input() -> None:
         playground_spec("nf4", 4, 64, asym=True)
     with pytest.raises(ValueError, match="group"):
         playground_spec("int", 4, 12)
+
+
+def test_full_grid_puts_the_extreme_on_the_end_code() -> None:
+    """fewbits' default grid (--full-grid): scale = the signed extreme / -2^(b-1), codes -8..7 at 4 bits."""
+    spec = playground_spec("int", 4, 64, full_grid=True)
+    assert spec == "int4"
+    w = default_weights(0, False)
+    r = try_quantiser(spec)
+    ext = w[np.argmax(np.abs(w))]
+    scale = ext / -8
+    ref = np.clip(np.floor(w / scale + 0.5), -8, 7) * scale  # llama.cpp's rounding: half up on the offset codes
+    assert np.all(np.abs(np.array(r.stored) - ref) <= abs(ext) * 2**-10)
+    assert r.stored[int(np.argmax(np.abs(w)))] == pytest.approx(ext, rel=2**-10)

@@ -47,7 +47,7 @@ def _logits(model, seed: int = 1) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("spec", ["int4-g32-asym", "int8-asym", "int2-g32-asym", "int3-g32-asym", "int4-g32",
-                                  "int8", "int3-g32", "int4"])
+                                  "int8", "int3-g32", "int4", "int4-g32-narrow", "int8-narrow"])
 def test_reference_decompressor_gives_fewbits_weights_exactly(spec, tmp_path):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
@@ -67,6 +67,8 @@ def test_reference_decompressor_gives_fewbits_weights_exactly(spec, tmp_path):
             local["weight_scale"] = local["weight_scale"].float()  # its arithmetic in fp32, as fewbits'
             w = PackedQuantizationCompressor.decompress(local, scheme)["weight"]
             assert torch.equal(w.float(), mod.qweight.dequantize(torch.float32)), name
+            if mod.qweight.fmt.sym_int and mod.qweight.fmt.grid == "full":  # the end code -2^(b-1), signed scales
+                assert int(mod.qweight.unpacked_codes().min()) == 0 and bool((local["weight_scale"] < 0).any())
             n += 1
     assert n == 14
 

@@ -70,6 +70,7 @@ def _load(path):
 
 
 @pytest.mark.parametrize(("spec", "kind"), [("int4-g32", "Q4_0"), ("int8-g32", "Q8_0"), ("int5-g32", "Q5_0"),
+                                          ("int4-g32-narrow", "Q4_0"), ("int8-g32-narrow", "Q8_0"),
                                           ("q4_k", "Q4_K"), ("q5_k", "Q5_K"), ("q6_k", "Q6_K"), ("q4_1", "Q4_1"),
                                           ("q5_1", "Q5_1")])
 def test_gguf_reader_dequantises_fewbits_weights_exactly(spec, kind, tmp_path):
@@ -90,6 +91,24 @@ def test_gguf_reader_dequantises_fewbits_weights_exactly(spec, kind, tmp_path):
             want = want[_permute_rows(want.shape[0], heads)]
         assert torch.equal(got.reshape(want.shape), want), name
     assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"
+
+
+@pytest.mark.parametrize(("spec", "kind"), [("int4-g32", "Q4_0"), ("int8-g32-narrow", "Q8_0")])
+def test_rtn_export_is_the_gguf_quantiser_byte_for_byte(spec, kind, tmp_path):
+    """fewbits' RTN on the grid of each type writes the bytes gguf-py's own quantiser writes from the float
+    weights (llama.cpp's reference rounding): Q4_0 is the full grid, Q8_0 the narrow one."""
+    m = _tiny()
+    floats = {n: mod.weight.detach().clone() for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)}
+    api.quantize(m, spec, progress=False, chooser="cached")
+    tensors = {t.name: t for t in gguf.GGUFReader(export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer())).tensors}
+    for name, gname, heads in [("model.layers.0.self_attn.q_proj", "blk.0.attn_q.weight", 4),
+                               ("model.layers.1.self_attn.k_proj", "blk.1.attn_k.weight", 2),
+                               ("model.layers.0.mlp.down_proj", "blk.0.ffn_down.weight", None)]:
+        w = floats[name]
+        if heads:
+            w = w[_permute_rows(w.shape[0], heads)]
+        want = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, kind))
+        assert np.array_equal(np.asarray(tensors[gname].data).reshape(want.shape), want), name
 
 
 @pytest.mark.parametrize("spec", ["int4-g32", "int8-g32"])

@@ -46,7 +46,7 @@ def test_semantics():
 
 
 @pytest.mark.parametrize("bad", ["int9", "int1", "int4-g0", "fp4", "nf4-t", "fp8-e4m3-asym", "int4-g64-g32",
-                                 "int4-q", "", "float7", "int4-t-g32"])
+                                 "int4-q", "", "float7", "int4-t-g32", "int4-g64-wide"])
 def test_bad_specs_raise_clear_errors(bad):
     with pytest.raises(FormatError, match="format|spec"):
         parse_format(bad)
@@ -81,3 +81,47 @@ def test_format_module_does_not_need_torch():
 
     code = "import sys, fewbits.formats.format as f; f.parse_format('int4-g128'); assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("bits", range(2, 9))
+@pytest.mark.parametrize("suffix", ["", "-t", "-g32", "-g128-sfp32"])
+def test_the_grid_spellings(bits, suffix):
+    full, narrow = parse_format(f"int{bits}{suffix}"), parse_format(f"int{bits}{suffix}-narrow")
+    assert (full.grid, narrow.grid) == ("full", "narrow")
+    assert parse_format(f"int{bits}-full{suffix}") == full  # -full is the default, spelled or not
+    assert narrow.spec == f"int{bits}{suffix.replace('-sfp32', '')}-narrow" + ("-sfp32" if "sfp32" in suffix else "")
+    # codes -2^(b-1)..2^(b-1)-1 against -L..L: one more level, the same storage
+    assert (full.qmin, full.qmax) == (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+    assert (narrow.qmin, narrow.qmax) == (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1)
+    assert full.bits_per_weight((64, 256)) == narrow.bits_per_weight((64, 256))
+
+
+@pytest.mark.parametrize("bad,why", [("int4-g64-asym-narrow", "asym"), ("int4-asym-full", "asym"),
+                                     ("nf4-g64-narrow", "nf4"), ("fp8-e4m3-full", "fp8"),
+                                     ("int4-narrow-full", "cannot read"), ("int4-narrow-narrow", "cannot read")])
+def test_the_grid_belongs_to_symmetric_integers(bad, why):
+    with pytest.raises(FormatError, match=why):
+        parse_format(bad)
+    with pytest.raises(FormatError, match="symmetric integer"):
+        Format("int", 4, "group", 64, symmetric=False, grid="narrow")
+    with pytest.raises(FormatError, match="unknown grid"):
+        Format("int", 4, grid="wide")
+
+
+def test_metadata_of_the_grid_and_of_formats_saved_before_it():
+    d = parse_format("int4-g64").to_dict()
+    assert (d["version"], d["grid"], d["spec"]) == (3, "full", "int4-g64")
+    assert parse_format("int4-g64-narrow").to_dict()["grid"] == "narrow"
+    assert "grid" not in parse_format("int4-g64-asym").to_dict()  # formats without a grid keep version 1
+    assert parse_format("int4-g64-asym").to_dict()["version"] == 1
+    # a symmetric integer format saved before the full grid: version 1, no grid, spelled without -narrow
+    old = {"version": 1, "spec": "int4-g64", "kind": "int", "bits": 4, "granularity": "group", "group_size": 64,
+           "symmetric": True, "scale_dtype": "fp16", "element": "int", "tensor_scale": False}
+    fmt = Format.from_dict(old)
+    assert fmt.grid == "narrow" and fmt.spec == "int4-g64-narrow" and fmt == parse_format("int4-g64-narrow")
+    assert Format.from_dict({**old, "version": 2}).grid == "narrow"
+    with pytest.raises(FormatError, match="inconsistent"):
+        Format.from_dict({**old, "spec": "int4-g64-narrow"})  # no file of that time spelled it so
+    with pytest.raises(FormatError, match="version 1 cannot carry 'grid'"):
+        Format.from_dict({**old, "grid": "full"})
+    assert Format.from_dict({**old, "version": 3, "grid": "full"}) == parse_format("int4-g64")

@@ -24,14 +24,18 @@ def _row(value: float, n: int = 64) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("amax", "spec", "ok"), [
-    (7 * 65504.0, "int4-g64", True),      # scale exactly fp16's largest value
-    (7 * 65520.0, "int4-g64", False),     # rounds to inf in fp16
+    (7 * 65504.0, "int4-g64-narrow", True),   # scale exactly fp16's largest value (absmax / 7)
+    (7 * 65520.0, "int4-g64-narrow", False),  # rounds to inf in fp16
+    (8 * 65504.0, "int4-g64", True),      # the full grid: scale = extreme / -8, fp16's largest magnitude
+    (8 * 65520.0, "int4-g64", False),
     (65504.0, "nf4-g64", True),
     (7e4, "nf4-g64", False),
     (1e6, "int4-g64", False),
     (1e6, "int4-g64-sfp32", True),
     (1e6, "int4-g64-sbf16", True),
-    (127 * 2.0**-24, "int8", True),       # scale = fp16's smallest subnormal
+    (127 * 2.0**-24, "int8-narrow", True),  # scale = fp16's smallest subnormal
+    (128 * 2.0**-24, "int8", True),
+    (1e-9, "int8", False),                # full grid: a negative scale underflows as well
     (1e-9, "int4-g64", False),            # scale 1.4e-10 rounds to 0
     (1e-9, "int4-g64-sfp32", True),
     (1e-9, "int4-g64-asym", False),
@@ -40,7 +44,7 @@ def test_fp16_scale_limits(amax: float, spec: str, ok: bool) -> None:
     w = _row(amax)
     if ok:
         q = quantize_tensor(w, spec, name="blk.lin")
-        assert torch.isfinite(q.scale_values()).all() and (q.scale_values() > 0).all()
+        assert torch.isfinite(q.scale_values()).all() and (q.scale_values() != 0).all()
         assert torch.allclose(q.dequantize()[1], w[1], rtol=1e-2)
     else:
         with pytest.raises(ScaleRangeError, match=r"^blk\.lin: .*(overflow|underflow).*-sfp32"):

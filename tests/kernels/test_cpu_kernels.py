@@ -34,9 +34,25 @@ def _case(spec: str, n: int, k: int, m: int, seed: int, dtype=torch.float32):
     return quantize_tensor(w, spec), x, b
 
 
-INT8_SPECS = ["int8", "int8-asym", "int8-t"]
+INT8_SPECS = ["int8", "int8-asym", "int8-t", "int8-narrow"]
 INT4_SPECS = ["int4-g128", "int4-g64", "int4-g32-asym", "int4", "int4-t", "int3-g64", "int3-g64-asym",
-              "int2-g32", "int2-g64-asym", "int4-g512", "int4-g96", "int3-g192-asym"]
+              "int2-g32", "int2-g64-asym", "int4-g512", "int4-g96", "int3-g192-asym", "int4-g64-narrow",
+              "int3-g64-narrow"]
+
+
+@pytest.mark.parametrize("spec,kernel", [("int8", Int8PackKernel), ("int8-t", Int8PackKernel),
+                                         ("int4-g64", Int4PackKernel), ("int4", Int4PackKernel),
+                                         ("int3-g32", Int4PackKernel), ("int2-g64", Int4PackKernel)])
+def test_full_grid_end_codes_and_negative_scales_reach_the_kernels(spec, kernel):
+    """The full symmetric grid stores code 0 (q = -2^(b-1)) and negative scales (a positive extreme): the
+    packed operators take both, so they agree with the reference on exactly such weights."""
+    qt, x, b = _case(spec, 64, 256, 5, 7)
+    assert int(qt.unpacked_codes().min()) == 0 and bool((qt.scale_values() < 0).any())
+    if spec != "int8-t":  # one scale per tensor has one sign
+        assert bool((qt.scale_values() > 0).any())
+    kern = prepare_linear(qt)
+    assert kern.name == kernel.name
+    assert rel_err(kern(x, b), reference_linear(x, qt, b)) < W16_BOUND
 
 
 @settings(max_examples=12, deadline=None)
