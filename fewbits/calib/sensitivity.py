@@ -58,11 +58,17 @@ class Sensitivity:
     kl_tokens: dict[str, dict[str, float]] = field(default_factory=dict)  # output Fisher, per token x channel
     output_mse: dict[str, dict[str, float]] = field(default_factory=dict)  # mean squared output error
     method: str = "rtn"
+    w_hat: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)  # (layer, format) -> W_hat, if kept
 
     def to_dict(self) -> dict[str, Any]:
         return {"layers": self.layers, "candidates": self.candidates, "kl": self.kl, "kl_tokens": self.kl_tokens,
-                "output_mse": self.output_mse,
-                "method": self.method}
+                "output_mse": self.output_mse, "method": self.method}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sensitivity:
+        """A measurement written by `to_dict` (e.g. the "sensitivity" of a saved budget.json)."""
+        return cls(list(d["layers"]), list(d["candidates"]), dict(d["kl"]), dict(d.get("kl_tokens", {})),
+                   dict(d.get("output_mse", {})), d.get("method", "rtn"))
 
 
 def check_budget_method(method: str, candidates: Sequence[str]) -> str:
@@ -188,9 +194,10 @@ def _weighted_hessians(run: Any, paths: dict[str, str], fisher: dict[str, Fisher
 
 
 def measure(model: nn.Module, data: torch.Tensor, layers: Sequence[str], candidates: Sequence[str],
-            method: str = "rtn", progress: bool = False, seed: int = 0) -> Sensitivity:
+            method: str = "rtn", progress: bool = False, seed: int = 0, keep: Sequence[str] = ()) -> Sensitivity:
     """The KL proxy of every layer in `layers` (full module names, inside the decoder blocks) in every
     candidate format, with `method`'s per-layer codes (see PROXY_METHOD).  The model is not changed.
+    The quantised weights of the layers in `keep` are kept (`Sensitivity.w_hat`), to check against `layer_kl`.
 
     Three proxies are kept (`Sensitivity`): "kl" (the weights' diagonal Fisher, the one used),
     "kl_tokens" (the output's squared gradients as a per-token times a per-channel factor, with the
@@ -227,7 +234,10 @@ def measure(model: nn.Module, data: torch.Tensor, layers: Sequence[str], candida
                     c = fi.per_channel
                     out.kl[n], out.kl_tokens[n], out.output_mse[n] = {}, {}, {}
                     for cand in candidates:
-                        d = _quantised(proxy, w, h, cand, n).double() - w.double()
+                        w_hat = _quantised(proxy, w, h, cand, n)
+                        if n in keep:
+                            out.w_hat[(n, cand)] = w_hat
+                        d = w_hat.double() - w.double()
                         e = ((d @ h.double()) * d).sum(1)  # (out,) mean squared error per output channel
                         er = ((d @ hr[p]) * d).sum(1)  # the same, tokens weighted by r_t
                         out.kl[n][cand] = float(0.5 * (fi.weight.double() * d * d).sum() / fi.tokens)

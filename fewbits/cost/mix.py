@@ -41,8 +41,9 @@ def _spec_layers(spec: ModelSpec) -> list[tuple[tuple[int, int], int]]:
 
 
 def uniform_time(spec: ModelSpec, fmt: str, device: DeviceSpec, profile: Profile, context: int) -> float:
-    """The step model's batch-1 decode time with every linear in `fmt` (16-bit head and KV cache)."""
-    w = weight_terms(spec, fmt, device, profile, lm_head=None)
+    """The step model's batch-1 decode time with every linear in `fmt`, the head and the KV cache 16-bit
+    (as `fewbits quantize --budget` leaves them, whatever the profile's `quantize_lm_head` convention)."""
+    w = weight_terms(spec, fmt, device, profile, lm_head="bf16")
     k = kv_terms(spec, "bf16", profile)
     return float(decode(spec, device, profile, w, k, 1, context)["time"])
 
