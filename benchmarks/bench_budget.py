@@ -65,15 +65,15 @@ def validate(args: argparse.Namespace) -> dict:
         for f in fmts:
             true = layer_kl(ref, n, sens.w_hat[(n, f)], truth_data, lp)
             rows.append({"layer": n, "format": f, "true_kl": true, "kl": sens.kl[n][f],
-                         "kl_tokens": sens.kl_tokens[n][f], "output_mse": sens.output_mse[n][f]})
+                         "kl_weight": sens.kl_weight[n][f], "output_mse": sens.output_mse[n][f]})
             print(json.dumps(rows[-1]), flush=True)
     true = [r["true_kl"] for r in rows]
     return {"part": "validate", "method": args.method, "rows": rows, "seconds_measure": t_measure,
             "truth_tokens": int(truth_data.numel()),
-            "spearman": {p: spearman([r[p] for r in rows], true) for p in ("kl", "kl_tokens", "output_mse")},
+            "spearman": {p: spearman([r[p] for r in rows], true) for p in ("kl", "kl_weight", "output_mse")},
             "spearman_int3_only": {p: spearman([r[p] for r in rows if r["format"] == "int3-g64"],
                                                [r["true_kl"] for r in rows if r["format"] == "int3-g64"])
-                                   for p in ("kl", "kl_tokens", "output_mse")}}
+                                   for p in ("kl", "kl_weight", "output_mse")}}
 
 
 def curve(args: argparse.Namespace) -> dict:
@@ -81,7 +81,7 @@ def curve(args: argparse.Namespace) -> dict:
 
     from fewbits import api
     from fewbits.budgeted import budget_recipe
-    from fewbits.calib.sensitivity import measure
+    from fewbits.calib.sensitivity import Sensitivity, measure
     from fewbits.data.texts import load_texts
     from fewbits.eval.perplexity import compare, fill_reference_cache, make_windows
     from fewbits.models.recipe import Recipe
@@ -90,7 +90,14 @@ def curve(args: argparse.Namespace) -> dict:
     windows, protocol = make_windows(tok, load_texts("eval"), seq_len=args.eval_len, n_windows=args.eval_windows)
     cache = fill_reference_cache(ref, windows, progress=False)
     t0 = time.perf_counter()
-    sens = measure(ref, data, names, CANDIDATES, args.method)
+    if args.sens and os.path.exists(args.sens):
+        with open(args.sens) as f:
+            sens = Sensitivity.from_dict(json.load(f))
+    else:
+        sens = measure(ref, data, names, CANDIDATES, args.method)
+        if args.sens:
+            with open(args.sens, "w") as f:
+                json.dump(sens.to_dict(), f)
     t_measure = time.perf_counter() - t0
     print(f"sensitivity measured in {t_measure:.0f} s", flush=True)
     runs: list[tuple[str, Recipe, dict]] = []
@@ -130,7 +137,10 @@ def report(args: argparse.Namespace) -> None:
     for p in args.inputs:
         with open(p) as f:
             d = json.load(f)
-        parts[d["part"]] = d
+        if d["part"] == "curve" and "curve" in parts:  # more rows of the same protocol (e.g. uniform runs apart)
+            parts["curve"]["rows"] += d["rows"]
+        else:
+            parts[d["part"]] = d
     os.makedirs(args.out, exist_ok=True)
     lines = ["# Mixed precision under a budget: SmolLM2-135M", ""]
     if "curve" in parts:
@@ -208,6 +218,7 @@ def main() -> None:
     ap.add_argument("--sample-blocks", type=int, default=10, help="validate: blocks sampled (2 layers each)")
     ap.add_argument("--truth-windows", type=int, default=4, help="validate: calibration windows for the true KL")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sens", help="curve: sensitivity JSON to reuse (measured and written when missing)")
     ap.add_argument("--json")
     ap.add_argument("--inputs", nargs="*", default=[])
     ap.add_argument("--out", default="benchmarks/results/budget")

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fewbits.budgeted import Budget, MixPlan, budget_recipe  # noqa: F401  (mixed precision under a budget)
 from fewbits.export.files import write_dir
 from fewbits.models.qlinear import (
     KernelChooser,
