@@ -90,11 +90,21 @@ def curve(args: argparse.Namespace) -> dict:
     windows, protocol = make_windows(tok, load_texts("eval"), seq_len=args.eval_len, n_windows=args.eval_windows)
     cache = fill_reference_cache(ref, windows, progress=False)
     t0 = time.perf_counter()
+    cands = list(args.candidates)
+    sens = None
     if args.sens and os.path.exists(args.sens):
         with open(args.sens) as f:
             sens = Sensitivity.from_dict(json.load(f))
-    else:
-        sens = measure(ref, data, names, CANDIDATES, args.method)
+    todo = [c for c in cands if sens is None or c not in sens.candidates]
+    if todo:  # measure the candidates the saved file lacks, and keep them too
+        new = measure(ref, data, names, todo, args.method)
+        if sens is None:
+            sens = new
+        else:
+            sens.candidates += todo
+            for field in ("kl", "kl_weight", "output_mse"):
+                for n in names:
+                    getattr(sens, field)[n].update(getattr(new, field)[n])
         if args.sens:
             with open(args.sens, "w") as f:
                 json.dump(sens.to_dict(), f)
@@ -102,7 +112,7 @@ def curve(args: argparse.Namespace) -> dict:
     print(f"sensitivity measured in {t_measure:.0f} s", flush=True)
     runs: list[tuple[str, Recipe, dict]] = []
     for bpw in args.mix_bpw:
-        mix = budget_recipe(ref, data, f"bpw={bpw}", CANDIDATES, args.method, device=args.device, sensitivity=sens)
+        mix = budget_recipe(ref, data, f"bpw={bpw}", cands, args.method, device=args.device, sensitivity=sens)
         runs.append((f"mix bpw={bpw:g}", mix.recipe, {"counts": mix.counts(), "proxy_kl": mix.proxy_kl,
                                                        "step_s": mix.step_s, "uniform": mix.uniform}))
     uniform_figs = runs[0][2]["uniform"] if runs else {}
@@ -125,7 +135,8 @@ def curve(args: argparse.Namespace) -> dict:
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "uniform"}), flush=True)
         del model
-    return {"part": "curve", "method": args.method, "device": args.device, "protocol": protocol.text(),
+    return {"part": "curve", "method": args.method, "candidates": cands, "device": args.device,
+            "protocol": protocol.text(),
             "calib": f"{data.shape[0]}x{data.shape[1]}", "threads": args.threads, "seconds_measure": t_measure,
             "rows": rows}
 
@@ -209,6 +220,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--method", default="gptq")
     ap.add_argument("--device", default="h100", help="cost-model device for the predicted step")
+    ap.add_argument("--candidates", nargs="*", default=list(CANDIDATES), help="curve: the mixes' candidates")
     ap.add_argument("--mix-bpw", type=float, nargs="*", default=list(MIX_BPW))
     ap.add_argument("--uniform", nargs="*", default=list(CANDIDATES))
     ap.add_argument("--calib-windows", type=int, default=16)
