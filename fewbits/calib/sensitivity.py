@@ -22,7 +22,7 @@ compensation, which cancels errors in H, is seen).  `output_fisher` takes r and 
 of FISHER_BATCH sequences.  In KL units (nats per token), so sensitivities of different layers add and
 compare: what `methods.budget` needs.
 
-Measured against the truth (benchmarks/bench_budget.py, SmolLM2-135M, GPTQ, 16 layers x 2 formats):
+Measured against the truth (benchmarks/bench_budget.py, SmolLM2-135M, GPTQ, 20 layers x 2 formats):
 Spearman 0.987, every pair within 0.41-1.17x of the true KL.  `measure` also keeps two others for
 comparison: "kl_weight", the weights' diagonal Fisher 1/2 sum_ij F_ij dW_ij^2 / T (SqueezeLLM's
 sensitivity; exact for independent rounding errors, but GPTQ's errors are correlated on purpose:
