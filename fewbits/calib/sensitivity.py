@@ -33,6 +33,7 @@ first position, which every later position attends to, carries gradients of many
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fewbits.calib import distributed as dist_util
 from fewbits.calib.runner import check_calibration_data, decoder_blocks, iterate_blocks
 from fewbits.calib.stats import CalibrationError
 from fewbits.methods.common import check_method_format
@@ -77,6 +79,8 @@ def check_budget_method(method: str, candidates: Sequence[str]) -> str:
     """The per-layer method measuring sensitivity for `method`; every candidate checked for `method`."""
     if method not in PROXY_METHOD:
         raise CalibrationError(f"--budget works with methods {', '.join(PROXY_METHOD)}; not {method}")
+    if dist_util.active() or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise CalibrationError("--budget measures sensitivity in one process; run it without torchrun")
     for c in candidates:
         check_method_format(method, c)
     return PROXY_METHOD[method]

@@ -64,6 +64,12 @@ def test_methods_and_formats_are_checked_before_any_work() -> None:
     assert check_budget_method("awq+gptq", ["int4-g64"]) == "gptq"
 
 
+def test_budget_refuses_torchrun(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")  # each rank would see its share of the per-token weights
+    with pytest.raises(CalibrationError, match="one process"):
+        check_budget_method("gptq", ["int4-g64"])
+
+
 def test_layers_outside_the_blocks_are_refused(tiny, calib_ids) -> None:
     model = tiny("llama")
     with pytest.raises(CalibrationError, match="outside"):
