@@ -168,12 +168,11 @@ def report(args: argparse.Namespace) -> None:
                          + " | ".join(f"{r['kl'][c]:.4f}" for c in cats)
                          + (f" | {1e3 * step:.3f} |" if step else " | - |"))
         base = next((r for r in rows if r["label"] == "uniform int4-g64"), None)
-        mix = next((r for r in rows if r["label"] == "mix bpw=4.25"), None)
-        if base and mix:
+        for mix in (r for r in rows if r["label"].endswith("mix bpw=4.25") and base):
             gain = 1 - mix["kl_mean"] / base["kl_mean"]
-            lines += ["", f"At the bytes of uniform int4-g64 ({base['linear_bytes']:,} vs mix {mix['linear_bytes']:,}"
-                      f" bytes): KL {mix['kl_mean']:.4f} against {base['kl_mean']:.4f}, {100 * gain:.1f}% lower "
-                      f"(goal: 25%). Mix: {mix.get('counts')}."]
+            lines += ["", f"{mix['label']}: at the bytes of uniform int4-g64 ({base['linear_bytes']:,} vs "
+                      f"{mix['linear_bytes']:,} bytes) KL {mix['kl_mean']:.4f} against {base['kl_mean']:.4f}, "
+                      f"{100 * gain:.1f}% lower (goal: 25%). Formats: {mix.get('counts')}."]
         _plot(rows, os.path.join(args.out, "kl_vs_bpw.png"), cv["method"])
         lines += ["", "![KL against bits per weight](kl_vs_bpw.png)"]
     if "validate" in parts:
