@@ -5,11 +5,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import spearmanr
 
 from fewbits.calib.sensitivity import check_budget_method, layer_kl, measure, reference_logprobs
 from fewbits.calib.stats import CalibrationError
 from fewbits.methods.common import MethodError
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (no ties among measured KLs): the Pearson correlation of the ranks."""
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
 
 
 def _linears(model: torch.nn.Module) -> list[str]:
@@ -31,7 +36,7 @@ def test_proxy_tracks_true_single_layer_kl(tiny, method: str) -> None:
     ratio = np.array(proxy) / np.array(true)
     # second order in the error and unbiased on average: the proxy is the KL, not merely ordered like it
     assert 0.5 < float(np.median(ratio)) < 2.0, ratio
-    assert spearmanr(proxy, true).statistic > 0.8
+    assert spearman(proxy, true) > 0.8
     # int3 hurts more than int4 on every layer, in the proxy as in the truth
     assert all(sens.kl[n]["int3-g64"] > sens.kl[n]["int4-g64"] for n in names)
 
