@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fewbits.budgeted import Budget, MixPlan, budget_recipe  # noqa: F401  (mixed precision under a budget)
 from fewbits.files import check_output, write_dir
 from fewbits.guard import QuantizeError, check_layers, refuse_if_unusable, stopped_half_way
 from fewbits.models.qlinear import (
@@ -291,12 +292,13 @@ def _weight_bytes(mod: nn.Module) -> int:
 # ---------------------------------------------------------------------- saving and loading
 def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.PathLike[str], tokenizer: Any = None,
                          report: QuantizeReport | None = None, source: str | None = None,
-                         overwrite: bool = False) -> Path:
+                         overwrite: bool = False, extra: Mapping[str, str | bytes] | None = None) -> Path:
     """Write `model` (after `quantize`) to `out_dir`: config.json, tokenizer files, model.safetensors
     (every parameter and packed buffer, tied weights once) and fewbits.json (versioned: recipe,
     each replaced layer's description: kind and parameters such as format, act_bits, outlier_threshold;
     sizes).  Written in a temporary directory beside `out_dir`, then renamed into place; an existing
-    `out_dir` is replaced only with `overwrite=True`."""
+    `out_dir` is replaced only with `overwrite=True`.  `extra`: more files (name -> contents) written inside
+    the same atomic write (a budgeted mix's recipe.toml and budget.json)."""
     from safetensors.torch import save_file
 
     refuse_if_unusable(model, "save")
@@ -317,7 +319,7 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
                   metadata={"fewbits": json.dumps({"format": SAVED_FORMAT, "version": SAVED_VERSION})})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
 
-    return write_dir(out, write, overwrite, kind=SAVED_FORMAT)
+    return write_dir(out, write, overwrite, kind=SAVED_FORMAT, extra=extra)
 
 
 def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -37,7 +37,7 @@ import shutil
 import socket
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from fewbits.manifest import (  # noqa: F401  (part of this module's interface)
@@ -299,11 +299,13 @@ def _swap_in(tmp: Path, out: Path, overwrite: bool, keep_existing: Callable[[Pat
 
 
 def write_dir(out: str | os.PathLike[str], write: Callable[[Path], None], overwrite: bool = False,
-              kind: str = "output", keep_existing: Callable[[Path], bool] | None = None) -> Path:
+              kind: str = "output", keep_existing: Callable[[Path], bool] | None = None,
+              extra: Mapping[str, str | bytes] | None = None) -> Path:
     """Call `write(tmp)` on a fresh folder beside `out`, add the manifest, then swap it into place: a
     failure leaves no partial output and an earlier OUT as it was.  An existing non-empty `out` is replaced
     only with `overwrite` and only if it is a fewbits output.  `keep_existing(out)`, when given, is asked
-    if an OUT that appeared meanwhile (another process) should be kept instead of this one."""
+    if an OUT that appeared meanwhile (another process) should be kept instead of this one.  `extra`:
+    more files (name -> text or bytes) written beside `write`'s, inside the same swap and manifest."""
     out = Path(out)
     check_output(out, overwrite, "dir")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -312,6 +314,10 @@ def write_dir(out: str | os.PathLike[str], write: Callable[[Path], None], overwr
     os.mkdir(tmp)
     try:
         write(tmp)
+        for name, data in (extra or {}).items():
+            if Path(name).name != name or name.startswith("."):
+                raise OutputError(f"{name!r}: an extra file's name must be a plain file name")
+            (tmp / name).write_bytes(data.encode() if isinstance(data, str) else data)
         finish_dir(tmp, kind)
         _swap_in(tmp, out, overwrite, keep_existing)
         _fsync_dir(out.parent)

@@ -3,6 +3,7 @@ save the model (fewbits' own layout, or a checkpoint vLLM loads)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import click
@@ -51,12 +52,20 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
               show_default=True, help="output layout: fewbits' own (reloads with every format and method), "
               "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3), or gguf "
               "(OUT/model.gguf for llama.cpp; Llama, Mistral, Qwen2, Gemma-3; q4_0 ... q6_k, int4/int5/int8-g32)")
+@click.option("--budget", default=None,
+              help="mixed precision: one format per layer from --candidates, least predicted KL within bpw=BITS "
+                   "(bits per weight of the linears), size=BYTES (whole model, e.g. 1.2GB) or step-ms=MS (predicted "
+                   "batch-1 decode step on --device); writes OUT/recipe.toml and OUT/budget.json too")
+@click.option("--candidates", default=None,
+              help="formats --budget chooses from, comma-separated (default int3-g64,int4-g64,int4-g32,int5-g64,"
+                   "int6-g64,int8)")
+@click.option("--device", default=None, help="cost-model device (e.g. h100) for --budget's predicted step time")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
                  misfit: str | None,
-                 dtype: str, calib_windows: int, calib_seq_len: int, target: str, out: str, overwrite: bool,
-                 quiet: bool) -> None:
+                 dtype: str, calib_windows: int, calib_seq_len: int, target: str, budget: str | None,
+                 candidates: str | None, device: str | None, out: str, overwrite: bool, quiet: bool) -> None:
     """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT.
 
     OUT loads with fewbits.api.load_quantized_model on the fast kernels (the dispatcher) by default;
@@ -77,8 +86,23 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
     from fewbits.models.recipe import Recipe
 
     t0 = time.perf_counter()
+    mix = None
     try:
-        if recipe_file:
+        cands = [c.strip() for c in candidates.split(",") if c.strip()] if candidates else None
+        if (candidates or device) and not budget:
+            raise click.UsageError("--candidates and --device go with --budget")
+        if budget:
+            from fewbits.budgeted import DEFAULT_CANDIDATES, Budget
+
+            if fmt or recipe_file or lm_head:
+                raise click.UsageError("--budget chooses the formats: give it without --format, --recipe or --lm-head")
+            bud = Budget.parse(budget)
+            cands = cands or list(DEFAULT_CANDIDATES)
+            recipe = Recipe.from_format(cands[0], method)  # stands in until the mix is chosen (checks below)
+            from fewbits.calib.sensitivity import check_budget_method
+
+            check_budget_method(method, cands)  # before any work
+        elif recipe_file:
             recipe = Recipe.load(recipe_file)
             if fmt or lm_head:
                 raise click.UsageError("give either --format (and --lm-head) or --recipe, not both; a recipe "
@@ -92,13 +116,13 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         if target == "compressed-tensors":
             from fewbits.export import check_formats
 
-            check_formats([r.format for r in recipe.rules])  # before any work
+            check_formats(cands or [r.format for r in recipe.rules])  # before any work
         elif target == "gguf":
             from fewbits.export.gguf import gguf_type
             from fewbits.formats.format import parse_format
 
-            for r in recipe.rules:  # before any work
-                gguf_type(parse_format(r.format))
+            for f in cands or [r.format for r in recipe.rules]:  # before any work
+                gguf_type(parse_format(f))
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
@@ -107,17 +131,26 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         api.plan_model(m, recipe)  # fails here, before any work, on misfits and unknown methods
         methods = {r.method for r in recipe.rules}
         data = None
-        if any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
+        if budget or any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
             data = calibration_ids(tok, calib_seq_len, calib_windows)
+        if budget:
+            from fewbits.budgeted import budget_recipe
+
+            mix = budget_recipe(m, data, bud, cands, method, device=device, progress=not quiet)
+            recipe = mix.recipe
+            click.echo(mix.text())
         # only saved: no fast kernels to pack (the reference path is built for free); loading prepares them
         report = api.quantize(m, recipe, data=data, progress=not quiet, chooser=api.kernel_chooser("reference"))
         if distributed.rank() != 0:  # under torchrun every rank holds the same weights; rank 0 saves them
             return
         click.echo(report.text())
+        # a budgeted mix's recipe and choice travel inside OUT's atomic write (and its manifest)
+        extra = None if mix is None else {"recipe.toml": recipe.to_toml(),
+                                          "budget.json": json.dumps(mix.to_dict(), indent=1)}
         if target == "compressed-tensors":
             from fewbits.export import export_compressed_tensors
 
-            path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite)
+            path = export_compressed_tensors(m, out, tokenizer=tok, overwrite=overwrite, extra=extra)
         elif target == "gguf":
             from fewbits.export.gguf import export_gguf
             from fewbits.export.gguf_vocab import is_byte_level_bpe
@@ -127,10 +160,11 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             with source_gguf(model) as src:  # a SentencePiece vocabulary is copied from the published file
                 vocab = None if is_byte_level_bpe(tok) else src
                 path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre,
-                                                                    vocab_from=vocab), overwrite, kind="gguf")
+                                                                    vocab_from=vocab), overwrite, kind="gguf",
+                                 extra=extra)
         else:
             path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
-                                            overwrite=overwrite)
+                                            overwrite=overwrite, extra=extra)
     except click.UsageError:
         raise
     except (ValueError, FileExistsError, FileNotFoundError, OSError) as e:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -115,8 +116,9 @@ def _layer_tensors(name: str, qt: QuantizedTensor, bias: torch.Tensor | None) ->
 
 
 def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str], tokenizer: Any = None,
-                              overwrite: bool = False) -> Path:
-    """Write `model` (after `fewbits.api.quantize`) as a compressed-tensors checkpoint in `out_dir`."""
+                              overwrite: bool = False, extra: Mapping[str, str | bytes] | None = None) -> Path:
+    """Write `model` (after `fewbits.api.quantize`) as a compressed-tensors checkpoint in `out_dir`
+    (`extra`: more files, name -> contents, inside the same atomic write)."""
     from safetensors.torch import save_file
 
     check_output(out_dir, overwrite)  # before the tensors are converted
@@ -165,4 +167,4 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str],
             tokenizer.save_pretrained(tmp)
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
 
-    return write_dir(Path(out_dir), write, overwrite, kind="compressed-tensors")
+    return write_dir(Path(out_dir), write, overwrite, kind="compressed-tensors", extra=extra)
