@@ -73,6 +73,7 @@ from typing import Any
 
 from fewbits.cost.devices import DeviceSpec
 from fewbits.formats.format import Format
+from fewbits.models.spec import read_json_file
 
 PROFILE_SCHEMA = "fewbits.profile"
 PROFILE_VERSION = 1
@@ -266,16 +267,7 @@ def load_profile(name_or_path: str | Path | Profile) -> Profile:
     p = Path(key)
     if not p.is_file():
         raise ProfileError(f"profile {key!r} is neither built in ({', '.join(BUILTIN)}) nor a file")
-    try:
-        data = json.loads(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ProfileError(f"{p}: not UTF-8 text (byte {e.start}); a profile is JSON") from None
-    except RecursionError:
-        raise ProfileError(f"{p}: nested too deeply to be a profile") from None
-    except ValueError as e:  # json.JSONDecodeError, or an integer too long to convert
-        raise ProfileError(f"{p}: not valid JSON: {str(e).splitlines()[0]}") from None
-    except OSError as e:
-        raise ProfileError(f"{p}: cannot be read: {e.strerror or e}") from None
+    data = read_json_file(p, "profile", ProfileError)
     if not isinstance(data, dict):
         raise ProfileError(f"{p}: a profile is a JSON object, got a {type(data).__name__}")
     return Profile.from_dict(data, source=str(p))

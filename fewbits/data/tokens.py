@@ -43,16 +43,7 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, n_windows: int | None
     body = seq_len - 1 if add_bos else seq_len  # text tokens per window
     n_max = None if n_windows is None else n_windows * body
     ids = _encode(tokenizer, text, n_max)
-    n = len(ids) // body
-    if n_windows is not None:
-        n = min(n, n_windows)
-    if n == 0:
-        raise ValueError(f"text of {len(text)} characters gives {len(ids)} tokens, fewer than one window of "
-                         f"{body} text tokens (seq_len {seq_len}{', BOS first' if add_bos else ''})")
-    out = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)  # (n, body)
-    if add_bos:
-        out = torch.cat([torch.full((n, 1), int(bos), dtype=torch.long), out], dim=1)  # (n, seq_len)
-    return out
+    return _windows(ids, body, n_windows, bos if add_bos else None, len(text))
 
 
 def stream_token_windows(tokenizer: Any, pieces: Iterable[str], seq_len: int, n_windows: int,
@@ -78,12 +69,20 @@ def stream_token_windows(tokenizer: Any, pieces: Iterable[str], seq_len: int, n_
         ids += _encode(tokenizer, piece, need - len(ids))
         if len(ids) >= need:
             break
-    n = min(len(ids) // body, n_windows)
+    return _windows(ids, body, n_windows, bos if add_bos else None, chars)
+
+
+def _windows(ids: list[int], body: int, n_windows: int | None, bos: int | None, chars: int) -> torch.Tensor:
+    """Whole windows of `body` text tokens from `ids` (at most `n_windows`), each after `bos` when given."""
+    n = len(ids) // body
+    if n_windows is not None:
+        n = min(n, n_windows)
     if n == 0:
+        seq_len = body + (bos is not None)
         raise ValueError(f"text of {chars} characters gives {len(ids)} tokens, fewer than one window of "
-                         f"{body} text tokens (seq_len {seq_len}{', BOS first' if add_bos else ''})")
+                         f"{body} text tokens (seq_len {seq_len}{', BOS first' if bos is not None else ''})")
     out = torch.tensor(ids[: n * body], dtype=torch.long).view(n, body)  # (n, body)
-    if add_bos:
+    if bos is not None:
         out = torch.cat([torch.full((n, 1), int(bos), dtype=torch.long), out], dim=1)  # (n, seq_len)
     return out
 

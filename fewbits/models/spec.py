@@ -24,6 +24,29 @@ MAX_SIZE = 2**31 - 1
 MAX_CONFIG_BYTES = 16 << 20
 
 
+def read_json_file(p: Path, what: str, error: type[Exception]) -> Any:
+    """The JSON value in file `p`, or `error` with one line naming `p` and what is wrong with it (a folder,
+    too large, not UTF-8, too deeply nested, not JSON, unreadable); `what` names the expected file."""
+    try:
+        if p.is_dir():
+            raise error(f"{p} is a folder, not a {what} file")
+        if p.is_file() and p.stat().st_size > MAX_CONFIG_BYTES:
+            raise error(f"{p} is {p.stat().st_size:,} bytes, too large for a {what}")
+        return json.loads(p.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise error(f"no {what} at {p}") from None
+    except UnicodeDecodeError as e:
+        raise error(f"{p} is not UTF-8 text (byte {e.start}); a {what} is JSON") from None
+    except RecursionError:
+        raise error(f"{p} is nested too deeply to be a {what}") from None
+    except ValueError as e:  # json.JSONDecodeError, or an integer too long to convert
+        if isinstance(e, error):
+            raise
+        raise error(f"{p} is not valid JSON: {str(e).splitlines()[0]}") from None
+    except OSError as e:
+        raise error(f"{p} cannot be read: {e.strerror or e}") from None
+
+
 class ModelSpecError(ValueError):
     """A model shape or a config.json that cannot be read."""
 
@@ -196,22 +219,7 @@ class ModelSpec:
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
-        try:
-            if p.is_dir():
-                raise ModelSpecError(f"{p} is a folder, not a config.json file")
-            if p.is_file() and p.stat().st_size > MAX_CONFIG_BYTES:
-                raise ModelSpecError(f"{p} is {p.stat().st_size:,} bytes, too large for a config.json")
-            cfg = json.loads(p.read_bytes().decode("utf-8"))
-        except FileNotFoundError:
-            raise ModelSpecError(f"no config.json at {p}") from None
-        except UnicodeDecodeError as e:
-            raise ModelSpecError(f"{p} is not UTF-8 text (byte {e.start}); a config.json is JSON") from None
-        except RecursionError:
-            raise ModelSpecError(f"{p} is nested too deeply to be a config.json") from None
-        except ValueError as e:  # json.JSONDecodeError, or an integer too long to convert
-            raise ModelSpecError(f"{p} is not valid JSON: {str(e).splitlines()[0]}") from None
-        except OSError as e:
-            raise ModelSpecError(f"{p} cannot be read: {e.strerror or e}") from None
+        cfg = read_json_file(p, "config.json", ModelSpecError)
         default_name = p.parent.name if p.name == "config.json" else p.stem
         return cls.from_config_dict(cfg, source=str(p), name=name or default_name)
 
