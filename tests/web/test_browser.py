@@ -183,7 +183,7 @@ def test_each_playground_control_gives_try_json(browser, server) -> None:  # noq
     from selenium.webdriver.support.ui import Select
 
     open_page(browser, server + "/playground")
-    wait_for(browser, lambda d: text(d, "out-spec") == "int4", "the defaults")
+    wait_for(browser, lambda d: text(d, "out-spec") == "int4-narrow", "the defaults")
 
     def check(args: list[str], what: str) -> None:
         t = cli_json("try", *args)
@@ -200,6 +200,8 @@ def test_each_playground_control_gives_try_json(browser, server) -> None:  # noq
     check(["--outlier"], "outlier")
     Select(browser.find_element("id", "group")).select_by_value("8")
     check(["--outlier", "--group", "8"], "groups of 8")
+    browser.find_element("id", "fullgrid").click()
+    check(["--outlier", "--group", "8", "--full-grid"], "full grid")
     browser.find_element("id", "asym").click()
     check(["--outlier", "--group", "8", "--asym"], "asym")
     Select(browser.find_element("id", "family")).select_by_value("nf4")

@@ -11,7 +11,8 @@ function pct(x) { return x == null ? "–" : `${(100 * x).toFixed(2)}%`; }
 
 function request() {
   const body = {family: $("family").value, bits: Number($("bits").value), group: Number($("group").value),
-                asym: $("asym").checked, outlier: $("outlier").checked, seed: Number($("seed").value)};
+                asym: $("asym").checked, full_grid: $("fullgrid").checked, outlier: $("outlier").checked,
+                seed: Number($("seed").value)};
   const text = $("pasted").value.trim();
   if (text) body.weights = text.split(/[\s,;]+/).filter(Boolean).map(Number);
   return body;
@@ -21,6 +22,8 @@ function applicable() {
   const f = FAMILIES[$("family").value] || {};
   $("bits").disabled = !f.bits; $("group").disabled = !f.group; $("asym").disabled = !f.asym;
   if (!f.asym) $("asym").checked = false;
+  $("fullgrid").disabled = !f.asym || $("asym").checked;  // symmetric integers only
+  if ($("fullgrid").disabled) $("fullgrid").checked = false;
 }
 
 async function update() {
@@ -95,7 +98,7 @@ async function init() {
   FAMILIES = opts.families;
   fillSelect($("family"), Object.keys(FAMILIES));
   const later = debounce(update, 150);
-  for (const id of ["family", "bits", "group", "asym", "outlier", "seed", "pasted"]) {
+  for (const id of ["family", "bits", "group", "asym", "fullgrid", "outlier", "seed", "pasted"]) {
     $(id).addEventListener("change", update);
     if (id === "bits" || id === "seed" || id === "pasted") $(id).addEventListener("input", later);
   }
