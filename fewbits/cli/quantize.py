@@ -52,6 +52,9 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
               show_default=True, help="output layout: fewbits' own (reloads with every format and method), "
               "compressed-tensors (vLLM, transformers; integer formats and per-channel fp8-e4m3), or gguf "
               "(OUT/model.gguf for llama.cpp; Llama, Mistral, Qwen2, Gemma-3; q4_0 ... q6_k, int4/int5/int8-g32)")
+@click.option("--embedding", "embedding", default=None, metavar="SPEC",
+              help="with --to gguf: the token embedding (a tied model's head too) in this type, RTN, as llama.cpp's "
+                   "mixes store it (q8_0, q6_k, ...); default: 16 bits")
 @click.option("--budget", default=None,
               help="mixed precision: one format per layer from --candidates, least predicted KL within bpw=BITS "
                    "(bits per weight of the linears), size=BYTES (whole model, e.g. 1.2GB) or step-ms=MS (predicted "
@@ -65,7 +68,8 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
                  misfit: str | None,
                  dtype: str, calib_windows: int, calib_seq_len: int, target: str, budget: str | None,
-                 candidates: str | None, device: str | None, out: str, overwrite: bool, quiet: bool) -> None:
+                 candidates: str | None, device: str | None, embedding: str | None, out: str, overwrite: bool,
+                 quiet: bool) -> None:
     """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT.
 
     OUT loads with fewbits.api.load_quantized_model on the fast kernels (the dispatcher) by default;
@@ -121,8 +125,10 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             from fewbits.export.gguf import gguf_type
             from fewbits.formats.format import parse_format
 
-            for f in cands or [r.format for r in recipe.rules]:  # before any work
-                gguf_type(parse_format(f))
+            for f in (cands or [r.format for r in recipe.rules]) + ([embedding] if embedding else []):
+                gguf_type(parse_format(f))  # before any work
+        elif embedding:
+            raise click.UsageError("--embedding is for --to gguf (the fewbits layout keeps the embedding's rows)")
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
@@ -159,9 +165,10 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             pre = gguf_tokenizer_pre(model)
             with source_gguf(model) as src:  # a SentencePiece vocabulary is copied from the published file
                 vocab = None if is_byte_level_bpe(tok) else src
-                path = write_dir(Path(out), lambda tmp: export_gguf(m, tmp / "model.gguf", tok, pre=pre,
-                                                                    vocab_from=vocab), overwrite, kind="gguf",
-                                 extra=extra)
+                def write(tmp: Path) -> None:
+                    export_gguf(m, tmp / "model.gguf", tok, pre=pre, vocab_from=vocab, embedding=embedding)
+
+                path = write_dir(Path(out), write, overwrite, kind="gguf", extra=extra)
         else:
             path = api.save_quantized_model(m, recipe, out, tokenizer=tok, report=report, source=model,
                                             overwrite=overwrite, extra=extra)

@@ -164,14 +164,24 @@ def _take_rows(qt: QuantizedTensor, idx: torch.Tensor) -> QuantizedTensor:
 
 
 def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: Any, pre: str | None = None,
-                overwrite: bool = False, vocab_from: str | os.PathLike[str] | None = None) -> Path:
+                overwrite: bool = False, vocab_from: str | os.PathLike[str] | None = None,
+                embedding: str | Format | None = None) -> Path:
     """Write `model` (after `fewbits.api.quantize`) and `tokenizer` as one GGUF file at `out_path`.
 
     vocab_from: a GGUF file whose tokenizer.* fields are copied instead of being built from `tokenizer`
-    (needed for SentencePiece vocabularies such as Gemma's)."""
+    (needed for SentencePiece vocabularies such as Gemma's).
+    embedding: a format for the token embedding (`token_embd`, which a tied model's head reads too),
+    RTN-quantised here, as llama.cpp's own mixes store it (Q8_0 or Q6_K): e.g. "q8_0", "q6_k", "int8-g32".
+    The file then differs from the fewbits model in that one tensor, which keeps its 16-bit rows;
+    `fewbits eval` of the file measures it.  None: 16 bits, as the model holds it."""
     import gguf
 
+    from fewbits.tensor import quantize_tensor
+
     out = check_output(out_path, overwrite, "file")  # before the work; write_file checks again
+    emb_fmt = None if embedding is None else parse_format(embedding)
+    if emb_fmt is not None:
+        gguf_type(emb_fmt)  # a type GGUF holds, or ExportError before any work
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     arch = gguf_arch(model)
     layers = quantised_layers(model, "GGUF", require=False)  # a 16-bit model is written as it is
@@ -190,6 +200,8 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike[str], tokenizer: A
         if not isinstance(value, QuantizedTensor) and not value.is_floating_point():
             continue  # integer buffers are no weights
         gname = _gguf_name(arch, key)
+        if emb_fmt is not None and gname == "token_embd.weight":
+            value = quantize_tensor(value.detach().float(), emb_fmt, name=key)
         if isinstance(value, QuantizedTensor):
             kind = gguf_type(value.fmt)
             if arch.permute_qk and (".attn_q." in gname or ".attn_k." in gname):

@@ -58,3 +58,15 @@ def test_demo_cost_section_says_why_h100_and_why_small_speedups() -> None:
     small = re.search(r"int4-g64 +[\d.]+ ms +\d+ +([\d.]+)x", text)
     big = re.search(r"Llama-3-8B .*int4-g64 ([\d.]+)x", text)
     assert small and big and float(big[1]) > float(small[1]) + 0.2
+
+
+def test_embedding_option_is_checked_before_any_work(tmp_path) -> None:
+    """--embedding goes with --to gguf, in a type GGUF holds; both refused before a model is loaded."""
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["quantize", "no-such-model", "--format", "int4-g32", "--embedding", "q8_0",
+                                  "-o", str(out)])
+    assert r.exit_code == 2 and "--to gguf" in r.output
+    r = CliRunner().invoke(main, ["quantize", "no-such-model", "--format", "int4-g32", "--to", "gguf",
+                                  "--embedding", "int4-g64", "-o", str(out)])
+    assert r.exit_code == 1 and "int4-g64" in r.output and "Traceback" not in r.output
+    assert not out.exists()

@@ -285,3 +285,34 @@ def test_packaged_smollm2_round_trip(smollm2, tmp_path):
     ids = torch.tensor([tok(text).input_ids])
     with torch.no_grad():
         assert torch.equal(_as_written(m)(ids).logits, _load(path)(ids).logits)
+
+
+@pytest.mark.parametrize(("spec", "kind"), [("q8_0", "Q8_0"), ("q6_k", "Q6_K")])
+def test_embedding_in_a_block_type(spec, kind, tmp_path):
+    """--embedding: token_embd (read by a tied head too) in llama.cpp's own type, holding exactly what
+    fewbits' RTN of the embedding gives; the rest of the file is as without it, and the file is smaller."""
+    from fewbits.tensor import quantize_tensor
+
+    m = _tiny(tie=True, hidden=256, inter=512)
+    api.quantize(m, "int4-g32", progress=False, chooser="cached")
+    plain = export_gguf(m, tmp_path / "plain.gguf", _bpe_tokenizer())
+    path = export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer(), embedding=spec)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    t = tensors["token_embd.weight"]
+    assert t.tensor_type.name == kind and "output.weight" not in tensors
+    got = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+    emb = m.get_input_embeddings().weight.detach().float()
+    want = quantize_tensor(emb, spec).dequantize(torch.float32)
+    assert torch.equal(got.reshape(want.shape), want) and not torch.equal(want, emb)
+    before = {t.name: t for t in gguf.GGUFReader(plain).tensors}
+    assert before["token_embd.weight"].tensor_type.name in ("F16", "BF16")
+    for name in ("blk.0.ffn_down.weight", "blk.1.attn_q.weight"):
+        assert np.array_equal(tensors[name].data, before[name].data)
+    assert path.stat().st_size < plain.stat().st_size
+
+
+def test_embedding_type_refused_before_writing(tmp_path):
+    m = _tiny()
+    with pytest.raises(ExportError, match="int4-g64"):
+        export_gguf(m, tmp_path / "m.gguf", _bpe_tokenizer(), embedding="int4-g64")
+    assert not (tmp_path / "m.gguf").exists()
