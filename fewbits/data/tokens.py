@@ -31,6 +31,31 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, n_windows: int | None
     ``bos_token_id``; add_bos: put BOS first in each window (default: `wants_bos(tokenizer)`);
     n_windows: at most this many windows (default every full window).  The tail shorter than a window is
     dropped.  A text shorter than one window is a ValueError."""
+    body, bos = _window_shape(tokenizer, seq_len, n_windows, add_bos)
+    n_max = None if n_windows is None else n_windows * body
+    ids = _encode(tokenizer, text, n_max)
+    return _windows(ids, body, n_windows, bos, len(text))
+
+
+def stream_token_windows(tokenizer: Any, pieces: Iterable[str], seq_len: int, n_windows: int,
+                         add_bos: bool | None = None) -> torch.Tensor:
+    """`token_windows` over a text given in pieces (`fewbits.data.textfile.stream_text`), reading and
+    tokenising only until `n_windows` windows are full: memory is the windows and one piece, whatever the
+    length of the text.  Each piece is tokenised on its own (pieces end at line breaks)."""
+    body, bos = _window_shape(tokenizer, seq_len, n_windows, add_bos)
+    need = n_windows * body
+    ids: list[int] = []
+    chars = 0
+    for piece in pieces:
+        chars += len(piece)
+        ids += _encode(tokenizer, piece, need - len(ids))
+        if len(ids) >= need:
+            break
+    return _windows(ids, body, n_windows, bos, chars)
+
+
+def _window_shape(tokenizer: Any, seq_len: int, n_windows: int | None, add_bos: bool | None) -> tuple[int, int | None]:
+    """(text tokens per window, the BOS id put first or None), checking the arguments of both builders."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be at least 2 (one predicted token), got {seq_len}")
     if n_windows is not None and n_windows < 1:
@@ -40,36 +65,7 @@ def token_windows(tokenizer: Any, text: str, seq_len: int, n_windows: int | None
     bos = getattr(tokenizer, "bos_token_id", None)
     if add_bos and bos is None:
         raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
-    body = seq_len - 1 if add_bos else seq_len  # text tokens per window
-    n_max = None if n_windows is None else n_windows * body
-    ids = _encode(tokenizer, text, n_max)
-    return _windows(ids, body, n_windows, bos if add_bos else None, len(text))
-
-
-def stream_token_windows(tokenizer: Any, pieces: Iterable[str], seq_len: int, n_windows: int,
-                         add_bos: bool | None = None) -> torch.Tensor:
-    """`token_windows` over a text given in pieces (`fewbits.data.textfile.stream_text`), reading and
-    tokenising only until `n_windows` windows are full: memory is the windows and one piece, whatever the
-    length of the text.  Each piece is tokenised on its own (pieces end at line breaks)."""
-    if seq_len < 2:
-        raise ValueError(f"seq_len must be at least 2 (one predicted token), got {seq_len}")
-    if n_windows < 1:
-        raise ValueError(f"n_windows must be at least 1, got {n_windows}")
-    if add_bos is None:
-        add_bos = wants_bos(tokenizer)
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if add_bos and bos is None:
-        raise ValueError("add_bos=True but the tokenizer has no bos_token_id")
-    body = seq_len - 1 if add_bos else seq_len
-    need = n_windows * body
-    ids: list[int] = []
-    chars = 0
-    for piece in pieces:
-        chars += len(piece)
-        ids += _encode(tokenizer, piece, need - len(ids))
-        if len(ids) >= need:
-            break
-    return _windows(ids, body, n_windows, bos if add_bos else None, chars)
+    return (seq_len - 1, int(bos)) if add_bos else (seq_len, None)
 
 
 def _windows(ids: list[int], body: int, n_windows: int | None, bos: int | None, chars: int) -> torch.Tensor:

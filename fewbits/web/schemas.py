@@ -46,6 +46,14 @@ def _count(x: Any, depth: int = 0) -> int:
     return 0
 
 
+
+def _check_specs(v: list[str]) -> list[str]:
+    """Each entry spelled like a format spec (the library parses it; this bounds what reaches it)."""
+    for s in v:
+        if not re.match(SPEC, s):
+            raise ValueError(f"{s[:40]!r} is not a format spec")
+    return v
+
 class PlanRequest(BaseModel):
     """One state of the decode explorer (the options of `fewbits plan`)."""
 
@@ -68,10 +76,7 @@ class PlanRequest(BaseModel):
     @field_validator("table_weights", "table_kv")
     @classmethod
     def _specs(cls, v: list[str]) -> list[str]:
-        for s in v:
-            if not re.match(SPEC, s):
-                raise ValueError(f"{s[:40]!r} is not a format spec")
-        return v
+        return _check_specs(v)
 
     @field_validator("config")
     @classmethod
@@ -124,7 +129,4 @@ class LayerErrorRequest(BaseModel):
     @field_validator("weights")
     @classmethod
     def _specs(cls, v: list[str]) -> list[str]:
-        for s in v:
-            if not re.match(SPEC, s):
-                raise ValueError(f"{s[:40]!r} is not a format spec")
-        return v
+        return _check_specs(v)
