@@ -138,3 +138,12 @@ def test_an_unknown_fused_layout_is_refused(tiny_moe) -> None:
     model.model.layers[1].mlp.experts.is_transposed = True
     with pytest.raises(ExpertLayoutError, match=r"model\.layers\.1\.mlp\.experts.*is_transposed=True"):
         unfuse_experts(model)
+
+
+def test_budget_refuses_moe(tiny_moe) -> None:
+    from fewbits.budgeted import BudgetError
+
+    model = tiny_moe("mixtral")
+    data = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(BudgetError, match="mixture-of-experts"):
+        api.budget_recipe(model, data, "bpw=4.25")
