@@ -23,11 +23,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from fewbits.calib.stats import InputStats
+from fewbits.calib.stats import HESSIAN_CHUNKS, InputStats
 from fewbits.models.mappings import ArchMapping
 
 #: an expert's linear is calibrated from at least this many routed tokens per input feature, else RTN
 EXPERT_MIN_TOKENS = 1.0
+#: GPTQ collects the Hessians of a group of experts in passes that hold at most about this many bytes of
+#: them (a Mixtral block: its 8 experts' gate/up Hessians in one pass, 4096^2 floats each, and its
+#: down_proj Hessians, 14336^2 each, one per pass); a dense group is always one pass
+EXPERT_HESSIAN_BYTES = 2 << 30
 
 
 def min_expert_tokens(plan: Any) -> float:
@@ -51,3 +55,25 @@ def starved_experts(arch: ArchMapping, paths: Iterable[str], stats: Mapping[str,
             out[p] = (f"the router sent this expert {st.tokens} calibration token(s), fewer than "
                       f"expert_min_tokens {frac:g} x its {st.in_features} inputs")
     return out
+
+
+def hessian_passes(arch: ArchMapping, group: tuple[str, ...], in_features: Mapping[str, int],
+                   budget: int | None = None) -> list[tuple[str, ...]]:
+    """`group` (planned paths of one sequential group) cut into groups whose statistics are collected in
+    one pass each: whole experts, as many per pass as keep their Hessians (float32 partial sums and the
+    mean GPTQ factorises) within `budget` bytes (default EXPERT_HESSIAN_BYTES), at least one.  A group
+    without experts is one pass."""
+    budget = EXPERT_HESSIAN_BYTES if budget is None else budget
+    sets = arch.same_input(group)
+    if len(sets) < 2:
+        return [group]
+    out: list[tuple[str, ...]] = []
+    cur: tuple[str, ...] = ()
+    held = 0
+    for s in sets:
+        need = 4 * (HESSIAN_CHUNKS + 1) * in_features[s[0]] ** 2
+        if cur and held + need > budget:
+            out.append(cur)
+            cur, held = (), 0
+        cur, held = cur + s, held + need
+    return out + [cur]

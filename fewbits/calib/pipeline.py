@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fewbits.calib.moe import starved_experts
+from fewbits.calib.moe import hessian_passes, starved_experts
 from fewbits.calib.runner import BlockRun, check_calibration_data, decoder_blocks, iterate_blocks
 from fewbits.calib.stats import InputStats
 from fewbits.formats.format import parse_format
@@ -59,7 +59,8 @@ def _split_by_block(model: nn.Module, layers: Sequence[Any]) -> tuple[str, ArchM
 def _groups(arch: ArchMapping, planned: dict[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
     """Sequential groups of planned paths; (group, declared) - undeclared paths come last, together."""
     out = [(tuple(p for p in g if p in planned), True) for g in arch.sequential]
-    out = [(g, d) for g, d in out if g]
+    # a group of experts may take several passes, to bound the memory its Hessians hold
+    out = [(c, d) for g, d in out if g for c in hessian_passes(arch, g, {p: planned[p].shape[1] for p in g})]
     rest = tuple(p for p in planned if p not in arch.linears)
     return out + ([(rest, False)] if rest else [])
 

@@ -161,3 +161,47 @@ def test_every_method_quantises_every_expert(tiny_moe, calib_ids, eval_ids, fami
         got = model(eval_ids).logits.float().log_softmax(-1)
     kl = float((ref.exp() * (ref - got)).sum(-1).mean())
     assert 0 < kl < 0.02, kl
+
+
+def test_hessian_passes_bound_the_memory_of_expert_hessians() -> None:
+    from fewbits.calib.moe import hessian_passes
+    from fewbits.models.mappings import mapping_for
+
+    arch = mapping_for("mixtral").with_experts(4)
+    gate_up = next(g for g in arch.sequential if "mlp.experts.0.gate_proj" in g)
+    width = dict.fromkeys(gate_up, 64)
+    one = 4 * 3 * 64 * 64  # bytes of one expert's Hessian: two float32 partial sums and the mean
+    assert hessian_passes(arch, gate_up, width, budget=4 * one) == [gate_up]
+    halves = hessian_passes(arch, gate_up, width, budget=2 * one)
+    assert halves == [gate_up[:4], gate_up[4:]]  # experts 0-1, then 2-3: an expert's gate and up stay together
+    assert len(hessian_passes(arch, gate_up, width, budget=1)) == 4  # at least one expert per pass
+    qkv = arch.sequential[0]
+    assert hessian_passes(arch, qkv, dict.fromkeys(qkv, 64), budget=1) == [qkv]
+
+
+def test_one_expert_per_pass_gives_the_same_codes(tiny_moe, calib_ids, monkeypatch) -> None:
+    """Experts' inputs do not depend on each other: collecting their Hessians one expert per pass (a
+    tight memory budget) quantises exactly as one pass for all."""
+    from fewbits.calib import moe
+    from fewbits.calib.runner import BlockRun
+
+    passes = [0]
+    real = BlockRun.collect
+
+    def counted(self, *a, **kw):
+        passes[0] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(BlockRun, "collect", counted)
+    codes, counts = [], []
+    for budget in (moe.EXPERT_HESSIAN_BYTES, 1):
+        monkeypatch.setattr(moe, "EXPERT_HESSIAN_BYTES", budget)
+        passes[0] = 0
+        model = tiny_moe("qwen2_moe")
+        api.quantize(model, Recipe.from_format("int4-g32", method="gptq"), data=calib_ids, progress=False,
+                     chooser="reference")
+        codes.append({n: m.qweight.codes for n, m in model.named_modules() if hasattr(m, "qweight_meta")})
+        counts.append(passes[0])
+    assert counts[1] == counts[0] + 2 * 2 * 3  # 2 MoE blocks x 2 expert groups x 3 more passes (4 experts)
+    assert codes[0].keys() == codes[1].keys()
+    assert all(torch.equal(codes[0][n], codes[1][n]) for n in codes[0])
