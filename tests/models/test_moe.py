@@ -147,3 +147,20 @@ def test_budget_refuses_moe(tiny_moe) -> None:
     data = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
     with pytest.raises(BudgetError, match="mixture-of-experts"):
         api.budget_recipe(model, data, "bpw=4.25")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_mapping_names_every_linear_of_every_block(tiny_moe, family: str) -> None:
+    from fewbits.calib.runner import decoder_blocks
+
+    model = tiny_moe(family)
+    unfuse_experts(model)
+    _, blocks, arch = decoder_blocks(model)
+    for block in blocks:
+        names = {n for n, m in block.named_modules() if isinstance(m, nn.Linear)}
+        assert names - set(arch.linears) <= {"mlp.shared_expert_gate"}  # ignored by default: never planned
+    group = next(g for g in arch.sequential if "mlp.experts.0.gate_proj" in g)
+    assert arch.same_input(group) == [(f"mlp.experts.{e}.gate_proj", f"mlp.experts.{e}.up_proj") for e in range(4)]
+    folds = {(m.prev, m.linears) for m in arch.smooth if m.prev_kind == "linear"}
+    assert all((f"mlp.experts.{e}.up_proj", (f"mlp.experts.{e}.down_proj",)) in folds for e in range(4))
+    assert not any("experts" in p for m in arch.smooth if m.prev_kind == "norm" for p in m.linears)
