@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fewbits.models.mappings import find_blocks_path, mapping_for_config
+from fewbits.models.mappings import UnknownArchitectureError, find_blocks_path, mapping_for_config
 
 
 class ExpertLayoutError(ValueError):
@@ -76,7 +76,10 @@ class RoutedExperts(nn.ModuleList):
 
 def _fused_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(full name, module) of every fused experts module of `model`, from the architecture mapping."""
-    arch = mapping_for_config(getattr(model, "config", None))
+    try:
+        arch = mapping_for_config(getattr(model, "config", None))
+    except UnknownArchitectureError:  # no mapping (a plain module, an unlisted family): no experts known
+        return []
     if not arch.experts:
         return []
     blocks = find_blocks_path([n for n, _ in model.named_modules()], arch)
@@ -128,6 +131,11 @@ def unfuse_experts(model: nn.Module, copy: bool = True) -> list[str]:
         mod.gate_up_proj = mod.down_proj = None  # release the fused weights now
         done.append(name)
     return done
+
+
+def has_experts(model: nn.Module) -> bool:
+    """Whether `model` is a mixture-of-experts model fewbits knows (experts fused or already split)."""
+    return has_routed_experts(model) or bool(_fused_experts(model))
 
 
 def has_routed_experts(model: nn.Module) -> bool:
