@@ -41,6 +41,7 @@ from tqdm.auto import tqdm
 from fewbits.budgeted import Budget, MixPlan, budget_recipe  # noqa: F401  (mixed precision under a budget)
 from fewbits.files import check_output, write_dir
 from fewbits.guard import QuantizeError, check_layers, refuse_if_unusable, stopped_half_way
+from fewbits.models.moe import has_routed_experts, unfuse_experts
 from fewbits.models.qlinear import (
     KernelChooser,
     LayerMetaError,
@@ -202,7 +203,10 @@ class QuantizeReport:
 
 
 def plan_model(model: nn.Module, recipe: Recipe) -> list[LayerPlan]:
-    """The recipe's plan for this model; raises before anything changes (misfits, unknown methods)."""
+    """The recipe's plan for this model; raises before anything changes (misfits, unknown methods).
+    Fused mixture-of-experts weights are split into one linear per expert projection first (an exact
+    rearrangement, `fewbits.models.moe`), so recipes name each expert's linears."""
+    unfuse_experts(model)
     plans = recipe.plan(linear_shapes(model))
     unknown = sorted({p.method for p in plans if p.action == "quantize" and p.method not in METHODS})
     if unknown:
@@ -310,6 +314,8 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
             "dtype": str(next(iter(model.parameters())).dtype).removeprefix("torch.") if dtypes else "float32",
             "source": source, "recipe": recipe.to_dict(), "layers": layers, "tied": aliases,
             "size_bytes": model_nbytes(model), "report": report.to_dict() if report is not None else None}
+    if has_routed_experts(model):  # the loader splits the fused experts of the rebuilt model the same way
+        meta["experts"] = "unfused"
 
     def write(tmp: Path) -> None:
         model.config.save_pretrained(tmp)
@@ -379,6 +385,8 @@ def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | 
     except Exception as e:
         raise SavedModelError(f"{d}: {meta['model_class']} cannot be built from config.json "
                               f"({type(e).__name__}: {str(e)[:160]})") from None
+    if meta.get("experts") == "unfused":
+        unfuse_experts(model, copy=False)  # the saved tensors are per expert; their values come with them
     for name, lmeta in meta["layers"].items():
         try:
             want = tuple(model.get_submodule(name).weight.shape)

@@ -24,6 +24,7 @@ from torch import nn
 
 from fewbits.formats.format import FormatError, parse_format
 from fewbits.methods.budget import BudgetError, choose
+from fewbits.models.moe import has_experts
 from fewbits.models.recipe import DEFAULT_IGNORE, Recipe, Rule
 from fewbits.models.swap import linear_shapes, model_nbytes
 
@@ -130,6 +131,9 @@ def budget_recipe(model: nn.Module, data: torch.Tensor, budget: Budget | str, ca
     if budget.kind == "step-ms" and device is None:
         raise BudgetError("a step-ms budget needs the device it is predicted on (--device, e.g. h100)")
     probe = Recipe((Rule(".*", "int8", "rtn"),), tuple(ignore))  # which layers: per-channel int8 fits any
+    if has_experts(model):
+        raise BudgetError("mixture-of-experts models: --budget cannot measure the experts' sensitivity yet (an "
+                          "expert's outputs are its routed tokens, not the calibration positions); use --format")
     layers = [(p.name, p.shape) for p in probe.plan(linear_shapes(model)) if p.action == "quantize"]
     for name, shape in layers:
         for c in cands:

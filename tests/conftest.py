@@ -93,3 +93,49 @@ def tiny_llama() -> Any:
     with torch.random.fork_rng(devices=[]):  # seed 0 without touching the session's global generator
         torch.manual_seed(0)
         return LlamaForCausalLM(config).eval()
+
+
+#: the mixture-of-experts families fewbits quantises, built tiny by `make_tiny_moe`
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def make_tiny_moe(family: str, seed: int = 0) -> Any:
+    """A tiny random MoE model (4 experts, 2 per token) in transformers' fused-experts layout: Mixtral,
+    Qwen2-MoE (with a shared expert, and a dense middle layer from `mlp_only_layers`) or Qwen3-MoE.
+    The router weights are drawn larger than the default initialisation so that routing is decisive
+    and uneven (experts see different numbers of tokens)."""
+    import torch
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(num_hidden_layers=2, num_local_experts=4, **common)
+        cls = transformers.MixtralForCausalLM
+    elif family == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(num_hidden_layers=3, num_experts=4, moe_intermediate_size=96,
+                                          shared_expert_intermediate_size=128, mlp_only_layers=[1], **common)
+        cls = transformers.Qwen2MoeForCausalLM
+    elif family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(num_hidden_layers=2, num_experts=4, moe_intermediate_size=96, head_dim=16,
+                                          **common)
+        cls = transformers.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(family)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(cfg).eval()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if p.dim() == 3:  # the fused experts: large enough that quantisation error shows in the logits
+                    p.normal_(0, 0.1)
+                elif n.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture
+def tiny_moe() -> Any:
+    """`make_tiny_moe`: family name (one of MOE_FAMILIES) -> a tiny random MoE model."""
+    return make_tiny_moe

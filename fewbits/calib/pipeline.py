@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fewbits.calib.moe import hessian_passes, starved_experts
 from fewbits.calib.runner import BlockRun, check_calibration_data, decoder_blocks, iterate_blocks
 from fewbits.calib.stats import InputStats
 from fewbits.formats.format import parse_format
@@ -58,7 +59,8 @@ def _split_by_block(model: nn.Module, layers: Sequence[Any]) -> tuple[str, ArchM
 def _groups(arch: ArchMapping, planned: dict[str, Any]) -> list[tuple[tuple[str, ...], bool]]:
     """Sequential groups of planned paths; (group, declared) - undeclared paths come last, together."""
     out = [(tuple(p for p in g if p in planned), True) for g in arch.sequential]
-    out = [(g, d) for g, d in out if g]
+    # a group of experts may take several passes, to bound the memory its Hessians hold
+    out = [(c, d) for g, d in out if g for c in hessian_passes(arch, g, {p: planned[p].shape[1] for p in g})]
     rest = tuple(p for p in planned if p not in arch.linears)
     return out + ([(rest, False)] if rest else [])
 
@@ -88,9 +90,13 @@ def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: b
     keep = max(1, -(-AWQ_SEARCH_TOKENS // seq))
     mods = {p: run.module(p) for p in planned}
     stats = run.collect(mods, want_hessian=False, keep_samples=keep, stop_early=False)
+    starved = starved_experts(arch, planned, stats, planned)  # plain round-to-nearest for these
+    for p, why in starved.items() if clip else ():  # (awq+gptq: GPTQ logs its own fallback)
+        log.warning("%s: %s; using round-to-nearest", planned[p].name, why)
+        info.setdefault("rtn_fallback", {})[planned[p].name] = why
     for m in arch.smooth:
         cons = [p for p in m.linears if p in planned]
-        if not cons or any(not stats[p].reached for p in cons):
+        if not cons or any(not stats[p].reached or p in starved for p in cons):
             continue
         try:
             prev = run.module(m.prev)
@@ -113,7 +119,7 @@ def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: b
     out = {}
     for p, plan in planned.items():
         w = run.module(p).weight.detach()
-        if clip and stats[p].reached and not AWQ_NO_CLIP.search(p):
+        if clip and stats[p].reached and p not in starved and not AWQ_NO_CLIP.search(p):
             x = _subsample(stats[p].inputs(), AWQ_CLIP_TOKENS)
             w = apply_clip(w, search_clip(w, x, plan.format), plan.format)
         out[p] = w
@@ -182,7 +188,9 @@ def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], p
             out[p] = None
             continue
         fmt = parse_format(plans[p].format)
-        key = (fmt.spec, tuple(sorted(_gptq_opts(plans[p]).items()))) if fmt.granularity != "tensor" else (p,)
+        # stacked only with linears of the same input statistics (the same H): one expert's gate and up
+        key = (id(stats[p]), fmt.spec, tuple(sorted(_gptq_opts(plans[p]).items()))) \
+            if fmt.granularity != "tensor" else (p,)
         batches.setdefault(key, []).append(p)
     means: dict[int, tuple[InputStats, torch.Tensor]] = {}  # one mean Hessian per distinct statistics
     for paths in batches.values():
@@ -251,15 +259,20 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
                 # already quantised, can be replayed from that linear's recorded input for the rest of the block
                 replay = tuple(p for p in group if p in output_of and run.record_budget_left(p) and all(
                     q in staged or q == p for q in planned if q.startswith(output_of[p] + ".")))
-                if declared:  # a declared group shares one input: one Hessian serves every linear in it
-                    first = run.collect({group[0]: mods[group[0]]}, want_hessian=True, want_abs=False,
-                                        record=replay)[group[0]]
-                    stats = dict.fromkeys(group, first)
+                if declared:  # linears that share one input share one Hessian (a group of experts: one per expert)
+                    sets = arch.same_input(group)
+                    got = run.collect({s[0]: mods[s[0]] for s in sets}, want_hessian=True, want_abs=False,
+                                      record=replay)
+                    stats = {p: got[s[0]] for s in sets for p in s}
                 else:
                     stats = run.collect(mods, want_hessian=True, stop_early=False, want_abs=False, record=replay)
-                results = gptq_group({p: m.weight.detach() for p, m in mods.items()}, stats,
+                starved = starved_experts(arch, group, stats, planned)
+                results = gptq_group({p: m.weight.detach() for p, m in mods.items() if p not in starved}, stats,
                                      {p: planned[p] for p in group})
                 for p in group:
+                    if p in starved:
+                        _rtn_commit(model, planned[p], commit, starved[p], info)
+                        continue
                     plan, res = planned[p], results[p]
                     if res is None:
                         _rtn_commit(model, plan, commit, "calibration never reached this layer", info)

@@ -36,7 +36,7 @@ from torch import nn
 from fewbits.calib import distributed as dist_util
 from fewbits.calib.stats import HESSIAN_CHUNKS, CalibrationError, InputStats, StopForward, reduce, watch_inputs
 from fewbits.formats.quant import all_finite
-from fewbits.models.mappings import ArchMapping, find_blocks_path, mapping_for
+from fewbits.models.mappings import ArchMapping, find_blocks_path, mapping_for_config
 
 log = logging.getLogger("fewbits.calib")
 
@@ -100,9 +100,7 @@ def sample_batches(samples: list[int], seq_len: int) -> list[Batch]:
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList, ArchMapping]:
     """(full name, module list, mapping) of the model's decoder blocks, from the declared mappings."""
-    config = getattr(model, "config", None)
-    model_type = getattr(getattr(config, "text_config", None), "model_type", None) or getattr(config, "model_type", "")
-    arch = mapping_for(model_type)
+    arch = mapping_for_config(getattr(model, "config", None))
     names = [n for n, _ in model.named_modules()]
     path = find_blocks_path(names, arch)
     return path, model.get_submodule(path), arch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fewbits.models.moe import has_routed_experts
 from fewbits.models.qlinear import QuantLinear
 
 
@@ -14,6 +15,9 @@ class ExportError(ValueError):
 def quantised_layers(model: nn.Module, target: str, require: bool = True) -> dict[str, QuantLinear]:
     """name -> QuantLinear of `model`; any other replaced layer (a fewbits wrapper: an outlier split,
     activation quantisation) is refused by name, as is a model without quantised layers when `require`."""
+    if has_routed_experts(model):
+        raise ExportError(f"mixture-of-experts models have no {target} export in fewbits yet (its expert "
+                          "layout is not written); save with fewbits' own format (no --to)")
     layers: dict[str, QuantLinear] = {}
     for name, mod in model.named_modules():
         if isinstance(mod, QuantLinear):

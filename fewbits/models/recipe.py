@@ -30,7 +30,10 @@ Misfit = Literal["error", "keep", "regroup"]
 #: module-name patterns left in 16-bit unless the recipe says otherwise
 #: the output projection (LM head): kept 16-bit unless a recipe gives it a format (`from_format(lm_head=...)`)
 LM_HEAD = r"(^|\.)lm_head$"
-DEFAULT_IGNORE: tuple[str, ...] = (LM_HEAD, r"(^|\.)embed[^.]*$", r"(^|\.)(wte|wpe|word_embeddings)$")
+#: a mixture-of-experts router (`mlp.gate` where it is a linear layer) and Qwen2-MoE's shared-expert gate
+#: (one output row) stay 16-bit too: they are tiny, and a small error in them changes which experts run
+DEFAULT_IGNORE: tuple[str, ...] = (LM_HEAD, r"(^|\.)embed[^.]*$", r"(^|\.)(wte|wpe|word_embeddings)$",
+                                   r"(^|\.)(mlp\.gate|shared_expert_gate)$")
 
 
 class RecipeError(ValueError):

@@ -77,7 +77,11 @@ class LinearShape:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer.  MoE models set `n_experts` and `experts_per_token` (else 0).
+    """A decoder-only transformer.  MoE models set `n_experts` and `experts_per_token` (else 0);
+    expert_intermediate_size: an expert's width where it differs from the dense MLP's (Qwen-MoE's
+    moe_intermediate_size; 0: intermediate_size); shared_expert_size: the width of an always-active shared
+    expert beside the routed ones (Qwen2-MoE; 0: none), with its one-row sigmoid gate; moe_layers: how
+    many layers hold experts (0: all of them; the rest have a dense MLP, as Qwen-MoE's mlp_only_layers).
 
     norms_per_layer: RMSNorm/LayerNorm weight vectors of size hidden per layer (2 for Llama, 4 for
     Gemma-2/3); qk_norm: a head_dim-sized norm on queries and one on keys (Qwen3, Gemma-3).
@@ -96,6 +100,9 @@ class ModelSpec:
     tie_embeddings: bool = False
     n_experts: int = 0
     experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_size: int = 0
+    moe_layers: int = 0
     qkv_bias: bool = False
     mlp_bias: bool = False
     o_bias: bool = False
@@ -113,6 +120,12 @@ class ModelSpec:
         if self.n_heads % self.n_kv_heads:
             raise ModelSpecError(
                 f"model {self.name!r}: {self.n_heads} heads do not split into {self.n_kv_heads} KV heads")
+        for f in ("expert_intermediate_size", "shared_expert_size", "moe_layers"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_SIZE:
+                raise ModelSpecError(f"model {self.name!r}: {f} must be an integer >= 0, got {v!r}")
+        if self.moe_layers > self.n_layers:
+            raise ModelSpecError(f"model {self.name!r}: moe_layers {self.moe_layers} > {self.n_layers} layers")
         if (self.n_experts > 0) != (self.experts_per_token > 0) or self.experts_per_token > self.n_experts:
             raise ModelSpecError(
                 f"model {self.name!r}: experts_per_token {self.experts_per_token} with {self.n_experts} experts")
@@ -121,6 +134,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        """Layers that hold experts (0 for a dense model)."""
+        return (self.moe_layers or self.n_layers) if self.is_moe else 0
 
     @property
     def q_dim(self) -> int:
@@ -141,14 +159,24 @@ class ModelSpec:
                     LinearShape("k_proj", self.kv_dim, d, L, "attention"),
                     LinearShape("v_proj", self.kv_dim, d, L, "attention")]
         out.append(LinearShape("o_proj", d, self.q_dim, L, "attention"))
-        role, n = ("expert", L * self.n_experts) if self.is_moe else ("mlp", L)
-        if self.fused_gate_up:
-            out.append(LinearShape("gate_up_proj", 2 * i, d, n, role))
-        else:
-            out += [LinearShape("gate_proj", i, d, n, role), LinearShape("up_proj", i, d, n, role)]
-        out.append(LinearShape("down_proj", d, i, n, role))
-        if self.is_moe:
-            out.append(LinearShape("router", self.n_experts, d, L, "router"))
+        moe = self.n_moe_layers
+        mlps = [("", "mlp", i, L - moe)]  # (name prefix, role, width, count)
+        if moe:
+            mlps += [("", "expert", self.expert_intermediate_size or i, moe * self.n_experts)]
+            if self.shared_expert_size:
+                mlps += [("shared_", "mlp", self.shared_expert_size, moe)]
+        for pre, role, w, n in mlps:
+            if n == 0:
+                continue
+            if self.fused_gate_up:
+                out.append(LinearShape(f"{pre}gate_up_proj", 2 * w, d, n, role))
+            else:
+                out += [LinearShape(f"{pre}gate_proj", w, d, n, role), LinearShape(f"{pre}up_proj", w, d, n, role)]
+            out.append(LinearShape(f"{pre}down_proj", d, w, n, role))
+        if moe:
+            out.append(LinearShape("router", self.n_experts, d, moe, "router"))
+            if self.shared_expert_size:
+                out.append(LinearShape("shared_expert_gate", 1, d, moe, "router"))
         out.append(LinearShape("lm_head", self.vocab_size, d, 1, "lm_head", tied=self.tie_embeddings))
         return out
 
@@ -241,6 +269,9 @@ class ModelSpec:
                 f"{source}: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
         fam = FAMILIES[model_type]
         vals = {**fam.get("defaults", {}), **{k: v for k, v in cfg.items() if v is not None}}
+        for alias, key in fam.get("aliases", {}).items():  # another spelling of a field (newer transformers)
+            if alias in vals and key not in vals:
+                vals[key] = vals[alias]
 
         def size(key: str, value: Any, least: int = 1) -> int:
             """A config size: an integer (an integral float such as 576.0 too) in [least, MAX_SIZE]."""
@@ -263,13 +294,14 @@ class ModelSpec:
         kv_heads = size("num_key_value_heads", vals.get("num_key_value_heads", heads))
         n_experts = need(fam["experts"][0], 0) if "experts" in fam else 0
         k_experts = need(fam["experts"][1]) if n_experts else 0
+        moe_extra = _moe_fields(fam, vals, need, source) if n_experts else {}
         bias = fam.get("qkv_bias", False)
         return cls(
             name=name, family=model_type, n_layers=need("num_hidden_layers"), hidden_size=d,
             n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim,
             intermediate_size=need("intermediate_size"), vocab_size=need("vocab_size"),
             tie_embeddings=bool(vals.get("tie_word_embeddings", fam.get("tied", False))),
-            n_experts=n_experts, experts_per_token=k_experts,
+            n_experts=n_experts, experts_per_token=k_experts, **moe_extra,
             qkv_bias=bool(vals.get(bias, False)) if isinstance(bias, str) else bias,
             o_bias=bool(vals.get(bias, False)) if isinstance(bias, str) else False,
             mlp_bias=bool(vals.get("mlp_bias", False)) if fam.get("mlp_bias_field") else False,
@@ -297,6 +329,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "phi3": {"fused": True},
 }
 FAMILIES["gemma3"] = FAMILIES["gemma3_text"]
+FAMILIES["qwen3_moe"] = {**FAMILIES["qwen3"], "experts": ("num_experts", "num_experts_per_tok"),
+                         "expert_size": "moe_intermediate_size", "sparse_layers": True,
+                         "aliases": {"num_local_experts": "num_experts"}}  # transformers 5 writes the latter
+FAMILIES["qwen2_moe"] = {**FAMILIES["qwen2"], "experts": ("num_experts", "num_experts_per_tok"),
+                         "expert_size": "moe_intermediate_size", "sparse_layers": True,
+                         "shared_expert": "shared_expert_intermediate_size"}
+
+
+def _moe_fields(fam: dict[str, Any], vals: dict[str, Any], need: Any, source: str) -> dict[str, int]:
+    """The MoE widths and the number of layers with experts, from the config fields the family names.
+    Qwen-MoE: layer l has experts unless l is in mlp_only_layers or (l + 1) % decoder_sparse_step != 0
+    (as transformers builds Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer)."""
+    out: dict[str, int] = {}
+    if "expert_size" in fam:
+        out["expert_intermediate_size"] = need(fam["expert_size"])
+    if "shared_expert" in fam:
+        out["shared_expert_size"] = need(fam["shared_expert"], 0)
+    if fam.get("sparse_layers"):
+        layers = need("num_hidden_layers")
+        step = need("decoder_sparse_step") if "decoder_sparse_step" in vals else 1
+        dense = vals.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in dense):
+            raise ModelSpecError(f"{source}: field 'mlp_only_layers' must be a list of layer indices, "
+                                 f"got {dense!r:.60}")
+        moe = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        if moe == 0:
+            raise ModelSpecError(f"{source}: no layer holds experts (decoder_sparse_step {step}, "
+                                 f"mlp_only_layers {dense[:8]})")
+        out["moe_layers"] = moe
+    return out
 
 
 def human_count(n: int | float) -> str:
