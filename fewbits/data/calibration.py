@@ -137,7 +137,8 @@ def calibration_data(tokenizer: Any, files: Sequence[str | os.PathLike[str]] | N
 
         digests = [_file_sha256(p) for p in paths]
         source = "files"
-    rows = _draw(windows, len(names), samples)
+    rows = [r if r is not None else torch.empty(0, seq_len, dtype=torch.long)
+            for r in _draw(windows, len(names), samples)]
     got = sum(int(r.shape[0]) for r in rows)
     if got < samples:
         where = "the packaged calibration texts" if files is None else f"{len(names)} file(s)"
@@ -152,7 +153,7 @@ def calibration_data(tokenizer: Any, files: Sequence[str | os.PathLike[str]] | N
     return CalibrationData(ids.long().contiguous(), source, described)
 
 
-def _draw(windows: Any, n_sources: int, samples: int) -> list[torch.Tensor]:
+def _draw(windows: Any, n_sources: int, samples: int) -> list[torch.Tensor | None]:
     """Each source's windows (None for a source shorter than one window): a share of ceil(samples /
     n_sources), the deficit of short sources taken by the others, first to last."""
     share = -(-samples // n_sources)
@@ -166,7 +167,7 @@ def _draw(windows: Any, n_sources: int, samples: int) -> list[torch.Tensor]:
             more = windows(i, share + missing)
             extra = int(more.shape[0]) - counts[i] if more is not None else 0
             rows[i], counts[i], missing = more, counts[i] + extra, missing - extra
-    return [r for r in rows if r is not None]
+    return rows
 
 
 def _or_none(build: Any) -> torch.Tensor | None:
