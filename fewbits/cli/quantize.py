@@ -148,7 +148,6 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         data = None
         if budget or any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
             data = api.calibration_data(tok, files=calib_paths, samples=calib_windows, seq_len=calib_seq_len)
-            click.echo(data.text())
         if budget:
             from fewbits.budgeted import budget_recipe
 
