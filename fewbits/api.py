@@ -186,7 +186,7 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | Calibr
     plans = plan_model(model, recipe)
     todo = [p for p in plans if p.action == "quantize"]
     check_before_quantize(model, todo, data)
-    configs = list(dict.fromkeys(p.config for p in todo if p.config is not None))
+    configs = list(dict.fromkeys((p.method, p.config) for p in todo if p.config is not None))
     size_before = model_nbytes(model)
     before = {p.name: _weight_bytes(model.get_submodule(p.name)) for p in plans}
     after: dict[str, int] = {}
@@ -222,7 +222,7 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | Calibr
              "note": p.note, "bytes_before": before[p.name], "bytes_after": after.get(p.name, before[p.name])}
             for p in plans]
     return QuantizeReport(size_before, model_nbytes(model), rows, time.perf_counter() - t0, recipe.to_dict(), info,
-                          calibration, [c.to_dict() for c in configs])
+                          calibration, [{**c.to_dict(), "method": m} for m, c in configs])
 
 
 #: methods that change nothing in the model until they commit a layer (the others fold scales or stage

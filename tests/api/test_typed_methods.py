@@ -89,3 +89,13 @@ def test_token_ids_given_directly_are_recorded_by_shape_and_hash(tiny_llama, dat
     want = hashlib.sha256(data.ids.numpy().tobytes()).hexdigest()
     assert rep.calibration == {"source": "token ids given by the caller", "samples": 4, "seq_len": 64,
                                "sha256": want}
+
+
+def test_a_plugged_in_method_takes_no_options_unless_its_entry_names_a_config(tiny_llama, monkeypatch):
+    monkeypatch.setitem(api.METHODS, "plain", api.MethodEntry("fewbits.api:run_rtn"))
+    with pytest.raises(RecipeError, match="method plain has no option 'x'; it takes no options"):
+        Recipe((Rule(".*", "int8", "plain", {"x": 1}),))
+    rep = api.quantize(tiny_llama, "nf4-g32", method="plain", progress=False, chooser="reference")
+    assert rep.method_configs == [{"method": "plain"}]  # any format: a plugged-in method checks its own
+    monkeypatch.setitem(api.METHODS, "tuned", api.MethodEntry("fewbits.api:run_rtn", config=api.HQQ))
+    assert Rule(".*", "int8", "tuned", {"iters": 3}).options == {"iters": 3}
