@@ -1,11 +1,16 @@
 """The one orchestrator: quantise a whole model with a recipe, save it, load it again.
 
-Methods plug in through `METHODS`, an explicit table of name -> `MethodEntry` ("module:function",
-whether it needs calibration data).  A method runner has the signature
+    api.quantize(model, "int4-g64", method=GPTQ(act_order=True, damp=0.01),
+                 data=api.calibration_data(tokenizer, files=["my_text.txt"], samples=16, seq_len=256))
+
+Methods plug in through `METHODS` (`fewbits.methods.registry`), an explicit table of name ->
+`MethodEntry` (runner "module:function", whether it needs calibration data, its typed config class in
+`fewbits.methods.config`).  A method runner has the signature
 
     runner(model, layers, data, commit, progress) -> dict | None
 
-- `layers`: the `LayerPlan`s (action "quantize") this method must handle, in module order;
+- `layers`: the `LayerPlan`s (action "quantize") this method must handle, in module order, each with
+  its typed options (`plan.config`);
 - `data`: calibration token ids (n_samples, seq_len) LongTensor, or None;
 - `commit(name, q)`: hands over one finished layer: a `QuantizedTensor` (wrapped in a QuantLinear that
   keeps the old bias) or a ready `nn.Module`; the full-precision weight is released at once, so a
@@ -30,7 +35,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +43,21 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fewbits.budgeted import Budget, MixPlan, budget_recipe  # noqa: F401  (mixed precision under a budget)
+from fewbits.data.calibration import CalibrationData, calibration_data, describe_ids  # noqa: F401  (names of the api)
 from fewbits.files import check_output, write_dir
 from fewbits.guard import QuantizeError, check_layers, refuse_if_unusable, stopped_half_way
+from fewbits.methods.config import (  # noqa: F401  (names of the api: one typed config per method)
+    AWQ,
+    AWQGPTQ,
+    GPTQ,
+    HQQ,
+    RTN,
+    LLMInt8,
+    MethodConfig,
+    MethodConfigError,
+    SmoothQuant,
+)
+from fewbits.methods.registry import METHODS, MethodEntry  # noqa: F401  (the method table)
 from fewbits.models.moe import has_routed_experts, unfuse_experts
 from fewbits.models.qlinear import (
     KernelChooser,
@@ -53,6 +70,7 @@ from fewbits.models.qlinear import (
 )
 from fewbits.models.recipe import LayerPlan, Recipe
 from fewbits.models.swap import linear_shapes, model_nbytes, swap_in, tied_parameters
+from fewbits.quantize_report import QuantizeReport
 from fewbits.saved import (  # noqa: F401  (names of the api)
     META_FILE,
     READABLE_VERSIONS,
@@ -72,16 +90,6 @@ Commit = Callable[[str, "QuantizedTensor | nn.Module"], None]
 MethodRunner = Callable[[nn.Module, Sequence[LayerPlan], "torch.Tensor | None", Commit, bool], "dict | None"]
 
 
-@dataclass(frozen=True)
-class MethodEntry:
-    target: str  # "module:function" of a MethodRunner
-    needs_data: bool = False
-
-    def load(self) -> MethodRunner:
-        module, attr = self.target.split(":")
-        return getattr(importlib.import_module(module), attr)
-
-
 def run_rtn(model: nn.Module, layers: Sequence[LayerPlan], data: torch.Tensor | None, commit: Commit,
             progress: bool = True) -> dict[str, Any]:
     """Round-to-nearest, one layer at a time: quantise, commit (frees the weight), next."""
@@ -89,18 +97,6 @@ def run_rtn(model: nn.Module, layers: Sequence[LayerPlan], data: torch.Tensor | 
         w = model.get_submodule(plan.name).weight.detach()  # (out, in)
         commit(plan.name, quantize_tensor(w, plan.format, name=plan.name))
     return {}
-
-
-#: method name -> runner; add a method with one line here
-METHODS: dict[str, MethodEntry] = {
-    "rtn": MethodEntry("fewbits.api:run_rtn", needs_data=False),
-    "gptq": MethodEntry("fewbits.calib.pipeline:run_gptq", needs_data=True),
-    "awq": MethodEntry("fewbits.calib.pipeline:run_awq", needs_data=True),
-    "awq+gptq": MethodEntry("fewbits.calib.pipeline:run_awq_gptq", needs_data=True),
-    "hqq": MethodEntry("fewbits.calib.pipeline:run_hqq", needs_data=False),
-    "smoothquant": MethodEntry("fewbits.calib.w8a8:run_smoothquant", needs_data=True),
-    "llm-int8": MethodEntry("fewbits.calib.w8a8:run_llm_int8", needs_data=False),  # outliers found at run time
-}
 
 
 #: how QuantLinear layers run their matmul: "auto" is the kernel dispatcher (fast paths, activations in
@@ -152,56 +148,6 @@ def kernels_in_use(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-@dataclass
-class QuantizeReport:
-    """What `quantize` did: sizes before/after, and every linear layer's fate."""
-
-    size_before: int
-    size_after: int
-    layers: list[dict[str, Any]]
-    seconds: float
-    recipe: dict[str, Any]
-    method_info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def quantized_layers(self) -> list[dict[str, Any]]:
-        return [r for r in self.layers if r["action"] == "quantize"]
-
-    @property
-    def bits_per_weight(self) -> float | None:
-        """Stored bits per weight over the quantised linear layers (scales and zeros included)."""
-        q = self.quantized_layers
-        n = sum(r["shape"][0] * r["shape"][1] for r in q)
-        return 8 * sum(r["bytes_after"] for r in q) / n if n else None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"size_before": self.size_before, "size_after": self.size_after, "seconds": self.seconds,
-                "bits_per_weight": self.bits_per_weight, "recipe": self.recipe, "layers": self.layers,
-                "method_info": self.method_info}
-
-    def text(self, max_lines: int = 12) -> str:
-        """Sizes, counts per action and format, and every layer that was not treated as asked."""
-        by: dict[str, int] = {}
-        for r in self.layers:
-            key = f"{r['action']} {r['format'] or '16-bit'}" + (f" ({r['method']})" if r["method"] else "")
-            by[key] = by.get(key, 0) + 1
-        ratio = self.size_before / self.size_after if self.size_after else float("nan")
-        bpw = self.bits_per_weight
-        lines = [f"model size: {self.size_before:,} bytes -> {self.size_after:,} bytes ({ratio:.2f}x smaller)"
-                 + (f"; quantised linears {bpw:.3f} bits/weight" if bpw else ""),
-                 "layers: " + ", ".join(f"{n} {k}" for k, n in by.items())]
-        special = [r for r in self.layers if r["note"] and r["note"] not in ("ignore list", "no rule matches")]
-        for r in special[:max_lines]:
-            lines.append(f"  {r['name']}: {r['note']}")
-        if len(special) > max_lines:
-            lines.append(f"  ... and {len(special) - max_lines} more")
-        ignored = [r["name"] for r in self.layers if r["action"] == "ignore"]
-        if ignored:
-            more = " ..." if len(ignored) > 6 else ""
-            lines.append(f"  16-bit (ignore list / no rule): {', '.join(ignored[:6])}{more}")
-        return "\n".join(lines)
-
-
 def plan_model(model: nn.Module, recipe: Recipe) -> list[LayerPlan]:
     """The recipe's plan for this model; raises before anything changes (misfits, unknown methods).
     Fused mixture-of-experts weights are split into one linear per expert projection first (an exact
@@ -214,12 +160,16 @@ def plan_model(model: nn.Module, recipe: Recipe) -> list[LayerPlan]:
     return plans
 
 
-def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None = None, progress: bool = True,
-             chooser: KernelChooser | str | None = None) -> QuantizeReport:
-    """Quantise `model` in place with `recipe` (or a format spec such as "int4-g64").
+def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | CalibrationData | None = None,
+             progress: bool = True, chooser: KernelChooser | str | None = None,
+             method: str | MethodConfig | None = None) -> QuantizeReport:
+    """Quantise `model` in place with `recipe` (or a format spec such as "int4-g64", by `method`: a name
+    such as "gptq" or a typed config such as ``GPTQ(damp=0.02)``; default "rtn").
 
-    Every layer is planned first (a misfit or unknown method raises before any layer changes); then
-    each method's runner quantises its layers one at a time.  Returns a `QuantizeReport`.
+    data: calibration for the methods that need it: `calibration_data(tokenizer, ...)` (its source is
+    recorded in the report) or token ids (samples, seq_len).  Every layer is planned first (a misfit or
+    unknown method raises before any layer changes); then each method's runner quantises its layers one
+    at a time.  Returns a `QuantizeReport`.
 
     chooser: how the quantised layers run once the model is complete (`use_kernels`): None gives the
     kernel dispatcher ("auto": fast paths, bf16 activations on the CPU's int4/int8 kernels), ready for
@@ -228,11 +178,19 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
     While the method runs, layers use the reference path whatever the choice.
     """
     if isinstance(recipe, str):
-        recipe = Recipe.from_format(recipe)
+        recipe = Recipe.from_format(recipe, method if method is not None else "rtn")
+    elif method is not None:
+        raise QuantizeError("method= goes with a format spec; a Recipe names the method of each rule")
+    calibration = None
+    if isinstance(data, CalibrationData):
+        data, calibration = data.ids, data.describe()
+    elif isinstance(data, torch.Tensor):
+        calibration = describe_ids(data)
     t0 = time.perf_counter()
     plans = plan_model(model, recipe)
     todo = [p for p in plans if p.action == "quantize"]
     check_before_quantize(model, todo, data)
+    configs = list(dict.fromkeys((p.method, p.config) for p in todo if p.config is not None))
     size_before = model_nbytes(model)
     before = {p.name: _weight_bytes(model.get_submodule(p.name)) for p in plans}
     after: dict[str, int] = {}
@@ -267,7 +225,8 @@ def quantize(model: nn.Module, recipe: Recipe | str, data: torch.Tensor | None =
     rows = [{"name": p.name, "shape": list(p.shape), "action": p.action, "format": p.format, "method": p.method,
              "note": p.note, "bytes_before": before[p.name], "bytes_after": after.get(p.name, before[p.name])}
             for p in plans]
-    return QuantizeReport(size_before, model_nbytes(model), rows, time.perf_counter() - t0, recipe.to_dict(), info)
+    return QuantizeReport(size_before, model_nbytes(model), rows, time.perf_counter() - t0, recipe.to_dict(), info,
+                          calibration, [{**c.to_dict(), "method": m} for m, c in configs])
 
 
 #: methods that change nothing in the model until they commit a layer (the others fold scales or stage

@@ -28,16 +28,22 @@ class QuantizeError(RecipeError):
 
 def check_layers(model: nn.Module, todo: Sequence[LayerPlan]) -> None:
     """Raise, naming the layer, where a planned layer cannot be quantised: a method that does not take the
-    format, NaN/inf weights, or scales its scale dtype cannot hold (`formats.quant.check_scale_range`)."""
+    format (its typed config says which it takes; a plugged-in method without one checks its own), NaN/inf
+    weights, or scales its scale dtype cannot hold (`formats.quant.check_scale_range`).  The options
+    themselves were checked when the recipe was built (`fewbits.methods.config`)."""
     from fewbits.formats.format import parse_format
     from fewbits.formats.quant import all_finite, as_2d, compute_scales
-    from fewbits.methods.common import METHOD_FORMATS, check_method_format, naming
+    from fewbits.methods.common import MethodError, naming
+    from fewbits.methods.registry import METHODS
 
     for p in todo:
-        if not parse_format(p.format).is_quantized:
+        fmt = parse_format(p.format)
+        if not fmt.is_quantized:
             continue
-        if p.method in METHOD_FORMATS:  # a plugged-in method checks its own formats
-            check_method_format(p.method, p.format)
+        config = p.config if p.config is not None else METHODS[p.method].config()
+        problem = config.format_problem(fmt, p.method)
+        if problem:
+            raise MethodError(f"{p.name}: {problem}")
         w = model.get_submodule(p.name).weight.detach()
         if not all_finite(w):
             n_bad = int((~torch.isfinite(w)).sum())

@@ -143,8 +143,9 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
                       num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
                       num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
                       max_position_embeddings=max(4096, spec.max_position_embeddings), tie_word_embeddings=True)
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's global generator
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
 def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, context: int = 128, steps: int = 8,

@@ -2,7 +2,9 @@
 
 Each rank runs its share of the calibration samples (sample i goes to rank i mod world_size); the
 statistics are then all-reduced so that every rank quantises with the statistics of all samples and
-commits identical weights.  Without an initialised process group every function is a no-op.
+commits identical weights.  Without an initialised process group every function is a no-op.  The library
+never starts a process group (a process-wide change): `fewbits quantize` calls `init_from_env` under
+torchrun, and a Python caller does the same (or `torch.distributed.init_process_group`) before quantising.
 """
 
 from __future__ import annotations

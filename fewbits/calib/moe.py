@@ -24,10 +24,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from fewbits.calib.stats import HESSIAN_CHUNKS, InputStats
+from fewbits.methods.config import EXPERT_MIN_TOKENS
 from fewbits.models.mappings import ArchMapping
 
-#: an expert's linear is calibrated from at least this many routed tokens per input feature, else RTN
-EXPERT_MIN_TOKENS = 1.0
 #: GPTQ collects the Hessians of a group of experts in passes that hold at most about this many bytes of
 #: them (a Mixtral block: its 8 experts' gate/up Hessians in one pass, 4096^2 floats each, and its
 #: down_proj Hessians, 14336^2 each, one per pass); a dense group is always one pass
@@ -36,10 +35,7 @@ EXPERT_HESSIAN_BYTES = 2 << 30
 
 def min_expert_tokens(plan: Any) -> float:
     """The plan's `expert_min_tokens` option (a fraction of the input width), EXPERT_MIN_TOKENS if unset."""
-    v = (plan.options or {}).get("expert_min_tokens", EXPERT_MIN_TOKENS)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-        raise ValueError(f"{plan.name}: option expert_min_tokens must be a number >= 0, got {v!r}")
-    return float(v)
+    return float(getattr(plan.config, "expert_min_tokens", EXPERT_MIN_TOKENS))
 
 
 def starved_experts(arch: ArchMapping, paths: Iterable[str], stats: Mapping[str, InputStats],

@@ -26,6 +26,7 @@ from fewbits.formats.quant import all_finite
 from fewbits.methods import workspace
 from fewbits.methods.awq import apply_clip, awq_search_scales, fold_scales, search_clip
 from fewbits.methods.common import MethodError, QuantResult, check_method_format
+from fewbits.methods.config import AWQ, AWQGPTQ, GPTQ, HQQ, MethodConfig
 from fewbits.methods.gptq import gptq_quantize
 from fewbits.methods.rtn import rtn_quantize
 from fewbits.models.mappings import ArchMapping
@@ -33,9 +34,6 @@ from fewbits.models.mappings import ArchMapping
 log = logging.getLogger("fewbits.calib")
 Commit = Callable[[str, Any], None]
 
-#: AWQ search budget on CPU: tokens for the scale search and for the clipping search
-AWQ_SEARCH_TOKENS = 512
-AWQ_CLIP_TOKENS = 128
 #: linears whose clipping AWQ does not search (their outputs meet in a softmax; as in the paper's code)
 AWQ_NO_CLIP = re.compile(r"(^|\.)(q_proj|k_proj|query|key)$")
 
@@ -81,13 +79,32 @@ def _check(layers: Sequence[Any], method: str) -> None:
         check_method_format(method, p.format)
 
 
+def plan_config(plan: Any, cls: type[MethodConfig]) -> Any:
+    """The plan's typed options (`fewbits.methods.config`); the method's defaults for a plan built without."""
+    cfg = getattr(plan, "config", None)
+    if cfg is None:
+        return cls()
+    if not isinstance(cfg, cls):
+        raise MethodError(f"{plan.name}: options {type(cfg).__name__} are not those of {cls.__name__}")
+    return cfg
+
+
+def _awq_opts(plan: Any) -> AWQ:
+    """AWQ's options for a plan of awq or awq+gptq (which folds scales without clipping)."""
+    cfg = getattr(plan, "config", None)
+    if isinstance(cfg, AWQGPTQ):
+        return AWQ(grid=cfg.grid, clip=False, search_tokens=cfg.search_tokens)
+    return plan_config(plan, AWQ)
+
+
 # ---------------------------------------------------------------------- AWQ
 def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: bool,
               info: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Search and fold AWQ scales for one block (all mappings from one pass over the float block);
     with `clip`, also search clipping.  Returns {path: weight to quantise} (clipped when searched)."""
     seq = int(run.hidden[0].shape[-2]) if run.hidden else 1
-    keep = max(1, -(-AWQ_SEARCH_TOKENS // seq))
+    opts = {p: _awq_opts(plan) for p, plan in planned.items()}
+    keep = max(1, -(-max(max(o.search_tokens, o.clip_tokens) for o in opts.values()) // seq))
     mods = {p: run.module(p) for p in planned}
     stats = run.collect(mods, want_hessian=False, keep_samples=keep, stop_early=False)
     starved = starved_experts(arch, planned, stats, planned)  # plain round-to-nearest for these
@@ -105,8 +122,9 @@ def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: b
             continue
         if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
             continue  # e.g. v_proj -> o_proj with grouped-query attention: shapes do not line up
-        x = _subsample(stats[cons[0]].inputs(), AWQ_SEARCH_TOKENS)
-        res = awq_search_scales(x, [c.weight for c in consumers], planned[cons[0]].format,
+        o = opts[cons[0]]
+        x = _subsample(stats[cons[0]].inputs(), o.search_tokens)
+        res = awq_search_scales(x, [c.weight for c in consumers], planned[cons[0]].format, n_grid=o.grid,
                                 x_mean=stats[cons[0]].mean_abs, name=f"{run.prefix}.{m.prev}")
         info.setdefault("awq_alpha", {})[f"{run.prefix}.{m.prev}"] = res.alpha
         if res.alpha == 0:
@@ -119,9 +137,9 @@ def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: b
     out = {}
     for p, plan in planned.items():
         w = run.module(p).weight.detach()
-        if clip and stats[p].reached and p not in starved and not AWQ_NO_CLIP.search(p):
-            x = _subsample(stats[p].inputs(), AWQ_CLIP_TOKENS)
-            w = apply_clip(w, search_clip(w, x, plan.format), plan.format)
+        if clip and opts[p].clip and stats[p].reached and p not in starved and not AWQ_NO_CLIP.search(p):
+            x = _subsample(stats[p].inputs(), opts[p].clip_tokens)
+            w = apply_clip(w, search_clip(w, x, plan.format, n_grid=opts[p].grid), plan.format)
         out[p] = w
     return out
 
@@ -171,9 +189,8 @@ def run_awq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, 
 
 # ---------------------------------------------------------------------- GPTQ
 def _gptq_opts(plan: Any) -> dict[str, Any]:
-    o = dict(plan.options or {})
-    return {"damp": float(o.get("damp", 0.01)), "act_order": bool(o.get("act_order", True)),
-            "block_size": int(o.get("block_size", 128)), "static_groups": bool(o.get("static_groups", False))}
+    """gptq_quantize's keyword arguments from the plan's GPTQ (or awq+gptq) config."""
+    return plan_config(plan, GPTQ).gptq_kwargs()
 
 
 def gptq_group(weights: dict[str, torch.Tensor], stats: dict[str, InputStats], plans: dict[str, Any]
@@ -279,7 +296,7 @@ def run_gptq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None,
                         continue
                     if res.info.get("fallback"):
                         info.setdefault("rtn_fallback", {})[plan.name] = res.info["fallback"]
-                    elif res.info.get("damp", 0.01) != _gptq_opts(plan)["damp"]:
+                    elif res.info.get("damp", plan_config(plan, GPTQ).damp) != plan_config(plan, GPTQ).damp:
                         info["damp"][plan.name] = res.info["damp"]
                     run.stage(p, res.dequantize(), _committer(commit, plan.name, res))
                     staged.add(p)
@@ -299,9 +316,8 @@ def run_hqq(model: nn.Module, layers: Sequence[Any], data: torch.Tensor | None, 
     _check(layers, "hqq")
     for plan in tqdm(layers, desc="hqq", unit="layer", disable=not progress, leave=False):
         w = model.get_submodule(plan.name).weight
-        o = dict(plan.options or {})
-        kw = {k: o[k] for k in ("iters", "p", "beta", "kappa") if k in o}
-        res = hqq_quantize(w, plan.format, name=plan.name, **kw)
+        cfg = plan_config(plan, HQQ)
+        res = hqq_quantize(w, plan.format, name=plan.name, iters=cfg.iters, p=cfg.p, beta=cfg.beta, kappa=cfg.kappa)
         commit(plan.name, res.to_tensor(tuple(w.shape)))
     return {}
 

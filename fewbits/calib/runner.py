@@ -308,7 +308,6 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
     from tqdm.auto import tqdm
 
     _, blocks, _ = decoder_blocks(model)
-    dist_util.init_from_env()  # under torchrun: join the process group; alone: nothing happens
     batches = sample_batches(dist_util.my_samples(int(data.shape[0])), int(data.shape[1]))
     hidden, kwargs = capture_block_inputs(model, blocks, data, batches)
     prefix = find_blocks_path([n for n, _ in model.named_modules()], decoder_blocks(model)[2])

@@ -8,27 +8,20 @@ import time
 
 import click
 
+from fewbits.methods.registry import METHODS
 from fewbits.models.recipe import MISFIT_POLICIES
 
 DTYPES = ("fp32", "bf16", "fp16")
-#: the methods of fewbits.api.METHODS, spelled out so that `--help` lists them without importing torch
-#: (tests/cli/test_quantize_help.py checks the two agree)
-METHOD_NAMES = ("rtn", "gptq", "awq", "awq+gptq", "hqq", "smoothquant", "llm-int8")
+#: the methods of fewbits.api.METHODS (the registry is pure Python: `--help` lists them without torch)
+METHOD_NAMES = tuple(METHODS)
 
 
 def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, ANN201
-    """Calibration token ids (n, seq_len) from the packaged calibration texts (never the eval passages)."""
-    import torch
+    """Token ids (n_windows, seq_len) of the packaged calibration mix; kept for scripts that import it:
+    `fewbits.api.calibration_data` is the library's function (and records where the windows came from)."""
+    from fewbits.data.calibration import calibration_data
 
-    from fewbits.data.texts import load_texts
-    from fewbits.data.tokens import token_windows
-
-    rows = []
-    texts = load_texts(split="calib")
-    per = max(1, -(-n_windows // len(texts)))
-    for text in texts.values():
-        rows.append(torch.as_tensor(token_windows(tokenizer, text, seq_len, n_windows=per)))
-    return torch.cat(rows)[:n_windows]
+    return calibration_data(tokenizer, samples=n_windows, seq_len=seq_len).ids
 
 
 @click.command("quantize")
@@ -36,7 +29,8 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--format", "fmt", default=None, help="format spec for every linear layer, e.g. int4-g64, int8, nf4-g64")
 @click.option("--method", type=click.Choice(METHOD_NAMES), default="rtn", show_default=True,
               help="how codes are chosen: rtn (round-to-nearest, no data), gptq, awq, awq+gptq and smoothquant "
-                   "(calibrated on packaged text), hqq (no data), llm-int8 (int8 with 16-bit outlier inputs)")
+                   "(calibrated: --calib), hqq (no data), llm-int8 (int8 with 16-bit outlier inputs); options "
+                   "other than the defaults go in a --recipe rule's options table")
 @click.option("--recipe", "recipe_file", type=click.Path(dir_okay=False), default=None,
               help="recipe file (.toml or .json): per-layer formats/methods, ignore list, misfit policy")
 @click.option("--lm-head", "lm_head", default=None,
@@ -45,8 +39,13 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
               help="layers the format does not fit: error (default), keep them 16-bit, or regroup")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
               help="dtype the model is loaded and run in")
-@click.option("--calib-windows", default=16, show_default=True, help="calibration windows (calibrated methods)")
-@click.option("--calib-seq-len", default=512, show_default=True, help="tokens per calibration window")
+@click.option("--calib", "calib_files", multiple=True, type=click.Path(), metavar="FILE",
+              help="calibrate on this text file, or on every file in this folder (repeatable); default: the "
+                   "packaged mix of verse, prose and code")
+@click.option("--calib-samples", "--calib-windows", "calib_windows", type=click.IntRange(1), default=16,
+              show_default=True, help="calibration samples (windows of --calib-seq-len tokens)")
+@click.option("--calib-seq-len", type=click.IntRange(2), default=512, show_default=True,
+              help="tokens per calibration sample")
 @click.option("-o", "--output", "out", required=True, type=click.Path(file_okay=False), help="output directory")
 @click.option("--to", "target", type=click.Choice(("fewbits", "compressed-tensors", "gguf")), default="fewbits",
               show_default=True, help="output layout: fewbits' own (reloads with every format and method), "
@@ -66,7 +65,7 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
-                 misfit: str | None,
+                 misfit: str | None, calib_files: tuple[str, ...],
                  dtype: str, calib_windows: int, calib_seq_len: int, target: str, budget: str | None,
                  candidates: str | None, device: str | None, embedding: str | None, out: str, overwrite: bool,
                  quiet: bool) -> None:
@@ -92,6 +91,7 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
     t0 = time.perf_counter()
     mix = None
     try:
+        distributed.init_from_env()  # under torchrun: join the process group (the library never starts one)
         cands = [c.strip() for c in candidates.split(",") if c.strip()] if candidates else None
         if (candidates or device) and not budget:
             raise click.UsageError("--candidates and --device go with --budget")
@@ -129,6 +129,15 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
                 gguf_type(parse_format(f))  # before any work
         elif embedding:
             raise click.UsageError("--embedding is for --to gguf (the fewbits layout keeps the embedding's rows)")
+        calib_paths = None
+        if calib_files:
+            if not budget and not any(METHODS[r.method].needs_data for r in recipe.rules if r.method in METHODS):
+                raise click.UsageError(f"--calib is for the calibrated methods "
+                                       f"({', '.join(n for n, e in METHODS.items() if e.needs_data)}) and --budget; "
+                                       f"{', '.join(sorted({r.method for r in recipe.rules}))} uses no data")
+            from fewbits.data.calibration import check_calibration_files
+
+            calib_paths = check_calibration_files(calib_files)  # missing, empty or binary: before any work
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
@@ -138,11 +147,11 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
         methods = {r.method for r in recipe.rules}
         data = None
         if budget or any(api.METHODS[x].needs_data for x in methods if x in api.METHODS):
-            data = calibration_ids(tok, calib_seq_len, calib_windows)
+            data = api.calibration_data(tok, files=calib_paths, samples=calib_windows, seq_len=calib_seq_len)
         if budget:
             from fewbits.budgeted import budget_recipe
 
-            mix = budget_recipe(m, data, bud, cands, method, device=device, progress=not quiet)
+            mix = budget_recipe(m, data.ids, bud, cands, method, device=device, progress=not quiet)
             recipe = mix.recipe
             click.echo(mix.text())
         # only saved: no fast kernels to pack (the reference path is built for free); loading prepares them

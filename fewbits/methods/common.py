@@ -16,23 +16,17 @@ import torch
 
 from fewbits.formats.format import Format, FormatError, parse_format
 from fewbits.formats.quant import ScaleRangeError, dequantize_codes
+from fewbits.methods.registry import METHODS
 
-#: method name -> (format kinds it accepts, what it needs), checked before any work is done
-METHOD_FORMATS: dict[str, tuple[frozenset[str], str]] = {
-    "rtn": (frozenset({"int", "fp8", "fp4", "nf4", "mxfp4", "mxfp8", "nvfp4", "ggml"}), "any quantised format"),
-    "gptq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
-    "awq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
-    "awq+gptq": (frozenset({"int"}), "integer formats (int2..int8, any grouping, sym or asym)"),
-    "hqq": (frozenset({"int"}), "integer formats, best with float zero points (e.g. int4-g64-asym-zfp16)"),
-    "smoothquant": (frozenset({"int"}), "8-bit per-channel integer weights (int8)"),
-    "llm-int8": (frozenset({"int"}), "8-bit per-channel integer weights (int8)"),
-}
+#: method name -> (format kinds it accepts, what it needs), from each method's config (`methods/config.py`)
+METHOD_FORMATS: dict[str, tuple[frozenset[str], str]] = {n: (e.config.kinds or frozenset(), e.config.takes)
+                                                           for n, e in METHODS.items()}
 #: methods that accept floating zero points (`-zfp16` formats): their codes come from the numeric core's
 #: grid (`formats.quant`) or, for HQQ, optimise the float zero.  GPTQ's column loop rounds on an integer
 #: grid (round(w / s) + z), which a fractional zero point would break, so it (and awq+gptq) refuses them.
-FLOAT_ZERO_METHODS = frozenset({"rtn", "hqq", "awq"})
+FLOAT_ZERO_METHODS = frozenset(n for n, e in METHODS.items() if e.config.float_zeros)
 #: methods that need calibration text
-CALIBRATED = frozenset({"gptq", "awq", "awq+gptq", "smoothquant"})
+CALIBRATED = frozenset(n for n, e in METHODS.items() if e.needs_data)
 
 
 class MethodError(FormatError):
@@ -40,22 +34,14 @@ class MethodError(FormatError):
 
 
 def check_method_format(method: str, fmt: Format | str) -> Format:
-    """Raise MethodError naming the method and the format when they do not go together."""
+    """Raise MethodError naming the method and the format when they do not go together (the method's
+    config says which formats it takes)."""
     fmt = parse_format(fmt)
-    if method not in METHOD_FORMATS:
-        raise MethodError(f"unknown method {method!r}; one of {', '.join(METHOD_FORMATS)}")
-    kinds, what = METHOD_FORMATS[method]
-    if not fmt.is_quantized:
-        raise MethodError(f"method {method} needs a quantised format, got {fmt.spec}")
-    if fmt.kind not in kinds:
-        raise MethodError(f"method {method} does not work with format {fmt.spec}: it takes {what}")
-    if method in ("smoothquant", "llm-int8") and (fmt.bits != 8 or fmt.granularity != "channel"):
-        raise MethodError(f"method {method} does not work with format {fmt.spec}: it takes {what}")
-    if fmt.float_zeros and method not in FLOAT_ZERO_METHODS:
-        plain = fmt.spec.replace(f"-z{fmt.zero_dtype}", "")
-        raise MethodError(f"method {method} does not work with format {fmt.spec}: floating zero points "
-                          f"(-z{fmt.zero_dtype}) are taken by {', '.join(sorted(FLOAT_ZERO_METHODS))}; "
-                          f"use {plain} (integer zero points) with {method}")
+    if method not in METHODS:
+        raise MethodError(f"unknown method {method!r}; one of {', '.join(METHODS)}")
+    problem = METHODS[method].config().format_problem(fmt, method)
+    if problem:
+        raise MethodError(problem)
     return fmt
 
 

@@ -33,6 +33,7 @@ from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods import workspace
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format, naming
+from fewbits.methods.config import GPTQ
 from fewbits.methods.gptq_loop import (
     gathered_transpose,
     permuted_transpose,
@@ -81,10 +82,10 @@ def gptq_quantize(
     hessian: torch.Tensor,
     fmt: Format | str,
     *,
-    block_size: int = 128,
-    damp: float = 0.01,
-    act_order: bool = False,
-    static_groups: bool = False,
+    block_size: int = GPTQ.block_size,  # the defaults of the method's one config (`methods/config.py`)
+    damp: float = GPTQ.damp,
+    act_order: bool = GPTQ.act_order,
+    static_groups: bool = GPTQ.static_groups,
     max_tries: int = 6,
     name: str = "weight",
 ) -> QuantResult:

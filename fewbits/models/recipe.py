@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fewbits.formats.format import MISFIT_POLICIES, Format, FormatError, parse_format
+from fewbits.methods.config import MethodConfig, MethodConfigError
+from fewbits.methods.registry import METHODS, resolve
 
 RECIPE_VERSION = 1
 Misfit = Literal["error", "keep", "regroup"]
@@ -42,12 +44,20 @@ class RecipeError(ValueError):
 
 @dataclass(frozen=True)
 class Rule:
-    """Layers whose full module name matches `pattern` (``re.search``) get `format` by `method`."""
+    """Layers whose full module name matches `pattern` (``re.search``) get `format` by `method`.
+
+    method: a name in `fewbits.methods.registry.METHODS` with its `options` ({name: value}), or a typed
+    config such as ``GPTQ(act_order=False)``.  The options are checked against the method's config class
+    at once: an unknown or misspelled option, or a value of the wrong type, is a RecipeError naming it and
+    the valid ones.  `config` is the typed config; `options` keeps only the fields that differ from the
+    defaults (what `to_dict` writes).  A method missing from the registry keeps its options unchecked, and
+    planning refuses it (`fewbits.api.plan_model`)."""
 
     pattern: str
     format: str
     method: str = "rtn"
     options: Mapping[str, Any] = field(default_factory=dict)
+    config: MethodConfig | None = field(default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         try:
@@ -55,7 +65,17 @@ class Rule:
         except re.error as e:
             raise RecipeError(f"rule pattern {self.pattern!r} is not a regular expression: {e}") from None
         object.__setattr__(self, "format", parse_format(self.format).spec)  # canonical spelling
-        object.__setattr__(self, "options", dict(self.options))
+        config = None
+        if isinstance(self.method, MethodConfig) or (isinstance(self.method, str) and self.method in METHODS):
+            try:
+                name, config = resolve(self.method, self.options)
+            except MethodConfigError as e:
+                raise RecipeError(f"rule {self.pattern!r}: {e}") from None
+            object.__setattr__(self, "method", name)
+            object.__setattr__(self, "options", config.options())
+        else:
+            object.__setattr__(self, "options", dict(self.options))
+        object.__setattr__(self, "config", config)
 
     @property
     def fmt(self) -> Format:
@@ -77,12 +97,17 @@ class LayerPlan:
     action: Literal["quantize", "keep", "ignore"]
     format: str | None = None
     method: str | None = None
-    options: Mapping[str, Any] = field(default_factory=dict)
+    config: MethodConfig | None = None  # the method's typed options (`fewbits.methods.config`)
     note: str = ""
 
     @property
     def fmt(self) -> Format | None:
         return parse_format(self.format) if self.format else None
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The options that differ from the method's defaults."""
+        return self.config.options() if self.config is not None else {}
 
 
 @dataclass(frozen=True)
@@ -108,9 +133,10 @@ class Recipe:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_format(cls, spec: str, method: str = "rtn", misfit: Misfit = "error",
+    def from_format(cls, spec: str, method: str | MethodConfig = "rtn", misfit: Misfit = "error",
                     ignore: Iterable[str] = DEFAULT_IGNORE, lm_head: str | None = None) -> Recipe:
-        """The common case: every linear layer (except the ignore list) in one format.
+        """The common case: every linear layer (except the ignore list) in one format, by `method` (a name
+        or a typed config such as ``GPTQ(damp=0.02)``).
 
         lm_head: a format for the output projection too (round to nearest; it is left out of the ignore
         list).  A head tied to the input embedding gets its own quantised copy: the embedding keeps its
@@ -153,7 +179,7 @@ class Recipe:
                 misfits.append(str(e))
                 out.append(self._misfit_plan(name, shape2, rule, fmt))
                 continue
-            out.append(LayerPlan(name, shape2, "quantize", fmt.spec, rule.method, rule.options))
+            out.append(LayerPlan(name, shape2, "quantize", fmt.spec, rule.method, rule.config))
         if misfits and self.misfit == "error":
             head = f"{len(misfits)} layer(s) do not fit their format (use --misfit keep or --misfit regroup):\n  "
             raise RecipeError(head + "\n  ".join(_summarise(misfits)))
@@ -165,7 +191,7 @@ class Recipe:
         if new is not None:
             g = new.group_size
             note = f"regrouped: {cols} columns not divisible by {fmt.group_size}, group {g} used ({new.spec})"
-            return LayerPlan(name, shape, "quantize", new.spec, rule.method, rule.options, note)
+            return LayerPlan(name, shape, "quantize", new.spec, rule.method, rule.config, note)
         why = f"kept 16-bit: {cols} columns not divisible by the group size {fmt.group_size} of {fmt.spec}"
         if self.misfit == "regroup":
             why += f" (the block size of {fmt.kind} is fixed)"
@@ -202,7 +228,10 @@ class Recipe:
                 raise RecipeError(f"recipe rule {i}: 'pattern', 'format' and 'method' must be strings")
             if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
                 raise RecipeError(f"recipe rule {i}: 'options' must be a table of named values")
-            rules.append(_checked(f"recipe rule {i}", Rule, r["pattern"], r["format"], method, dict(options)))
+            try:
+                rules.append(_checked(f"recipe rule {i}", Rule, r["pattern"], r["format"], method, dict(options)))
+            except RecipeError as e:
+                raise RecipeError(f"recipe rule {i}: {e}" if not str(e).startswith("recipe") else str(e)) from None
         if not isinstance(d.get("misfit", "error"), str):
             raise RecipeError("recipe \"misfit\" must be a string: error, keep or regroup")
         return _checked("recipe", cls, tuple(rules), tuple(ignore), d.get("misfit", "error"))

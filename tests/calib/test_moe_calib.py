@@ -15,9 +15,10 @@ from fewbits import api
 from fewbits.calib import pipeline
 from fewbits.calib.moe import EXPERT_MIN_TOKENS, min_expert_tokens
 from fewbits.calib.runner import iterate_blocks
+from fewbits.methods.config import GPTQ
 from fewbits.methods.rtn import rtn_quantize
 from fewbits.models.moe import unfuse_experts
-from fewbits.models.recipe import LayerPlan, Recipe, Rule
+from fewbits.models.recipe import LayerPlan, Recipe, RecipeError, Rule
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -139,9 +140,13 @@ def test_an_expert_with_too_few_tokens_falls_back_to_rtn(tiny_moe, calib_ids, ca
 def test_the_threshold_option_is_checked() -> None:
     plan = LayerPlan("model.layers.0.mlp.experts.0.down_proj", (64, 96), "quantize", "int4-g32", "gptq")
     assert min_expert_tokens(plan) == EXPERT_MIN_TOKENS == 1.0
-    bad = LayerPlan(plan.name, plan.shape, "quantize", "int4-g32", "gptq", {"expert_min_tokens": "many"})
-    with pytest.raises(ValueError, match=r"experts\.0\.down_proj: option expert_min_tokens"):
-        min_expert_tokens(bad)
+    assert min_expert_tokens(LayerPlan(plan.name, plan.shape, "quantize", "int4-g32", "gptq",
+                                       GPTQ(expert_min_tokens=0.25))) == 0.25
+    for method in ("gptq", "awq", "awq+gptq"):
+        with pytest.raises(RecipeError, match=r"option expert_min_tokens must be a number"):
+            Rule(r"\.experts\.", "int4-g32", method, {"expert_min_tokens": "many"})
+        with pytest.raises(RecipeError, match=r"option expert_min_tokens must be at least 0"):
+            Rule(r"\.experts\.", "int4-g32", method, {"expert_min_tokens": -1})
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -28,7 +28,9 @@ def quantize(model: nn.Module, method: str, spec: str, data: torch.Tensor | None
     plans = [p for p in recipe.plan(linear_shapes(model)) if p.action == "quantize"]
     if options:
         from dataclasses import replace
-        plans = [replace(p, options=options) for p in plans]
+
+        from fewbits.methods.registry import config_for
+        plans = [replace(p, config=config_for(method, options)) for p in plans]
     done: list[str] = []
 
     def commit(name, q):

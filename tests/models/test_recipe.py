@@ -74,8 +74,8 @@ def test_rules_first_match_wins_and_unmatched_layers_stay():
 
 
 def test_round_trips_json_toml_files(tmp_path):
-    r = Recipe(rules=(Rule(r"mlp\.down_proj", "INT8", "rtn"), Rule(r".*", "int4-g64-asym", "gptq",
-                                                                   {"damp": 0.01, "act_order": True, "block": 128})),
+    opts = {"damp": 0.02, "act_order": False, "block_size": 64}
+    r = Recipe(rules=(Rule(r"mlp\.down_proj", "INT8", "rtn"), Rule(r".*", "int4-g64-asym", "gptq", opts)),
                ignore=(r"lm_head$", r'say "hi"\\'), misfit="regroup")
     assert r.rules[0].format == "int8"  # canonical spelling
     assert Recipe.from_json(r.to_json()) == r
@@ -115,3 +115,47 @@ def test_bad_files(tmp_path):
 def test_layer_plan_fmt():
     assert LayerPlan("a", (4, 4), "quantize", "int4-g64").fmt.group_size == 64
     assert LayerPlan("a", (4, 4), "ignore").fmt is None
+
+
+def test_rule_options_are_typed_and_a_typo_is_an_error_naming_it():
+    """A misspelled option used to be ignored silently (a rule with "block" ran with the default block size)."""
+    from fewbits.methods.config import GPTQ
+
+    rule = Rule(".*", "int4-g64", "gptq", {"damp": 0.02, "act_order": False})
+    assert rule.config == GPTQ(damp=0.02, act_order=False)
+    assert rule.options == {"damp": 0.02, "act_order": False}  # only what differs from the defaults
+    with pytest.raises(RecipeError, match=r"no option 'block'; its options are act_order, block_size, damp, "
+                                          r"expert_min_tokens, static_groups"):
+        Rule(".*", "int4-g64", "gptq", {"block": 128})
+    with pytest.raises(RecipeError, match=r"rtn has no option 'damp'; it takes no options"):
+        Rule(".*", "int4-g64", "rtn", {"damp": 0.1})
+    with pytest.raises(RecipeError, match=r"option damp must be a number, got 'high'"):
+        Rule(".*", "int4-g64", "gptq", {"damp": "high"})
+    with pytest.raises(RecipeError, match=r"option act_order must be true or false, got 1"):
+        Rule(".*", "int4-g64", "gptq", {"act_order": 1})
+    with pytest.raises(RecipeError, match=r"option block_size must be an integer, got 64.0"):
+        Rule(".*", "int4-g64", "gptq", {"block_size": 64.0})
+    # a typed config in place of the method's name: the same rule
+    assert Rule(".*", "int4-g64", GPTQ(damp=0.02, act_order=False)) == rule
+
+
+@pytest.mark.parametrize("toml, match", [
+    ('method = "gptq"\noptions = {act_ordr = true}', r"recipe rule 0: .*no option 'act_ordr'.*act_order"),
+    ('method = "hqq"\noptions = {iters = "many"}', r"recipe rule 0: .*option iters must be an integer"),
+    ('method = "smoothquant"\noptions = {alpha = 1.5}', r"recipe rule 0: .*alpha must lie in \[0, 1\], got 1.5"),
+    ('method = "llm-int8"\noptions = {threshold = -1}', r"threshold must be above 0"),
+])
+def test_recipe_file_options_are_checked(tmp_path, toml, match):
+    p = tmp_path / "r.toml"
+    p.write_text(f'[[rules]]\npattern = ".*"\nformat = "int8"\n{toml}\n')
+    with pytest.raises(RecipeError, match=match):
+        Recipe.load(p)
+
+
+def test_plans_carry_the_typed_config():
+    from fewbits.methods.config import GPTQ, RTN
+
+    r = Recipe((Rule(r"mlp\.", "int4-g64", "gptq", {"damp": 0.05}), Rule(".*", "int8")))
+    plans = {p.name.split(".")[-1]: p for p in r.plan(SMOL)}
+    assert plans["up_proj"].config == GPTQ(damp=0.05) and plans["up_proj"].options == {"damp": 0.05}
+    assert plans["q_proj"].config == RTN() and plans["lm_head"].config is None
