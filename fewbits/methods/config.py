@@ -5,9 +5,9 @@ formats the method takes (class attributes).  It is pure Python (no torch), so a
 checked, and `fewbits quantize --help` listed, without loading torch.  A misspelled or wrongly typed
 option is an error naming it and the valid ones (house rule 4), never silently ignored:
 
-    >>> GPTQ.from_options({"act_ordr": True}, "gptq")
+    >>> HQQ.from_options({"iter": 5}, "hqq")
     Traceback (most recent call last):
-    MethodConfigError: method gptq has no option 'act_ordr'; its options are act_order, block_size, damp, expert_min_tokens, static_groups
+    MethodConfigError: method hqq has no option 'iter'; its options are beta, iters, kappa, p
 
 Configs round-trip through plain dicts (`options()` gives the fields that differ from the defaults, as a
 recipe rule stores them; `to_dict()` every field, as a report records them).
