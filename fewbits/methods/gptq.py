@@ -11,8 +11,10 @@ Algorithm 1 of the paper: the rows of the upper Cholesky factor U of H^-1 (H^-1 
 [H_F^-1] needed; updates are applied lazily, one block of B columns at a time (eq. 4).  `gptq_quantize`
 prepares H (damping, dead columns, act-order permutation, the factor, static group scales) and
 `gptq_columns` is Algorithm 1 itself, in plain torch on the weight's device.  On CPU the same column loop
-runs compiled (`fewbits.methods.gptq_loop`, chosen by `fewbits.methods.backend`; the two give the same
-codes up to rounding ties, tests/methods/test_backend_equivalence.py).
+runs compiled (`fewbits.methods.gptq_loop`, chosen by `fewbits.methods.backend`).  Both sum in the same
+order, so they agree bit for bit wherever the lazy update's matrix product does (it does with this
+project's CPU builds: every code of SmolLM2 equal); at worst a code differs where a weight sat on a
+rounding tie (tests/methods/test_backend_equivalence.py).
 
 Deviations and additions:
 * Damping lambda = damp * mean(diag H) (default 1 %); when the Cholesky factorisation fails, damping is
@@ -41,6 +43,9 @@ from fewbits.methods.linalg import inverse_upper_factor
 from fewbits.methods.rtn import rtn_quantize
 
 log = logging.getLogger("fewbits.gptq")
+
+#: columns whose errors reach the rest of their lazy block together (`spread_tile`)
+TILE = 8
 
 
 def inverse_hessian_factor(
@@ -81,6 +86,21 @@ def group_scales(wg: torch.Tensor, fmt: Format, name: str) -> tuple[torch.Tensor
     return s[:, 0], (z[:, 0] if z is not None else None)
 
 
+def spread_tile(w_rest: torch.Tensor, err: torch.Tensor, hs: torch.Tensor) -> None:
+    """w_rest -= err @ hs in place, for a tile's errors err (rows, m) and factor rows hs (m, n), with the
+    sums in the compiled loop's order (`fewbits.methods.gptq_loop._tile_update`) so that both give the same
+    bits: a full tile's TILE products summed pairwise, ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)),
+    then subtracted once; a partial tile's subtracted one by one."""
+    if err.shape[1] == TILE:
+        p = err[:, :, None] * hs[None]  # (rows, TILE, n): every product
+        while p.shape[1] > 1:
+            p = p[:, 0::2] + p[:, 1::2]  # (rows, half as many, n): neighbours summed
+        w_rest -= p[:, 0]
+        return
+    for t in range(err.shape[1]):
+        w_rest -= err[:, t:t + 1] * hs[t]
+
+
 def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor | None, fmt: Format, block: int, static: bool, name: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +111,11 @@ def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: t
     group order[j] // g), otherwise they are filled in here, each group's from its weights as updated when
     quantisation reaches it.  Returns the codes (rows, cols) in W's column order and every row's OBS loss
     sum_q (w_q - quant(w_q))^2 / [H^-1]_qq / 2.
+
+    Inside a block, eq. 2 moves the later columns after each column is rounded.  It is applied in tiles of
+    TILE columns: within a tile column by column, to the rest of the block once per tile (`spread_tile`).
+    In exact arithmetic that is the same update; in float32 it is the order of the compiled CPU loop, so
+    the two backends agree bit for bit there, not only up to rounding ties.
     """
     rows, cols = W.shape
     g = fmt.group_size if fmt.granularity == "group" else cols
@@ -105,21 +130,28 @@ def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: t
         d = U[b0:b1, b0:b1].diagonal()
         Hs = U[b0:b1, b0:b1] / d[:, None]  # row i: the factor's row q = b0 + i over its diagonal (eq. 2)
         E = torch.empty(rows, b1 - b0, device=W.device)  # the block's errors divided by d (eq. 4)
-        for j in range(b0, b1):
-            i = j - b0
-            if not static and j % g == 0:  # a new group: its scales from the weights as updated so far
-                s_, z_ = group_scales(W[:, j:j + g], fmt, name)
-                scale[:, j // g] = s_
+        for a in range(b0, b1, b1 - b0 if static else g):  # the block, or one group of it at a time
+            a1 = b1 if static else a + g
+            if not static:  # a new group: its scales from the weights as updated so far
+                s_, z_ = group_scales(W[:, a:a1], fmt, name)
+                scale[:, a // g] = s_
                 if zero is not None:
-                    zero[:, j // g] = z_
-            s = scale[:, group_of[j]]
-            z = zero[:, group_of[j]] if zero is not None else 0.0
-            w = W[:, j]
-            q = torch.clamp(torch.round(w / s), qlo - z, qhi - z)  # quant(w_q), in units of the scale
-            err = w - q * s
-            Q[:, j] = (q + z + off).to(torch.uint8)
-            E[:, i] = err / d[i]
-            W[:, j + 1:b1] -= err[:, None] * Hs[i, i + 1:]  # eq. 2 inside the block
+                    zero[:, a // g] = z_
+            for t0 in range(a, a1, TILE):
+                t1 = min(t0 + TILE, a1)
+                err_t = torch.empty(rows, t1 - t0, device=W.device)  # the tile's errors
+                for j in range(t0, t1):
+                    i = j - b0
+                    s = scale[:, group_of[j]]
+                    z = zero[:, group_of[j]] if zero is not None else 0.0
+                    w = W[:, j]
+                    q = torch.clamp(torch.round(w / s), qlo - z, qhi - z)  # quant(w_q), in units of the scale
+                    err = w - q * s
+                    Q[:, j] = (q + z + off).to(torch.uint8)
+                    E[:, i] = err / d[i]
+                    err_t[:, j - t0] = err
+                    W[:, j + 1:t1] -= err[:, None] * Hs[i, i + 1:t1 - b0]  # eq. 2 inside the tile
+                spread_tile(W[:, t1:b1], err_t, Hs[t0 - b0:t1 - b0, t1 - b0:])  # eq. 2 for the rest of the block
         losses += (E * E).sum(1) / 2
         W[:, b1:].addmm_(E, U[b0:b1, b1:], alpha=-1)  # eq. 4: the block's errors reach every later column
     return Q[:, torch.argsort(order)], losses

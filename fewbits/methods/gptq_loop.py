@@ -16,10 +16,10 @@ ms right after a torch operation, whose OpenMP workers keep spinning on the seco
 Arithmetic is float32 in the order the plain form uses: q = clamp(rint(w / s), lo - z, hi - z) (rint
 rounds half to even, as torch.round), e = w - q s, then w_k -= e Hs[i, k] for every later column k of the
 block.  The stored code is q + z + offset; the error divided by the factor's diagonal is kept for the lazy
-update of the columns after the block (eq. 4), which is one matrix product done by the caller.  One
-difference in order: the errors of a tile of 8 columns reach the rest of the block together, their 8
-products summed first (`_tile_update`), where the plain form subtracts them one column at a time.  That
-moves a weight by an ulp or so, which changes a code only where it sits on a rounding tie.
+update of the columns after the block (eq. 4), which is one matrix product done by the driver.  The
+errors of a tile of 8 columns reach the rest of the block together, their 8 products summed first
+(`_tile_update`, which reads each later column once per tile instead of once per column); the plain form
+sums in the same order (`fewbits.methods.gptq.spread_tile`), so the two give the same bits.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ from numba import njit
 
 from fewbits.formats.format import Format
 from fewbits.methods import workspace
+from fewbits.methods.gptq import TILE, group_scales, int_range
 
-#: columns whose errors reach the rest of the block together (`_tile_update` is written out for 8)
-TILE = 8
 
 
 @njit(cache=True, nogil=True)
@@ -91,8 +90,8 @@ def quantize_block_columns(WT: np.ndarray, scale: np.ndarray, zero: np.ndarray, 
 @njit(cache=True, nogil=True)
 def _tile_update(WT: np.ndarray, E: np.ndarray, Hs: np.ndarray, i0: int, m: int) -> None:
     """w_k -= sum_t E[t] Hs[i0 + t, k] for every column k of the block after the tile i0..i0+m-1: a full
-    tile in one pass over w_k with its TILE products summed first (w_k read once per tile, not once
-    per column), a partial tile column by column."""
+    tile (written out for TILE = 8) in one pass over w_k with its products summed first (w_k read once per
+    tile, not once per column), a partial tile column by column."""
     nb, rows = WT.shape
     for k in range(i0 + m, nb):
         wk = WT[k]
@@ -163,8 +162,6 @@ def gptq_columns_compiled(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor,
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """`fewbits.methods.gptq.gptq_columns` for CPU tensors, with the column loop compiled: the same
     arguments, the same results (up to rounding ties)."""
-    from fewbits.methods.gptq import group_scales, int_range
-
     rows, cols = W.shape
     g = fmt.group_size if fmt.granularity == "group" else cols
     # W held transposed, (cols, rows), in quantisation order: column j is the contiguous row WT[j], a
