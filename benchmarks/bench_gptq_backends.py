@@ -30,8 +30,8 @@ from pathlib import Path
 def child(args: argparse.Namespace) -> None:
     """One quantisation in this process; prints RESULT {seconds}; with --save, stores the codes."""
     import torch
-
     from bench_methods import calibration
+
     from fewbits import api
     from fewbits.models.loading import load_model
     from fewbits.models.recipe import Recipe, Rule

@@ -33,7 +33,6 @@ from fewbits.methods import workspace
 from fewbits.methods.gptq import TILE, group_scales, int_range
 
 
-
 @njit(cache=True, nogil=True)
 def quantize_block_columns(WT: np.ndarray, scale: np.ndarray, zero: np.ndarray, has_zero: bool,
                            group_of: np.ndarray, Hs: np.ndarray, d: np.ndarray, b0: int, start: int, stop: int,
