@@ -16,7 +16,10 @@ pass over the matrix per sample: 1.1 s of a SmolLM2 GPTQ.)
 
 Inputs that arrive in bfloat16 are exact in bfloat16, so their products are taken on oneDNN's bfloat16
 path (`bf16_products`: float32 in and out, the products exact, the sums in float32), which on CPUs with
-AMX runs ~3x faster than a float32 GEMM; other dtypes use the float32 GEMM.
+AMX runs ~3x faster than a float32 GEMM, or on CUDA in TF32; other dtypes use the float32 GEMM.
+
+Everything stays on the device the inputs arrive on (the model's); the mean Hessian is plain torch
+there, or compiled for CPU tensors (`mean_of_partials`, `fewbits.methods.backend`).
 """
 
 from __future__ import annotations
@@ -25,43 +28,47 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
-from numba import njit
 from torch import nn
 
 from fewbits.calib import distributed as dist_util
 from fewbits.formats.quant import all_finite
 from fewbits.methods import workspace
+from fewbits.methods.backend import choose as choose_backend
 
 HESSIAN_CHUNKS = 2
 
 
 @contextmanager
-def bf16_products(enabled: bool = True) -> Iterator[None]:
+def bf16_products(enabled: bool = True, device_type: str = "cpu") -> Iterator[None]:
     """Within the block, float32 matrix products whose operands are all exact in bfloat16 may run on
-    oneDNN's bfloat16 path (products exact, sums in float32; AMX where the CPU has it).  Only for
-    operands known to be bfloat16 values: others would be rounded."""
-    flags = torch.backends.mkldnn.matmul
+    a lower-precision path that keeps them exact: oneDNN's bfloat16 on CPU (products exact, sums in
+    float32; AMX where the CPU has it), TF32 on CUDA (its 10-bit mantissa holds bfloat16's 7; sums in
+    float32).  Only for operands known to be bfloat16 values: others would be rounded.  The backend flag
+    is restored when the block ends."""
+    flags = torch.backends.cuda.matmul if device_type == "cuda" else torch.backends.mkldnn.matmul
     old = flags.fp32_precision
     if enabled:
-        flags.fp32_precision = "bf16"
+        flags.fp32_precision = "tf32" if device_type == "cuda" else "bf16"
     try:
         yield
     finally:
         flags.fp32_precision = old
 
 
-@njit(cache=True, nogil=True)
-def _mean_of_partials(parts: tuple, tokens: np.float64, out: np.ndarray) -> None:
-    """out = float32(((p0 + p1) + ...) / tokens), the sum in float64 in the order given."""
-    n, m = out.shape
-    for i in range(n):
-        for j in range(m):
-            acc = np.float64(parts[0][i, j])
-            for k in range(1, len(parts)):
-                acc += np.float64(parts[k][i, j])
-            out[i, j] = np.float32(acc / tokens)
+def mean_of_partials(parts: list[torch.Tensor], tokens: int, backend: str | None = None) -> torch.Tensor:
+    """float32(((p0 + p1) + ...) / tokens) of float32 matrices, the sum in float64 in list order.
+
+    Plain torch on the partials' device; for CPU tensors `fewbits.calib.hessian_numba` does the same in
+    one pass (the same bits), chosen by `fewbits.methods.backend` (`backend`: torch, numba or auto)."""
+    if choose_backend(parts[0].device, backend) == "numba":
+        from fewbits.calib.hessian_numba import mean_of_partials_compiled
+
+        return mean_of_partials_compiled(parts, tokens)
+    total = parts[0].double()
+    for p in parts[1:]:
+        total += p  # float64 + float32, in float64
+    return total.div_(tokens).float()
 
 
 class CalibrationError(ValueError):
@@ -87,6 +94,7 @@ class InputStats:
     tokens: int = 0
     kept: dict[int, torch.Tensor] = field(default_factory=dict)  # sample index -> (tokens, in)
     want_abs: bool = True  # per-channel abs-max and mean |x| (AWQ, SmoothQuant); GPTQ needs only H
+    device: torch.device | None = None  # where the inputs arrive (the model's device); set by `add`
 
     def add(self, x: torch.Tensor, samples: tuple[int, ...]) -> None:
         """Add the input x of one forward pass over the calibration samples `samples` (one class
@@ -94,16 +102,17 @@ class InputStats:
         pooled (e.g. routed to an expert)."""
         x2 = x.detach().reshape(-1, x.shape[-1])
         xf = x2.float()
+        self.device = x2.device
         # NaN or inf anywhere in x shows in a reduction over tokens (diag H = sum x^2, abs-max), which is
         # far cheaper to check than x itself
         check: torch.Tensor | None = None
         if self.want_hessian:
             k = samples[0] % HESSIAN_CHUNKS
             acc = self.partial.get(k)
-            with bf16_products(x2.dtype == torch.bfloat16):
+            with bf16_products(x2.dtype == torch.bfloat16, x2.device.type):
                 if acc is None:
                     n = xf.shape[1]
-                    acc = self.partial[k] = torch.mm(xf.T, xf, out=workspace.empty(n, n))
+                    acc = self.partial[k] = torch.mm(xf.T, xf, out=workspace.empty(n, n, device=xf.device))
                 else:
                     acc.addmm_(xf.T, xf)
             check = acc.diagonal()  # NaN stays in the sum: these samples' (earlier ones have been checked)
@@ -146,13 +155,10 @@ class InputStats:
     def hessian_mean(self) -> torch.Tensor:
         """H / tokens in float32 (scale does not matter to GPTQ; this keeps the numbers moderate).
 
-        The same numbers as `fold` then a float64 division, in one pass over the float32 partials when
-        nothing was folded yet (the float64 passes cost 0.5 s of a SmolLM2 GPTQ)."""
+        The same numbers as `fold` then a float64 division, straight from the float32 partials when nothing
+        was folded yet (`mean_of_partials`)."""
         if self.hessian is None and self.partial:
-            parts = tuple(self.partial[k].contiguous().numpy() for k in sorted(self.partial))
-            out = workspace.empty(*parts[0].shape)
-            _mean_of_partials(parts, np.float64(max(self.tokens, 1)), out.numpy())
-            return out
+            return mean_of_partials([self.partial[k] for k in sorted(self.partial)], max(self.tokens, 1))
         self.fold()
         return (self.hessian / max(self.tokens, 1)).float()
 
@@ -165,7 +171,9 @@ class InputStats:
 
     def inputs(self) -> torch.Tensor:
         """Kept inputs of all processes, in sample order: (tokens, in)."""
-        return torch.cat([self.kept[k] for k in sorted(self.kept)]) if self.kept else torch.zeros(0, self.in_features)
+        if not self.kept:
+            return torch.zeros(0, self.in_features, device=self.device)
+        return torch.cat([self.kept[k] for k in sorted(self.kept)])
 
     def scale_inputs(self, s: torch.Tensor) -> None:
         """Record that the input is now x / s (after folding smoothing scales into the producer)."""
@@ -182,21 +190,24 @@ class InputStats:
 
 
 def reduce(stats: Iterable[InputStats]) -> None:
-    """Sum (max for abs-max) every statistic over all processes; gather kept inputs.  No-op alone."""
+    """Sum (max for abs-max) every statistic over all processes; gather kept inputs.  No-op alone.
+    A rank that never saw a layer's input contributes zeros on the device of the others' statistics
+    (`device`, default CPU: the collective moves tensors to its own device and back)."""
     if not dist_util.active():
         return
     for st in stats:
         st.fold()
-        st.tokens = int(dist_util.all_reduce_sum(torch.tensor([st.tokens], dtype=torch.float64)).item())
+        dev = st.device if st.device is not None else torch.device("cpu")
+        st.tokens = int(dist_util.all_reduce_sum(torch.tensor([st.tokens], dtype=torch.float64, device=dev)).item())
         if st.hessian is None and st.want_hessian:
-            st.hessian = torch.zeros(st.in_features, st.in_features, dtype=torch.float64)
+            st.hessian = torch.zeros(st.in_features, st.in_features, dtype=torch.float64, device=dev)
         if st.hessian is not None:
             st.hessian = dist_util.all_reduce_sum(st.hessian)
         if st.want_abs:
             st.absmax = dist_util.all_reduce_max(
-                st.absmax if st.absmax is not None else torch.zeros(st.in_features))
+                st.absmax if st.absmax is not None else torch.zeros(st.in_features, device=dev))
             st.abssum = dist_util.all_reduce_sum(
-                st.abssum if st.abssum is not None else torch.zeros(st.in_features, dtype=torch.float64))
+                st.abssum if st.abssum is not None else torch.zeros(st.in_features, dtype=torch.float64, device=dev))
         if st.keep_samples:
             st.kept = dist_util.gather_dict(st.kept)
 

@@ -11,7 +11,8 @@ Activation-aware Weight Quantization for LLM Compression and Acceleration").
 3. Clipping search: per output channel and group, shrink the range to ratio * max|w| (ratio on a grid)
    where that lowers the group's output error on the calibration inputs (`search_clip`, `apply_clip`).
 
-Searches return plain data (`AWQScales`, a tensor of clip values); applying them is separate.
+Searches return plain data (`AWQScales`, a tensor of clip values); applying them is separate.  Everything
+runs on the device of the tensors given (the weights' for folding and clipping).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ def awq_search_scales(
                           f"{[tuple(w.shape) for w in weights]}")
     if not all_finite(x):
         raise MethodError(f"{name}: calibration activations contain NaN or inf")
-    x_mean = x.abs().mean(0) if x_mean is None else x_mean.float()
-    ws = [w.detach().float() for w in weights]
+    x_mean = x.abs().mean(0) if x_mean is None else x_mean.to(x.device, torch.float32)
+    ws = [w.detach().to(x.device, torch.float32) for w in weights]
     refs = [x @ w.T for w in ws]
     losses: list[float] = []
     for i in range(n_grid):
@@ -91,7 +92,7 @@ def fold_scales(
     prev_kind "norm": prev_weight (in,) is a norm's gain ((1 + w) when `norm_plus_one`, as in Gemma);
     "linear": prev_weight (in, k) is the previous linear, whose output rows are divided by s.
     """
-    s = scales.float()
+    s = scales.to(prev_weight.device, torch.float32)
     if prev_kind == "norm":
         if norm_plus_one:
             prev_weight.copy_(((1 + prev_weight.float()) / s - 1).to(prev_weight.dtype))
@@ -122,13 +123,13 @@ def search_clip(
     rows, cols = w.shape
     g = fmt.group_size if fmt.granularity == "group" else cols
     ng = cols // g
-    xg = x.float().reshape(-1, ng, g)  # (tokens, n_groups, g)
-    best_max = torch.empty(rows, ng)
+    xg = x.to(w.device, torch.float32).reshape(-1, ng, g)  # (tokens, n_groups, g), on the weight's device
+    best_max = torch.empty(rows, ng, device=w.device)
     for r0 in range(0, rows, chunk):  # chunks of output channels keep memory small
         wg = w[r0:r0 + chunk].detach().float().reshape(-1, ng, g)  # (r, n_groups, g)
         ref = torch.einsum("tng,rng->rnt", xg, wg)
         org_max = wg.abs().amax(-1, keepdim=True)  # (r, n_groups, 1)
-        best_err = torch.full(org_max.shape[:2], float("inf"))
+        best_err = torch.full(org_max.shape[:2], float("inf"), device=w.device)
         best = org_max[..., 0].clone()
         for i in range(int(max_shrink * n_grid)):
             mx = org_max * (1 - i / n_grid)
@@ -148,5 +149,5 @@ def apply_clip(w: torch.Tensor, max_val: torch.Tensor, fmt: Format | str) -> tor
     rows, cols = w.shape
     ng = max_val.shape[1]
     wg = w.float().reshape(rows, ng, -1)
-    mx = max_val.float().unsqueeze(-1)
+    mx = max_val.to(w.device, torch.float32).unsqueeze(-1)
     return torch.maximum(torch.minimum(wg, mx), -mx).reshape(rows, cols).to(w.dtype)

@@ -8,7 +8,13 @@ yet quantised so that the layer output on the calibration inputs X moves as litt
     delta_F = -(w_q - quant(w_q)) / [H_F^-1]_qq * (H_F^-1)_{:,q}           (paper eq. 2)
 
 Algorithm 1 of the paper: the rows of the upper Cholesky factor U of H^-1 (H^-1 = U^T U) give every
-[H_F^-1] needed; updates are applied lazily, one block of B columns at a time (eq. 4).
+[H_F^-1] needed; updates are applied lazily, one block of B columns at a time (eq. 4).  `gptq_quantize`
+prepares H (damping, dead columns, act-order permutation, the factor, static group scales) and
+`gptq_columns` is Algorithm 1 itself, in plain torch on the weight's device.  On CPU the same column loop
+runs compiled (`fewbits.methods.gptq_loop`, chosen by `fewbits.methods.backend`).  Both sum in the same
+order, so they agree bit for bit wherever the lazy update's matrix product does (it does with this
+project's CPU builds: every code of SmolLM2 equal); at worst a code differs where a weight sat on a
+rounding tie (tests/methods/test_backend_equivalence.py).
 
 Deviations and additions:
 * Damping lambda = damp * mean(diag H) (default 1 %); when the Cholesky factorisation fails, damping is
@@ -26,24 +32,21 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
 import torch
 
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
+from fewbits.methods import backend as backends
 from fewbits.methods import workspace
 from fewbits.methods.common import MethodError, QuantResult, check_method_format, column_format, naming
 from fewbits.methods.config import GPTQ
-from fewbits.methods.gptq_loop import (
-    gathered_transpose,
-    permuted_transpose,
-    quantize_block_columns,
-    symmetric_permute,
-)
 from fewbits.methods.linalg import inverse_upper_factor
 from fewbits.methods.rtn import rtn_quantize
 
 log = logging.getLogger("fewbits.gptq")
+
+#: columns whose errors reach the rest of their lazy block together (`spread_tile`)
+TILE = 8
 
 
 def inverse_hessian_factor(
@@ -71,10 +74,88 @@ def inverse_hessian_factor(
     return None
 
 
-def _int_range(fmt: Format) -> tuple[int, int, int]:
+def int_range(fmt: Format) -> tuple[int, int, int]:
     """(lowest, highest) rounded value and the offset that turns it into a stored code: -2^(b-1)..2^(b-1)-1
     on the full symmetric grid, -L..L on the narrow one, 0..2^b-1 with a zero point."""
     return fmt.qmin, fmt.qmax, 2 ** (fmt.bits - 1) if fmt.symmetric else 0
+
+
+def group_scales(wg: torch.Tensor, fmt: Format, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale (and zero point) of one group, from its current weights wg (rows, group): (rows,) each."""
+    with naming(name):
+        s, z = compute_scales(wg, column_format(fmt))
+    return s[:, 0], (z[:, 0] if z is not None else None)
+
+
+def spread_tile(w_rest: torch.Tensor, err: torch.Tensor, hs: torch.Tensor) -> None:
+    """w_rest -= err @ hs in place, for a tile's errors err (rows, m) and factor rows hs (m, n), with the
+    sums in the compiled loop's order (`fewbits.methods.gptq_loop._tile_update`) so that both give the same
+    bits: a full tile's TILE products summed pairwise, ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)),
+    then subtracted once; a partial tile's subtracted one by one."""
+    if err.shape[1] == TILE:
+        p = err[:, :, None] * hs[None]  # (rows, TILE, n): every product
+        while p.shape[1] > 1:
+            p = p[:, 0::2] + p[:, 1::2]  # (rows, half as many, n): neighbours summed
+        w_rest -= p[:, 0]
+        return
+    for t in range(err.shape[1]):
+        w_rest -= err[:, t:t + 1] * hs[t]
+
+
+def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: torch.Tensor,
+                 zero: torch.Tensor | None, fmt: Format, block: int, static: bool, name: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1 of the paper, on the device of W: quantise the columns of W (rows, cols) in the order
+    `order`, U the upper Cholesky factor of the (permuted) inverse Hessian, lazy blocks of `block` columns.
+
+    scale, zero (rows, n_groups): the group scales; with `static` they are given (column order[j] uses
+    group order[j] // g), otherwise they are filled in here, each group's from its weights as updated when
+    quantisation reaches it.  Returns the codes (rows, cols) in W's column order and every row's OBS loss
+    sum_q (w_q - quant(w_q))^2 / [H^-1]_qq / 2.
+
+    Inside a block, eq. 2 moves the later columns after each column is rounded.  It is applied in tiles of
+    TILE columns: within a tile column by column, to the rest of the block once per tile (`spread_tile`).
+    In exact arithmetic that is the same update; in float32 it is the order of the compiled CPU loop, so
+    the two backends agree bit for bit there, not only up to rounding ties.
+    """
+    rows, cols = W.shape
+    g = fmt.group_size if fmt.granularity == "group" else cols
+    qlo, qhi, off = int_range(fmt)
+    group_of = (order // g).tolist()  # the group of the j-th column quantised (a host list: no sync per column)
+    W = W[:, order]  # (rows, cols), a copy in quantisation order: the loop updates it in place
+    Q = torch.empty(rows, cols, dtype=torch.uint8, device=W.device)
+    losses = torch.zeros(rows, device=W.device)
+    for b0 in range(0, cols, block):
+        b1 = min(b0 + block, cols)
+        # Algorithm 1 reads [H_F^-1]_qq and (H_F^-1)_{q,:} off row q of the factor (H^-1 <- Cholesky(H^-1)^T)
+        d = U[b0:b1, b0:b1].diagonal()
+        Hs = U[b0:b1, b0:b1] / d[:, None]  # row i: the factor's row q = b0 + i over its diagonal (eq. 2)
+        E = torch.empty(rows, b1 - b0, device=W.device)  # the block's errors divided by d (eq. 4)
+        for a in range(b0, b1, b1 - b0 if static else g):  # the block, or one group of it at a time
+            a1 = b1 if static else a + g
+            if not static:  # a new group: its scales from the weights as updated so far
+                s_, z_ = group_scales(W[:, a:a1], fmt, name)
+                scale[:, a // g] = s_
+                if zero is not None:
+                    zero[:, a // g] = z_
+            for t0 in range(a, a1, TILE):
+                t1 = min(t0 + TILE, a1)
+                err_t = torch.empty(rows, t1 - t0, device=W.device)  # the tile's errors
+                for j in range(t0, t1):
+                    i = j - b0
+                    s = scale[:, group_of[j]]
+                    z = zero[:, group_of[j]] if zero is not None else 0.0
+                    w = W[:, j]
+                    q = torch.clamp(torch.round(w / s), qlo - z, qhi - z)  # quant(w_q), in units of the scale
+                    err = w - q * s
+                    Q[:, j] = (q + z + off).to(torch.uint8)
+                    E[:, i] = err / d[i]
+                    err_t[:, j - t0] = err
+                    W[:, j + 1:t1] -= err[:, None] * Hs[i, i + 1:t1 - b0]  # eq. 2 inside the tile
+                spread_tile(W[:, t1:b1], err_t, Hs[t0 - b0:t1 - b0, t1 - b0:])  # eq. 2 for the rest of the block
+        losses += (E * E).sum(1) / 2
+        W[:, b1:].addmm_(E, U[b0:b1, b1:], alpha=-1)  # eq. 4: the block's errors reach every later column
+    return Q[:, torch.argsort(order)], losses
 
 
 def gptq_quantize(
@@ -88,11 +169,14 @@ def gptq_quantize(
     static_groups: bool = GPTQ.static_groups,
     max_tries: int = 6,
     name: str = "weight",
+    backend: str | None = None,
 ) -> QuantResult:
     """GPTQ codes for a weight (rows, cols) given the Hessian (cols, cols) of its inputs (X^T X up to scale).
 
-    Returns codes, scales and zero points in the layout of `fewbits.formats.quant`; `info` holds the
-    damping used, the OBS loss sum (w - q)^2 / [H^-1]_qq and whether the layer fell back to RTN.
+    Runs on the weight's device (the Hessian is moved there).  `backend` picks the column loop ("torch",
+    "numba" or "auto"; default $FEWBITS_CALIB_BACKEND, else auto: numba for CPU tensors).  Returns codes,
+    scales and zero points in the layout of `fewbits.formats.quant`; `info` holds the damping used, the OBS
+    loss sum (w - q)^2 / [H^-1]_qq and whether the layer fell back to RTN.
     """
     fmt = check_method_format("gptq", fmt)
     if w.dim() != 2:
@@ -103,10 +187,12 @@ def gptq_quantize(
         raise MethodError(f"{name}: Hessian shape {tuple(hessian.shape)} does not match {cols} input columns")
     if not all_finite(hessian):
         raise MethodError(f"{name}: Hessian contains NaN or inf (were the calibration activations finite?)")
-    W = w.detach().float()  # never written: the loop works on a transposed copy
+    W = w.detach().float()  # never written: the column loop works on a copy
     if not all_finite(W):
         raise MethodError(f"{name}: weight of shape {(rows, cols)} contains NaN or inf")
-    H = hessian.detach().float()  # copied before any change below
+    dev = W.device
+    fast = backends.choose(dev, backend) == "numba"
+    H = hessian.detach().to(dev, torch.float32)  # never written: copied before any change below
     dead = torch.diag(H) <= 0
     if bool(dead.all()):
         log.warning("%s: calibration never reached this layer (Hessian is zero); using round-to-nearest", name)
@@ -122,70 +208,42 @@ def gptq_quantize(
     grouped = fmt.granularity == "group"
     g = fmt.group_size if grouped else cols
     static = (not grouped) or static_groups or act_order
-    scale = zero = None
     if static:
         with naming(name):
             scale, zero = compute_scales(W, fmt)  # (rows, n_groups) from the original weights
         if fmt.granularity == "tensor":  # broadcast the single scale to every row
             scale = scale.expand(rows, 1).contiguous()
             zero = zero.expand(rows, 1).contiguous() if zero is not None else None
-    else:
-        scale = torch.zeros(rows, cols // g)
-        zero = torch.zeros(rows, cols // g) if not fmt.symmetric else None
+    else:  # filled in by the column loop, group by group
+        scale = torch.zeros(rows, cols // g, device=dev)
+        zero = torch.zeros(rows, cols // g, device=dev) if not fmt.symmetric else None
 
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else None
-    if perm is not None:
-        Hp = workspace.empty(cols, cols)
-        symmetric_permute(H.contiguous().numpy(), perm.numpy(), Hp.numpy())
-        H = Hp
+    # act-order: the columns with the largest Hessian diagonal first; H permuted to quantisation order
+    order = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(cols, device=dev)
+    Hp = None
+    if act_order:
+        if fast:
+            from fewbits.methods.gptq_loop import permute_hessian
+
+            H = Hp = permute_hessian(H, order)
+        else:
+            H = H[order][:, order]
     fac = inverse_hessian_factor(H, damp, max_tries, name)
-    if perm is not None:
-        workspace.release(Hp)
+    workspace.release(Hp)
     if fac is None:
         log.warning("%s: Hessian stayed singular after %d damping increases; using round-to-nearest",
                     name, max_tries)
-        res = rtn_quantize(w, fmt, name)
+        res = rtn_quantize(W, fmt, name)
         res.info.update(method="gptq", fallback="rtn: Hessian not positive definite")
         return res
     U, damp_used = fac
-    cfmt = column_format(fmt)
     block = block_size if not grouped else max(g, -(-block_size // g) * g)
-    # W held transposed, (cols, rows), in quantisation order: column j is the contiguous row WT[j], a
-    # lazy block a slice of rows and its update one in-place matmul; a non-static block is a whole number
-    # of groups starting at a group
-    order = perm if perm is not None else torch.arange(cols)
-    WT = workspace.empty(cols, rows)
-    permuted_transpose(W.contiguous().numpy(), order.numpy(), WT.numpy())
-    group_of = (order // g).numpy()
-    qlo, qhi, off = _int_range(fmt)
-    codesT = workspace.empty(cols, rows, dtype=torch.uint8)
-    ET_all = workspace.empty(min(block, cols), rows)  # one lazy block's errors, divided by the diagonal
-    losses = torch.zeros(rows)
-    S_, C_, L_ = scale.numpy(), codesT.numpy(), losses.numpy()
-    Z_ = zero.numpy() if zero is not None else np.zeros((1, 1), dtype=np.float32)
-    for b0 in range(0, cols, block):
-        b1 = min(b0 + block, cols)
-        step = b1 - b0 if static else g
-        # row i of Hs is row i of the inverse factor divided by its diagonal: eq. 2 for column i is
-        # w_k -= e_i Hs[i, k] for the block's later columns k
-        d = U[b0:b1, b0:b1].diagonal().contiguous()
-        Hs = (U[b0:b1, b0:b1] / d[:, None]).contiguous()
-        ET = ET_all[:b1 - b0]
-        WT_, Hs_, d_, ET_ = WT[b0:b1].numpy(), Hs.numpy(), d.numpy(), ET.numpy()
-        for a in range(b0, b1, step):
-            if not static:  # a new group: scales from the current (updated) weights
-                with naming(name):
-                    s_, z_ = compute_scales(WT[a:a + g].T, cfmt)
-                scale[:, a // g] = s_[:, 0]
-                if zero is not None:
-                    zero[:, a // g] = z_[:, 0]
-            quantize_block_columns(WT_, S_, Z_, zero is not None, group_of, Hs_, d_, b0, a, a + step,
-                                   np.float32(qlo), np.float32(qhi), np.float32(off), C_, ET_, L_)
-        if b1 < cols:  # lazy update of every later column (eq. 4)
-            WT[b1:].addmm_(U[b0:b1, b1:].T, ET, alpha=-1)
-    codes = torch.empty(rows, cols, dtype=torch.uint8)
-    gathered_transpose(C_, torch.argsort(order).numpy(), codes.numpy())
-    workspace.release(U, WT, codesT, ET_all)
+    if fast:
+        from fewbits.methods.gptq_loop import gptq_columns_compiled as columns
+    else:
+        columns = gptq_columns
+    codes, losses = columns(W, U, order, scale, zero, fmt, block, static, name)
+    workspace.release(U)
     if fmt.granularity == "tensor":
         scale, zero = scale[:1], (zero[:1] if zero is not None else None)
     res = QuantResult(codes, scale, zero, fmt,
@@ -194,7 +252,7 @@ def gptq_quantize(
     # codes are bounded integers, so the weights are finite when the scales and zero points are
     if not (all_finite(res.scale) and (res.zero is None or all_finite(res.zero))):
         log.warning("%s: GPTQ produced non-finite values; using round-to-nearest", name)
-        res = rtn_quantize(w, fmt, name)
+        res = rtn_quantize(W, fmt, name)
         res.info.update(method="gptq", fallback="rtn: non-finite result")
     return res
 

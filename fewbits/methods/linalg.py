@@ -15,7 +15,8 @@ triangular solves of the recursion do not (they split rows and columns, never th
 them.  On one thread here LAPACK's float32 `potrf` reaches ~28 GFLOP/s and a triangular solve against the
 identity ~80, a matrix product ~165: the recursive form takes ~31 ms for a 1536 x 1536 Hessian instead of
 ~80 (~19 ms on two threads), to the same accuracy (checked against float64).  Everything is done in place
-in one buffer.
+in one buffer.  All of it is plain torch and runs on the matrix's device (on CUDA the thread pinning is
+skipped: it concerns the CPU's thread pool only).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ LEAF = 192  # at or below this size the blocks go to LAPACK
 
 
 @contextmanager
-def one_thread() -> Iterator[None]:
-    """torch (and LAPACK under it) on one thread inside the block."""
+def one_thread(device: torch.device) -> Iterator[None]:
+    """torch (and LAPACK under it) on one thread inside the block, for CPU tensors (restored after it);
+    nothing for other devices, whose kernels do not use the CPU thread pool."""
+    if device.type != "cpu":
+        yield
+        return
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -47,7 +52,7 @@ def _reverse_cholesky_(a: torch.Tensor) -> int:
     n = a.shape[0]
     if n <= LEAF:
         # J a J = L L^T (J reverses the order) gives a = (J L J)(J L J)^T with J L J upper triangular
-        with one_thread():
+        with one_thread(a.device):
             L, info = torch.linalg.cholesky_ex(a.flip(0, 1))
             a.copy_(L.flip(0, 1))
         return int(info)
@@ -66,8 +71,8 @@ def _upper_inverse_(r: torch.Tensor) -> None:
     """In place: the upper-triangular, non-singular r becomes r^-1."""
     n = r.shape[0]
     if n <= LEAF:
-        with one_thread():
-            r.copy_(torch.linalg.solve_triangular(r, torch.eye(n, dtype=r.dtype), upper=True))
+        with one_thread(r.device):
+            r.copy_(torch.linalg.solve_triangular(r, torch.eye(n, dtype=r.dtype, device=r.device), upper=True))
         return
     h = n // 2
     _upper_inverse_(r[:h, :h])
@@ -78,8 +83,8 @@ def _upper_inverse_(r: torch.Tensor) -> None:
 def inverse_upper_factor(h: torch.Tensor, shift: float | torch.Tensor = 0.0) -> tuple[torch.Tensor, int]:
     """(U, info): U upper triangular with (h + shift I)^-1 = U^T U for a symmetric positive-definite
     h + shift I; info is 0, or positive when it is not positive definite (U is then unusable).
-    h is not modified; U comes from `fewbits.methods.workspace`."""
-    a = workspace.empty(*h.shape, dtype=h.dtype).copy_(h)
+    h is not modified; U comes from `fewbits.methods.workspace`, on h's device."""
+    a = workspace.empty(*h.shape, dtype=h.dtype, device=h.device).copy_(h)
     a.diagonal().add_(shift)
     info = _reverse_cholesky_(a)
     if info == 0:

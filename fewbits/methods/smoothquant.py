@@ -30,7 +30,7 @@ def smooth_scales(
     a = act_absmax.float()
     if not all_finite(a):
         raise MethodError(f"{name}: activation statistics contain NaN or inf")
-    w_absmax = torch.stack([w.detach().float().abs().amax(0) for w in weights]).amax(0)
+    w_absmax = torch.stack([w.detach().abs().amax(0).to(a.device, torch.float32) for w in weights]).amax(0)
     if w_absmax.shape != a.shape:
         raise MethodError(f"{name}: {a.shape[0]} activation channels but weights have {w_absmax.shape[0]} inputs")
     s = a.clamp_min(1e-5).pow(alpha) / w_absmax.clamp_min(1e-5).pow(1 - alpha)

@@ -44,19 +44,25 @@ def active() -> Iterator[None]:
         _LOCAL.pool = None
 
 
-def empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor: a released one of this shape and dtype when available."""
+def empty(*shape: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> torch.Tensor:
+    """An uninitialised contiguous tensor on `device` (default: torch's default device): on CPU, a released
+    one of this shape and dtype when available; elsewhere a new one (CUDA's caching allocator already
+    reuses its blocks)."""
+    dev = torch.device(device) if device is not None else torch.get_default_device()
+    if dev.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=dev)
     pool = _pool()
     if pool is not None:
         free = pool.get((shape, dtype))
         if free:
             return free.pop()
-    return torch.empty(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype, device=dev)
 
 
 def release(*tensors: torch.Tensor | None) -> None:
-    """Give tensors made by `empty` (or any contiguous CPU tensor that owns its memory) back for reuse.
-    The caller promises nothing else uses them afterwards."""
+    """Give tensors made by `empty` (or any contiguous CPU tensor that owns its memory) back for reuse;
+    tensors on other devices are left to their allocator.  The caller promises nothing else uses them
+    afterwards."""
     pool = _pool()
     if pool is None:
         return

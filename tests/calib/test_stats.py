@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fewbits.calib.stats import HESSIAN_CHUNKS, CalibrationError, InputStats, bf16_products
+from fewbits.calib.stats import HESSIAN_CHUNKS, CalibrationError, InputStats, bf16_products, mean_of_partials
+from fewbits.methods.backend import ENV, numba_available
 
 
 def _samples(n: int = 16, tokens: int = 64, d: int = 48) -> list[torch.Tensor]:
@@ -97,3 +98,34 @@ def test_a_batch_keeps_the_inputs_of_its_first_samples_by_index() -> None:
     assert sorted(st.kept) == [0, 4]
     assert torch.equal(st.inputs(), torch.cat([xs[0], xs[1]]))
     assert st.tokens == 4 * 64
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed: nothing to compare")
+@pytest.mark.parametrize("n_parts", [1, 2, 3])
+def test_mean_of_partials_torch_and_compiled_give_the_same_bits(n_parts: int) -> None:
+    """The plain-torch mean (any device) and its compiled CPU form sum in float64 in the same order: the
+    same bits, and those of folding into float64 then dividing (the textbook form)."""
+    g = torch.Generator().manual_seed(n_parts)
+    parts = []
+    for _ in range(n_parts):
+        x = torch.randn(200, 96, generator=g) * torch.rand(96, generator=g) * 5
+        parts.append(x.T @ x)
+    plain = mean_of_partials(parts, 777, backend="torch")
+    compiled = mean_of_partials(parts, 777, backend="numba")
+    ref = sum(p.double() for p in parts) / 777  # ((p0 + p1) + p2) in float64
+    assert plain.dtype == compiled.dtype == torch.float32
+    assert torch.equal(plain, compiled)
+    assert torch.equal(plain, ref.float())
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba not installed: nothing to compare")
+def test_hessian_mean_follows_the_backend_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    xs = _samples()
+    means = {}
+    for be in ("torch", "numba"):
+        monkeypatch.setenv(ENV, be)
+        st = InputStats("lin", 48)
+        for i, x in enumerate(xs):
+            st.add(x, (i,))
+        means[be] = st.hessian_mean()
+    assert torch.equal(means["torch"], means["numba"])
