@@ -139,6 +139,8 @@ class _Stream:
             raise QuantizeError(f"streaming runs one calibrated method per recipe (one pass over the checkpoint); "
                                 f"this recipe has {', '.join(calibrated)}")
         self.calibrated = calibrated[0] if calibrated else None
+        if self.calibrated and data is None:  # the words of api.quantize
+            raise QuantizeError(f"method {self.calibrated} needs calibration data (token ids); none was given")
         self.data = check_calibration_data(data, self.calibrated) if self.calibrated else None
         cut = order.index(self.calibrated) if self.calibrated else len(order)
         self.before, self.after = order[:cut], order[cut + 1:]

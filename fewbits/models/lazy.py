@@ -23,6 +23,7 @@ Why these choices:
 from __future__ import annotations
 
 import copy
+import json
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ ST_DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 #: a tensor copied through without being loaded is read in pieces of about this many bytes
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -75,18 +76,25 @@ class CheckpointIndex:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.entries: dict[str, TensorEntry] = {}
-        for f in check_model_dir(self.path):  # every shard present, every header readable and complete
+        files = check_model_dir(self.path)  # every shard present, every header readable and complete
+        index = sorted(self.path.glob("*.safetensors.index.json"))
+        weight_map = json.loads(index[0].read_text())["weight_map"] if index else None  # read by check_model_dir
+        for f in files:
             header = read_safetensors_header(f)
             with f.open("rb") as fh:
                 (n,) = struct.unpack("<Q", fh.read(8))
             for name, v in header.items():
-                if name == "__metadata__":
-                    continue
+                if name == "__metadata__" or (weight_map is not None and weight_map.get(name) != f.name):
+                    continue  # the index says where each tensor is, as transformers reads it
                 if v["dtype"] not in ST_DTYPES:
                     raise ModelLoadError(f"weight file {f}: tensor {name} has dtype {v['dtype']}, which fewbits "
                                          "cannot read")
                 a, b = v["data_offsets"]
                 self.entries[name] = TensorEntry(f, ST_DTYPES[v["dtype"]], tuple(v["shape"]), 8 + n + a, b - a)
+        lost = sorted(set(weight_map or ()) - set(self.entries))
+        if lost:
+            raise ModelLoadError(f"weight index {index[0]} names {len(lost)} tensor(s) their shard does not hold: "
+                                 f"{', '.join(lost[:4])}")
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
