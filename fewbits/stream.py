@@ -29,6 +29,7 @@ be one more pass over the checkpoint, and a refused layer leaves no output anywa
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fewbits.guard import QuantizeError
 from fewbits.models.lazy import LazyModel, state_names
 from fewbits.models.recipe import LayerPlan, Recipe
 from fewbits.tensor import QuantizedTensor
@@ -120,6 +122,17 @@ class _NullWriter:
             self.nbytes += p.numel() * p.element_size()
 
 
+class _EmbeddingRows(nn.Module):
+    """An embedding holding only some rows: token id -> its row's index (`lookup`) -> the table's forward."""
+
+    def __init__(self, table: nn.Module, lookup: torch.Tensor) -> None:
+        super().__init__()
+        self.table, self.lookup = table, lookup
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.table(self.lookup.to(ids.device)[ids], *args, **kwargs)
+
+
 class _Stream:
     """One streamed quantisation: the plan, the hooks `calib.runner.iterate_blocks` calls, the output."""
 
@@ -127,7 +140,6 @@ class _Stream:
                  progress: bool, source: str) -> None:
         from fewbits.api import METHODS
         from fewbits.calib.runner import check_calibration_data, decoder_blocks
-        from fewbits.guard import QuantizeError
 
         self.lazy, self.model, self.plans, self.recipe = lazy, lazy.model, plans, recipe
         self.progress, self.source = progress, source
@@ -158,7 +170,6 @@ class _Stream:
 
     # ------------------------------------------------------------------ what a method runner hands over
     def commit(self, name: str, q: QuantizedTensor | nn.Module) -> None:
-        from fewbits.guard import QuantizeError
         from fewbits.models.qlinear import reference_chooser
         from fewbits.models.swap import model_nbytes, swap_in
 
@@ -187,14 +198,36 @@ class _Stream:
     # ------------------------------------------------------------------ hooks of calib.runner.iterate_blocks
     @contextmanager
     def capture(self) -> Iterator[None]:
-        """The input embedding in memory while block 0's inputs are recorded."""
+        """While block 0's inputs are recorded: the rows of the input embedding for the calibration tokens
+        (`_EmbeddingRows`; a 128k x 4096 table is 2 GB in float32, the rows of 128 x 2048 tokens a fraction),
+        or the whole embedding where it is not a plain table of rows."""
+        from fewbits.models.swap import replace_module
+
         emb = self.model.get_input_embeddings()
         name = next(n for n, m in self.model.named_modules() if m is emb)
-        self.lazy.load(name)
+        weight = getattr(emb, "weight", None)
+        if not isinstance(emb, nn.Embedding) or weight is None or weight.dim() != 2 or emb.max_norm is not None:
+            self.lazy.load(name)
+            try:
+                yield
+            finally:
+                self.lazy.free(name)
+            return
+        assert self.data is not None
+        rows = torch.unique(self.data)  # sorted
+        if int(rows[0]) < 0 or int(rows[-1]) >= weight.shape[0]:
+            raise QuantizeError(f"calibration token ids run from {int(rows[0])} to {int(rows[-1])}; the embedding "
+                                f"{name} has {weight.shape[0]} rows")
+        table = copy.deepcopy(emb)  # the model's own class (e.g. Gemma's scaled embedding), fewer rows
+        table.weight = nn.Parameter(self.lazy.read_rows(f"{name}.weight", rows), requires_grad=False)
+        table.num_embeddings, table.padding_idx = int(rows.numel()), None  # padding_idx only matters for gradients
+        lookup = torch.full((weight.shape[0],), -1, dtype=torch.long)
+        lookup[rows] = torch.arange(rows.numel())
+        replace_module(self.model, name, _EmbeddingRows(table, lookup))
         try:
             yield
         finally:
-            self.lazy.free(name)
+            replace_module(self.model, name, emb)
 
     def enter(self, i: int) -> None:
         """Read block i; check its planned layers; run the methods the recipe lists before the calibrated one."""
@@ -294,7 +327,6 @@ class _Stream:
     def run(self, tmp: Path | None, tokenizer: Any = None) -> Any:
         """The whole pass; with `tmp`, the output folder's files are written there."""
         from fewbits.api import QuantizeReport, _weight_bytes
-        from fewbits.guard import QuantizeError
         from fewbits.saved import META_FILE, SAVED_FORMAT, SAVED_VERSION, WEIGHTS_FILE
         from fewbits.tensorfile import TensorFileWriter
 

@@ -76,6 +76,36 @@ def test_streamed_equals_in_memory(tmp_path, calib, method, tie):
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
 
 
+@pytest.mark.parametrize("method,fmt", [("awq", "int4-g32"), ("smoothquant", "int8"), ("hqq", "int4-g32"),
+                                        ("llm-int8", "int8")])
+def test_other_methods_stream_alike(tmp_path, calib, method, fmt):
+    src = write_sharded(tmp_path / "src")
+    recipe = Recipe.from_format(fmt, method)
+    api.quantize_streamed(src, recipe, tmp_path / "s", data=calib, progress=False)
+    in_memory(src, recipe, tmp_path / "m", calib)
+    assert_same_output(tmp_path / "s", tmp_path / "m")
+
+
+def test_gemma3_scaled_embedding_and_sliding_layers(tmp_path, calib):
+    """Gemma 3 multiplies its embedding by sqrt(hidden) inside the embedding module and gives sliding and
+    global layers different masks: the calibration capture with only the calibration tokens' rows in memory
+    must give the same GPTQ codes."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        max_position_embeddings=128, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])
+    transformers.Gemma3ForCausalLM(cfg).eval().save_pretrained(tmp_path / "src", max_shard_size="60KB")
+    recipe = Recipe.from_format("int4-g32", "gptq")
+    api.quantize_streamed(tmp_path / "src", recipe, tmp_path / "s", data=calib, progress=False)
+    model = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.float32).eval()
+    report = api.quantize(model, recipe, data=calib, progress=False, chooser="reference")
+    api.save_quantized_model(model, recipe, tmp_path / "m", report=report, source=str(tmp_path / "src"))
+    assert_same_output(tmp_path / "s", tmp_path / "m")
+
+
 def test_methods_before_and_after_the_calibrated_one(tmp_path, calib):
     """RTN listed before GPTQ quantises its layers before GPTQ calibrates (GPTQ sees them quantised), HQQ
     listed after quantises its layers after: the order `api.quantize` applies them in."""

@@ -222,6 +222,20 @@ class LazyModel:
         self._pristine[name] = meta
         return live
 
+    def read_rows(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        """Rows `rows` (sorted, unique) of parameter `name` in the skeleton's dtype, gathered from pieces of
+        CHUNK_BYTES (an embedding's rows for the calibration tokens, without the whole table in memory)."""
+        want = self.model.get_parameter(name)
+        src = self.source[name]
+        parts, r0 = [], 0
+        for piece in self.index.rows(src):
+            r1 = r0 + piece.shape[0]
+            sel = rows[(rows >= r0) & (rows < r1)] - r0
+            if sel.numel():
+                parts.append(piece[sel].to(want.dtype) if want.is_floating_point() else piece[sel])
+            r0 = r1
+        return torch.cat(parts) if parts else torch.empty((0, *want.shape[1:]), dtype=want.dtype)
+
     def free(self, name: str) -> None:
         """Put the meta module back at `name`, dropping the loaded copy (and whatever replaced its layers)."""
         from fewbits.models.swap import replace_module
