@@ -99,10 +99,12 @@ def quantize_streamed(path: str | os.PathLike[str], recipe: Recipe | str, out: s
 
     if isinstance(recipe, str):
         recipe = Recipe.from_format(recipe)
-    out = check_output(out, overwrite)  # before any work
+    writes = distributed.rank() == 0 and int(os.environ.get("RANK", "0")) == 0  # under torchrun rank 0 writes
+    if writes:
+        out = check_output(out, overwrite)  # before any work
     lazy = LazyModel.open(path, dtype)
     run = _Stream(lazy, plan_model(lazy.model, recipe), recipe, data, progress, source or str(path))
-    if distributed.rank() != 0 or int(os.environ.get("RANK", "0")) != 0:  # under torchrun rank 0 writes
+    if not writes:
         return run.run(None)
     report: list[Any] = []
     write_dir(out, lambda tmp: report.append(run.run(tmp, tokenizer)), overwrite, kind=SAVED_FORMAT)

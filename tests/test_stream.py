@@ -200,3 +200,43 @@ def _shapes(src: Path) -> list[tuple[int, ...]]:
     from fewbits.models.lazy import CheckpointIndex
 
     return [e.shape for e in CheckpointIndex(src).entries.values()]
+
+
+# ---------------------------------------------------------------------- torchrun
+_WORKER = textwrap.dedent("""
+    import sys
+    import torch
+    torch.set_num_threads(1)
+    from fewbits.models.recipe import Recipe
+    from fewbits.stream import quantize_streamed
+    src, out = sys.argv[1:3]
+    data = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(1))
+    quantize_streamed(src, Recipe.from_format("int4-g32", "gptq"), out, data=data, progress=False)
+""")
+
+
+def test_two_processes_write_what_one_writes(tmp_path):
+    """Under torchrun every rank streams the blocks and calibrates its share of the samples; rank 0 alone
+    writes.  With two processes the output is bit for bit the one-process output (calib.runner's batches)."""
+    import os
+    import socket
+
+    src = write_sharded(tmp_path / "src")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = {}
+    for world in (1, 2):
+        outs[world] = tmp_path / f"w{world}"
+        procs = []
+        for rank in range(world):
+            env = {"OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT)}
+            if world > 1:
+                env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(port))
+            procs.append(subprocess.Popen([sys.executable, "-c", _WORKER, str(src), str(outs[world])], env=env,
+                                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for p in procs:
+            text, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, text[-3000:]
+    assert_same_output(outs[1], outs[2])
