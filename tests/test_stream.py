@@ -157,6 +157,19 @@ def test_a_missing_tensor_is_named(tmp_path):
         api.quantize_streamed(src, "int4-g32", tmp_path / "o", progress=False)
 
 
+def test_model_bytes_and_the_automatic_choice(tmp_path, monkeypatch):
+    import fewbits.stream as st
+
+    src = write_sharded(tmp_path / "src")
+    stored = sum(torch.Size(s).numel() * 2 for s in _shapes(src))  # bf16 on disk
+    assert st.model_bytes_on_disk(src, "bf16") == stored
+    assert st.model_bytes_on_disk(src, "fp32") == 2 * stored
+    monkeypatch.setattr(st, "available_memory", lambda: 4 * stored)
+    assert st.should_stream(src, "fp32") is False  # half of 4x is 2x: not more
+    monkeypatch.setattr(st, "available_memory", lambda: 4 * stored - 1)
+    assert st.should_stream(src, "fp32") is True and st.should_stream(src, "bf16") is False
+
+
 # ---------------------------------------------------------------------- memory
 _CHILD = textwrap.dedent("""
     import json, sys

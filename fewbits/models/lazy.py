@@ -200,11 +200,13 @@ class LazyModel:
         """Put a copy of module `name` with its weights read from disk in the model, and return it."""
         from fewbits.models.swap import replace_module
 
+        if not name:
+            raise ValueError("LazyModel.load reads one module of the model, not the whole model")
         if name in self._pristine:
             return self.model.get_submodule(name)
         meta = self.model.get_submodule(name)
         live = copy.deepcopy(meta)
-        pre = f"{name}." if name else ""
+        pre = f"{name}."
         for kind, items in (("param", live.named_parameters(remove_duplicate=False)),
                             ("buffer", live.named_buffers(remove_duplicate=False))):
             for n, t in list(items):
@@ -215,10 +217,7 @@ class LazyModel:
                 if value.is_floating_point() and t.is_floating_point():
                     value = value.to(t.dtype)
                 _set_tensor(live, n, value, kind == "param")
-        if name:
-            replace_module(self.model, name, live)
-        else:
-            self.model = live
+        replace_module(self.model, name, live)
         self._pristine[name] = meta
         return live
 
