@@ -264,6 +264,7 @@ class _Stream:
             self.writer.add(k, t)
         self.lazy.free(unit)
         self.done.add(unit)
+        _give_back_freed_memory()
 
     def _blocks(self) -> None:
         from fewbits.api import METHODS
@@ -367,6 +368,24 @@ class _Stream:
                     "size_bytes": self.writer.nbytes, "report": report.to_dict()}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
         return report
+
+
+def _give_back_freed_memory() -> None:
+    """glibc's malloc_trim(0) after each block: the block's freed tensors go back to the system instead of
+    staying in the heap as fragments the next block's differently sized tensors do not fit (a streamed
+    SmolLM2 GPTQ peaked at 0.73 GB instead of 0.81).  Changes no setting; nothing where there is no glibc."""
+    global _TRIM
+    if _TRIM is None:
+        import ctypes
+        import ctypes.util
+
+        name = ctypes.util.find_library("c")
+        _TRIM = getattr(ctypes.CDLL(name), "malloc_trim", False) if name else False
+    if _TRIM:
+        _TRIM(0)
+
+
+_TRIM: Any = None
 
 
 def _skeleton_bytes(model: nn.Module) -> int:
