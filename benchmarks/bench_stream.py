@@ -1,7 +1,7 @@
 """Peak memory and time of `fewbits quantize --stream` on random checkpoints with real models' shapes.
 
-    python benchmarks/bench_stream.py --shape llama3-8b --method rtn             # ~16 GB checkpoint under /tmp
-    python benchmarks/bench_stream.py --shape llama3.2-1b --method gptq --calib 8x256
+    PYTHONPATH=. python benchmarks/bench_stream.py --shape llama3-8b --method rtn    # ~16 GB checkpoint under /tmp
+    PYTHONPATH=. python benchmarks/bench_stream.py --shape llama3.2-1b --method gptq --calib 8x256
 
 Writes a random-weight checkpoint with the shapes of --shape as sharded bf16 safetensors (normal(0, 0.02)
 weights, unit norms; every tensor generated and written a few rows at a time, so it is never whole in
@@ -136,13 +136,13 @@ def main() -> None:
     ap.add_argument("--shape", choices=SHAPES, default="llama3-8b")
     ap.add_argument("--method", default="rtn")
     ap.add_argument("--format", dest="fmt", default="int4-g128")
-    ap.add_argument("--dtype", default=None, help="dtype the blocks run in (default: bf16 for rtn, fp32 otherwise)")
+    ap.add_argument("--dtype", default="bf16", help="dtype the blocks run in (--dtype of fewbits quantize)")
     ap.add_argument("--calib", default="8x256", help="calibration windows x tokens (calibrated methods)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/fewbits-bench-stream"))
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint and the output")
     args = ap.parse_args()
-    dtype = args.dtype or ("bf16" if args.method == "rtn" else "fp32")
+    dtype = args.dtype
     src, out = args.dir / f"{args.shape}-random", args.dir / f"{args.shape}-{args.method}-{args.fmt}"
     try:
         if not src.exists():
