@@ -302,6 +302,19 @@ def _dedup_state(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, s
     return kept, aliases
 
 
+def quantize_streamed(path: str | os.PathLike[str], recipe: Recipe | str, out: str | os.PathLike[str],
+                      data: torch.Tensor | CalibrationData | None = None, tokenizer: Any = None,
+                      dtype: Any = "float32", progress: bool = True, overwrite: bool = False,
+                      source: str | None = None) -> QuantizeReport:
+    """`quantize` then `save_quantized_model` for a checkpoint bigger than memory: the safetensors model
+    directory `path` is read, quantised and written to `out` one decoder block at a time (`fewbits.stream`);
+    the same output, loaded by `load_quantized_model`."""
+    from fewbits.stream import quantize_streamed as run
+
+    return run(path, recipe, out, data=data, tokenizer=tokenizer, dtype=dtype, progress=progress,
+               overwrite=overwrite, source=source)
+
+
 def load_quantized_model(path: str | os.PathLike[str], chooser: KernelChooser | str | None = None
                          ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """Read a directory written by `save_quantized_model` -> (model in eval mode, tokenizer or None, meta).

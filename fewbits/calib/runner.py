@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,10 @@ MIN_CALIB_TOKENS = 128
 REPLAY_BUDGET = 4.0
 #: calibration samples run through a block in batches of about this many tokens (at least one sample)
 BATCH_TOKENS = 2048
+#: attribute of a model whose weights are read from disk block by block (fewbits.stream): an object with
+#: `capture()` (a context manager around the pass that records block 0's inputs), `enter(i)` (before block
+#: i is run: its weights are read) and `leave(i)` (after block i is quantised: it is written out and freed)
+BLOCK_HOOKS_ATTR = "fewbits_block_hooks"
 
 Batch = tuple[int, ...]  # indices of the calibration samples run together
 
@@ -283,7 +288,7 @@ def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, data: torch.Te
         kwargs[i].append(kw)
 
     originals = list(blocks)
-    device = next(model.parameters()).device
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     for i, b in enumerate(originals):
         blocks[i] = _Recorder(b, i, i == n - 1, store)
     try:
@@ -309,10 +314,14 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
 
     _, blocks, _ = decoder_blocks(model)
     batches = sample_batches(dist_util.my_samples(int(data.shape[0])), int(data.shape[1]))
-    hidden, kwargs = capture_block_inputs(model, blocks, data, batches)
+    hooks = getattr(model, BLOCK_HOOKS_ATTR, None)
+    with hooks.capture() if hooks else nullcontext():
+        hidden, kwargs = capture_block_inputs(model, blocks, data, batches)
     prefix = find_blocks_path([n for n, _ in model.named_modules()], decoder_blocks(model)[2])
     verified: dict[tuple[str, str], tuple | None] = {}
     for b in tqdm(range(len(blocks)), desc=desc, unit="block", disable=not progress, leave=False):
+        if hooks:
+            hooks.enter(b)
         run = BlockRun(b, f"{prefix}.{b}", blocks[b], batches, hidden, kwargs[b], verified=verified)
         try:
             yield run
@@ -321,3 +330,5 @@ def iterate_blocks(model: nn.Module, data: torch.Tensor, progress: bool = False,
             run.finish()
         for fn in run.deferred:
             fn()
+        if hooks:
+            hooks.leave(b)

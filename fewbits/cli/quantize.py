@@ -62,13 +62,17 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
               help="formats --budget chooses from, comma-separated (default int3-g64,int4-g64,int4-g32,int5-g64,"
                    "int6-g64,int8)")
 @click.option("--device", default=None, help="cost-model device (e.g. h100) for --budget's predicted step time")
+@click.option("--stream/--no-stream", "stream", default=None,
+              help="read, quantise and write one decoder block at a time, for models bigger than memory (a model "
+                   "directory of safetensors, fewbits layout); default: stream when the model would take more than "
+                   "half the memory available")
 @click.option("--overwrite", is_flag=True, help="replace OUT if it exists")
 @click.option("--quiet", is_flag=True, help="no progress bars")
 def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | None, lm_head: str | None,
                  misfit: str | None, calib_files: tuple[str, ...],
                  dtype: str, calib_windows: int, calib_seq_len: int, target: str, budget: str | None,
-                 candidates: str | None, device: str | None, embedding: str | None, out: str, overwrite: bool,
-                 quiet: bool) -> None:
+                 candidates: str | None, device: str | None, embedding: str | None, stream: bool | None, out: str,
+                 overwrite: bool, quiet: bool) -> None:
     """Quantise MODEL (a packaged name such as smollm2-135m, or a model directory) and save it to OUT.
 
     OUT loads with fewbits.api.load_quantized_model on the fast kernels (the dispatcher) by default;
@@ -138,6 +142,17 @@ def quantize_cmd(model: str, fmt: str | None, method: str, recipe_file: str | No
             from fewbits.data.calibration import check_calibration_files
 
             calib_paths = check_calibration_files(calib_files)  # missing, empty or binary: before any work
+        from fewbits.cli.quantize_stream import quantize_streamed_cmd, stream_wanted
+
+        if stream_wanted(model, dtype, stream, target, budget):
+            report, path = quantize_streamed_cmd(model, recipe, out, dtype, calib_paths, calib_windows, calib_seq_len,
+                                                 overwrite, quiet)
+            if distributed.rank() != 0:  # under torchrun rank 0 wrote OUT
+                return
+            click.echo(report.text())
+            disk = sum(f.stat().st_size for f in Path(path).iterdir() if f.is_file())
+            click.echo(f"saved to {path} ({disk:,} bytes on disk) in {time.perf_counter() - t0:.1f} s")
+            return
         m, tok = load_model(model, dtype=dtype)
         if target == "gguf":
             from fewbits.export.gguf import gguf_arch
