@@ -6,16 +6,18 @@
 #   3. a profile of SmolLM2-135M's decode steps (benchmarks/profile_step.py) and a sweep of the Triton
 #      kernel's tiles at decode shapes (benchmarks/tune_gemv.py), when asked for,
 #   4. `fewbits probe` then `fewbits bench` for SmolLM2-135M and for Llama-3-8B, both with random weights
-#      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel).
+#      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel),
+#   5. GPTQ int4-g128 of a random Llama-3-8B on the GPU, 128 x 2048 calibration tokens, timed
+#      (benchmarks/bench_calib_device.py; issue 18's goal: under 3 minutes on an H200), when asked for.
 #
 # Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [STAGES]
-# STAGES: a comma-separated list of tests, gemv, profile, tune, smollm2, llama3-8b (in that order whatever
+# STAGES: a comma-separated list of tests, gemv, profile, tune, smollm2, calib, llama3-8b (in that order whatever
 # the list's), or "all" (tests,gemv,smollm2,llama3-8b, the default) or "quick" (all but llama3-8b); two
 # calls on one warm machine can split a run.  Each stage has its own time limit and a failing stage does not
 # stop the next; a stage that would start after BUDGET seconds (default 560) is skipped.  DEVICE=cpu runs
 # the same stages on the CPU (a dry run of the script; the GPU tests then skip, and LIMIT_SCALE=4 gives the
-# slower CPU four times each limit).  Writes under $OUT (at most 8 files): log.txt (everything printed),
-# gemv.txt, profile.txt, tune.txt, and probe-<model>.json / bench-<model>.json.  Runs from the source tree
+# slower CPU four times each limit).  Writes under $OUT (at most 9 files): log.txt (everything printed),
+# gemv.txt, profile.txt, tune.txt, calib.json, and probe-<model>.json / bench-<model>.json.  Runs from the source tree
 # (PYTHONPATH), nothing is installed.
 set -u
 OUT=${OUT:-/tmp/fewbits-device}
@@ -61,8 +63,8 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     $PY -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
     $PY -c "import triton; print('triton', triton.__version__)"
-    has tests && stage tests 60 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench \
-        tests/test_generate.py
+    has tests && stage tests 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench \
+        tests/test_generate.py tests/methods tests/calib
     has gemv && stage gemv 60 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
         --min-mb 512 --rounds 20 | tee "$OUT/gemv.txt"
     has profile && stage profile 50 $PY benchmarks/profile_step.py smollm2-135m --random-weights --device "$DEVICE" \
@@ -70,6 +72,8 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     has tune && stage tune 90 $PY benchmarks/tune_gemv.py --specs int8,int4-g128 --shapes 14336x4096,4096x14336 \
         | tee "$OUT/tune.txt"
     has smollm2 && pair smollm2-135m smollm2 80 80
+    has calib && stage "gptq llama-3-8b" 240 $PY benchmarks/bench_calib_device.py --device "$DEVICE" \
+        --model llama-3-8b --format int4-g128 --method gptq --samples 128 --seq-len 2048 --json "$OUT/calib.json"
     has llama3-8b && pair llama-3-8b llama3-8b 120 120 --weights bf16,int8,int4-g128,fp8-e4m3 \
         --kv bf16,fp8-e4m3,int8,int4
     date -u
