@@ -97,9 +97,12 @@ def curve(args: argparse.Namespace) -> dict:
     if args.sens and os.path.exists(args.sens):
         with open(args.sens) as f:
             sens = Sensitivity.from_dict(json.load(f))
+    if sens is not None and args.truth_windows and not sens.truth:
+        sens = None  # measured without the per-layer truth: measure again
     todo = [c for c in cands if sens is None or c not in sens.candidates]
     if todo:  # measure the candidates the saved file lacks, and keep them too
-        new = measure(ref, data, names, todo, args.method)
+        new = measure(ref, data, names, todo if sens is not None else cands, args.method,
+                      truth_windows=args.truth_windows if sens is None else 0)
         if sens is None:
             sens = new
         else:
@@ -113,10 +116,14 @@ def curve(args: argparse.Namespace) -> dict:
     t_measure = time.perf_counter() - t0
     print(f"sensitivity measured in {t_measure:.0f} s", flush=True)
     runs: list[tuple[str, Recipe, dict]] = []
+    raw = copy.copy(sens)
+    raw.truth = {}
+    variants = [("mix", sens)] + ([("raw-proxy mix", raw)] if args.raw_too and sens.truth else [])
     for bpw in args.mix_bpw:
-        mix = budget_recipe(ref, data, f"bpw={bpw}", cands, args.method, device=args.device, sensitivity=sens)
-        runs.append((f"mix bpw={bpw:g}", mix.recipe, {"counts": mix.counts(), "proxy_kl": mix.proxy_kl,
-                                                       "step_s": mix.step_s, "uniform": mix.uniform}))
+        for prefix, s in variants:
+            mix = budget_recipe(ref, data, f"bpw={bpw}", cands, args.method, device=args.device, sensitivity=s)
+            runs.append((f"{prefix} bpw={bpw:g}", mix.recipe, {"counts": mix.counts(), "proxy_kl": mix.proxy_kl,
+                                                                "step_s": mix.step_s, "uniform": mix.uniform}))
     uniform_figs = runs[0][2]["uniform"] if runs else {}
     for c in args.uniform:
         runs.append((f"uniform {c}", Recipe.from_format(c, args.method), {}))
@@ -229,9 +236,11 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=2)
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--sample-blocks", type=int, default=10, help="validate: blocks sampled (2 layers each)")
-    ap.add_argument("--truth-windows", type=int, default=4, help="validate: calibration windows for the true KL")
+    ap.add_argument("--truth-windows", type=int, default=4,
+                    help="calibration windows for the true KL (curve: per layer; 0: the raw proxy)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sens", help="curve: sensitivity JSON to reuse (measured and written when missing)")
+    ap.add_argument("--raw-too", action="store_true", help="curve: also the mixes chosen by the raw proxy")
     ap.add_argument("--json")
     ap.add_argument("--inputs", nargs="*", default=[])
     ap.add_argument("--out", default="benchmarks/results/budget")
