@@ -194,7 +194,7 @@ def report(args: argparse.Namespace) -> None:
     if "validate" in parts:
         va = parts["validate"]
         lines += ["", f"## Proxy against the true single-layer KL ({len(va['rows'])} layer x format pairs, "
-                  f"{va['truth_tokens']} calibration tokens, method {va['method']})", "",
+                  f"{va['truth_tokens']} calibration tokens, method {va['method']}, grid {va.get('grid', 'full')})", "",
                   "| proxy | Spearman (all pairs) | Spearman (int3-g64 only) |", "|---|---|---|"]
         for p, v in va["spearman"].items():
             lines.append(f"| {p} | {v:.3f} | {va['spearman_int3_only'][p]:.3f} |")
