@@ -97,9 +97,14 @@ def curve(args: argparse.Namespace) -> dict:
     if args.sens and os.path.exists(args.sens):
         with open(args.sens) as f:
             sens = Sensitivity.from_dict(json.load(f))
+    if sens is not None and args.truth_windows and not sens.truth:
+        sens = None  # measured without the per-layer truth: measure again
+    if sens is not None and not args.truth_windows:
+        sens.truth = {}  # the raw proxy
     todo = [c for c in cands if sens is None or c not in sens.candidates]
     if todo:  # measure the candidates the saved file lacks, and keep them too
-        new = measure(ref, data, names, todo, args.method)
+        new = measure(ref, data, names, todo if sens is not None else cands, args.method,
+                      truth_windows=args.truth_windows if sens is None else 0)
         if sens is None:
             sens = new
         else:
@@ -113,13 +118,18 @@ def curve(args: argparse.Namespace) -> dict:
     t_measure = time.perf_counter() - t0
     print(f"sensitivity measured in {t_measure:.0f} s", flush=True)
     runs: list[tuple[str, Recipe, dict]] = []
+    raw = copy.copy(sens)
+    raw.truth = {}
+    variants = [("truth-rescaled mix", sens), ("mix", raw)] if args.raw_too and sens.truth else [("mix", sens)]
     for bpw in args.mix_bpw:
-        mix = budget_recipe(ref, data, f"bpw={bpw}", cands, args.method, device=args.device, sensitivity=sens)
-        runs.append((f"mix bpw={bpw:g}", mix.recipe, {"counts": mix.counts(), "proxy_kl": mix.proxy_kl,
-                                                       "step_s": mix.step_s, "uniform": mix.uniform}))
+        for prefix, s in variants if bpw in args.raw_at else variants[-1:]:
+            mix = budget_recipe(ref, data, f"bpw={bpw}", cands, args.method, device=args.device, sensitivity=s)
+            runs.append((f"{prefix} bpw={bpw:g}", mix.recipe, {"counts": mix.counts(), "proxy_kl": mix.proxy_kl,
+                                                                "step_s": mix.step_s, "uniform": mix.uniform}))
     uniform_figs = runs[0][2]["uniform"] if runs else {}
     for c in args.uniform:
         runs.append((f"uniform {c}", Recipe.from_format(c, args.method), {}))
+    runs.sort(key=lambda r: 0 if "bpw=4.25" in r[0] or r[0] == "uniform int4-g64" else 1)  # the goal's rows first
     rows = []
     for label, recipe, extra in runs:
         model = copy.deepcopy(ref)
@@ -140,6 +150,7 @@ def curve(args: argparse.Namespace) -> dict:
     return {"part": "curve", "method": args.method, "candidates": cands, "device": args.device,
             "protocol": protocol.text(),
             "calib": f"{data.shape[0]}x{data.shape[1]}", "threads": args.threads, "seconds_measure": t_measure,
+            "truth_windows": args.truth_windows,
             "rows": rows}
 
 
@@ -162,6 +173,9 @@ def report(args: argparse.Namespace) -> None:
         cats = sorted({c for r in rows for c in r["kl"]})
         lines += [f"Method {cv['method']}; calibration {cv['calib']} tokens; {cv['protocol']}; "
                   f"predicted step: batch 1, context 2048 on {cv['device']}.", "",
+                  "Sensitivities come from the calibration text only (the KL proxy; 'truth-rescaled mix': each "
+                  "layer's proxy rescaled by its true single-layer KL on one calibration window). The KL below is "
+                  "on the evaluation texts, which the choice never sees.", "",
                   "| run | bits/weight | linear bytes | KL mean | " + " | ".join(f"KL {c}" for c in cats)
                   + " | predicted step ms |", "|---" * (5 + len(cats)) + "|"]
         for r in rows:
@@ -180,7 +194,7 @@ def report(args: argparse.Namespace) -> None:
     if "validate" in parts:
         va = parts["validate"]
         lines += ["", f"## Proxy against the true single-layer KL ({len(va['rows'])} layer x format pairs, "
-                  f"{va['truth_tokens']} calibration tokens, method {va['method']})", "",
+                  f"{va['truth_tokens']} calibration tokens, method {va['method']}, grid {va.get('grid', 'full')})", "",
                   "| proxy | Spearman (all pairs) | Spearman (int3-g64 only) |", "|---|---|---|"]
         for p, v in va["spearman"].items():
             lines.append(f"| {p} | {v:.3f} | {va['spearman_int3_only'][p]:.3f} |")
@@ -197,7 +211,7 @@ def _plot(rows: list[dict], path: str, method: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for kind, marker in (("uniform", "o"), ("mix", "s")):
+    for kind, marker in (("uniform", "o"), ("mix", "s"), ("truth-rescaled mix", "^")):
         pts = sorted((r["bits_per_weight"], r["kl_mean"], r["label"]) for r in rows if r["label"].startswith(kind))
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, label=f"{kind} ({method})")
@@ -229,13 +243,23 @@ def main() -> None:
     ap.add_argument("--eval-windows", type=int, default=2)
     ap.add_argument("--eval-len", type=int, default=512)
     ap.add_argument("--sample-blocks", type=int, default=10, help="validate: blocks sampled (2 layers each)")
-    ap.add_argument("--truth-windows", type=int, default=4, help="validate: calibration windows for the true KL")
+    ap.add_argument("--truth-windows", type=int, default=None,
+                    help="calibration windows for the true KL (validate: 4; curve: per layer, the library's "
+                    "default; 0: the raw proxy)")
+    ap.add_argument("--raw-at", type=float, nargs="*", default=[4.25],
+                    help="curve: the budgets at which both mixes are run (with --raw-too)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sens", help="curve: sensitivity JSON to reuse (measured and written when missing)")
+    ap.add_argument("--raw-too", action="store_true",
+                    help="curve, with --truth-windows: the raw proxy's mixes beside the truth-rescaled ones")
     ap.add_argument("--json")
     ap.add_argument("--inputs", nargs="*", default=[])
     ap.add_argument("--out", default="benchmarks/results/budget")
     args = ap.parse_args()
+    if args.truth_windows is None:
+        from fewbits.budgeted import TRUTH_WINDOWS
+
+        args.truth_windows = 4 if args.part == "validate" else TRUTH_WINDOWS
     if args.part == "report":
         report(args)
         return

@@ -32,6 +32,10 @@ from fewbits.models.swap import linear_shapes, model_nbytes
 DEFAULT_CANDIDATES = ("int3-g64", "int4-g64", "int4-g32", "int5-g64", "int6-g64", "int8")
 #: decode context (tokens per sequence, batch 1) at which a step-ms budget is costed
 STEP_CONTEXT = 2048
+#: calibration samples on which each layer's proxy is rescaled by its true single-layer KL (one forward pass of
+#: this many samples per layer).  0, the raw proxy: on SmolLM2-135M GPTQ at 4.25 bits the rescaled mix
+#: measured KL 0.108 against the raw proxy's 0.099 (benchmarks/results/budget/report.md)
+TRUTH_WINDOWS = 0
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 BudgetKind = Literal["bpw", "size", "step-ms"]
 
@@ -114,14 +118,16 @@ def _model_spec(model: nn.Module) -> Any:
 
 def budget_recipe(model: nn.Module, data: torch.Tensor, budget: Budget | str, candidates: Sequence[str] | None = None,
                   method: str = "rtn", device: str | None = None, profile: str = "default",
-                  ignore: Sequence[str] = DEFAULT_IGNORE, progress: bool = False, sensitivity: Any = None
-                  ) -> MixPlan:
+                  ignore: Sequence[str] = DEFAULT_IGNORE, progress: bool = False, sensitivity: Any = None,
+                  truth_windows: int = TRUTH_WINDOWS) -> MixPlan:
     """One candidate format per linear layer minimising the summed KL proxy within `budget`.
 
     data: calibration token ids (n, seq).  device/profile: the cost model's device and profile for
     the predicted step time (a step-ms budget needs a device; others report it when one is given).
     sensitivity: a `fewbits.calib.sensitivity.Sensitivity` measured before (same layers and
-    candidates), to choose several budgets from one measurement.  The model is not changed."""
+    candidates), to choose several budgets from one measurement.  truth_windows: calibration samples on
+    which each layer's proxy is rescaled by its true single-layer KL (0: the raw proxy; see
+    `fewbits.calib.sensitivity.calibrate`).  The model is not changed."""
     from fewbits.calib.sensitivity import measure
 
     budget = Budget.parse(budget) if isinstance(budget, str) else budget
@@ -149,11 +155,12 @@ def budget_recipe(model: nn.Module, data: torch.Tensor, budget: Budget | str, ca
         dev = pick_device(device, prof)
         spec = _model_spec(model)
     names = [n for n, _ in layers]
-    sens = sensitivity if sensitivity is not None else measure(model, data, names, cands, method, progress)
+    sens = sensitivity if sensitivity is not None else measure(model, data, names, cands, method, progress,
+                                                                 truth_windows=truth_windows)
     missing = [n for n in names if n not in sens.kl or any(c not in sens.kl[n] for c in cands)]
     if missing:
         raise BudgetError(f"the sensitivity given lacks {len(missing)} layer/candidate pair(s), e.g. {missing[0]}")
-    s = [[sens.kl[n][c] for c in cands] for n in names]
+    s = [[sens.effective(n, c) for c in cands] for n in names]
     nbytes = [[parse_format(c).nbytes(shape) for c in cands] for _, shape in layers]
     numel = sum(sh[0] * sh[1] for _, sh in layers)
     fixed_bytes = model_nbytes(model) - sum(model.get_submodule(n).weight.numel()
@@ -177,7 +184,7 @@ def budget_recipe(model: nn.Module, data: torch.Tensor, budget: Budget | str, ca
     def figures(chosen: dict[str, str]) -> dict[str, float]:
         lin = sum(parse_format(chosen[n]).nbytes(sh) for n, sh in layers)
         out = {"linear_bytes": lin, "bits_per_weight": 8 * lin / numel, "model_bytes": fixed_bytes + lin,
-               "proxy_kl": sum(sens.kl[n][chosen[n]] for n in names)}
+               "proxy_kl": sum(sens.effective(n, chosen[n]) for n in names)}
         if dev is not None:
             from fewbits.cost.mix import mixed_time
 

@@ -264,6 +264,38 @@ def dequantize(codes: torch.Tensor, header: torch.Tensor, fmt: Format, dtype: to
     return v.reshape(rows, cols).to(dtype)
 
 
+# ---------------------------------------------------------------------- codes under fixed headers
+def column_grid(header: torch.Tensor, fmt: Format, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Header bytes (rows, blocks * header_bytes) -> each column's s and m (rows, cols), m None without a min.
+
+    For a calibrated method (GPTQ) writing a K-quant: it fixes a super-block's header when it reaches the
+    block's first column (`quantize(W[:, j:j + 256])[1]` on the weights as updated so far), then takes each
+    column's codes with `encode` against these s and m, so its codes land in the block without re-rounding."""
+    t = gtype(fmt)
+    s, m = sub_scales(header, fmt)
+    rows = header.shape[0]
+    expand = lambda v: v.reshape(rows, -1, 1).expand(-1, -1, t.sub).reshape(rows, -1)[:, :cols]  # noqa: E731
+    return expand(s), (expand(m) if m is not None else None)
+
+
+def encode(x: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, fmt: Format) -> torch.Tensor:
+    """The nearest codes (uint8, x's shape) of float32 weights x on the fixed grids s * (c - offset) + m, with
+    the arithmetic llama.cpp's K-quant quantisers use once their scales are final: round((x - m) / s) for
+    Q4_K / Q5_K, round(x / s) + 32 for Q6_K (round-half-even, clamped).  Where s is 0 every code decodes to
+    the same value and code 0 is given (llama.cpp keeps its search's code there: same values, other bits).
+    The 32-weight types are not here: their codes come from the unrounded fp32 scale, which fewbits' int
+    formats reproduce (int4-g32 is Q4_0's grid)."""
+    t = gtype(fmt)
+    if t.block != 256:
+        raise FormatError(f"{fmt.spec}: codes under a fixed header are for the K-quants; use int{t.bits}-g32")
+    x = x.to(F32)
+    if t.name == "q6_k":
+        c = torch.round(x / s).clamp(-32, 31) + 32
+    else:
+        c = torch.round((x - m) / s).clamp(0, 2**t.bits - 1)
+    return torch.where(s == 0, torch.zeros_like(c), c).to(torch.uint8)
+
+
 # ---------------------------------------------------------------------- GGUF block bytes
 def to_gguf_blocks(codes: torch.Tensor, header: torch.Tensor, fmt: Format) -> torch.Tensor:
     """codes (rows, cols) uint8 + header -> (rows, blocks * block_bytes) uint8: llama.cpp's block layout."""

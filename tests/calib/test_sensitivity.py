@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
-from fewbits.calib.sensitivity import check_budget_method, layer_kl, measure, reference_logprobs
+from fewbits.calib.sensitivity import Sensitivity, check_budget_method, layer_kl, measure, reference_logprobs
 from fewbits.calib.stats import CalibrationError
 from fewbits.methods.common import MethodError
 
@@ -79,3 +81,28 @@ def test_layers_outside_the_blocks_are_refused(tiny, calib_ids) -> None:
     model = tiny("llama")
     with pytest.raises(CalibrationError, match="outside"):
         measure(model, calib_ids, ["lm_head"], ["int8"], "rtn")
+
+
+def test_truth_rescales_each_layer_by_its_single_layer_kl(tiny) -> None:
+    model = tiny("llama", seed=3).double()  # float64: the single-layer KLs of a tiny random model are small
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # peaked next-token distributions, as a trained model's
+    data = torch.randint(0, 256, (16, 32), generator=torch.Generator().manual_seed(5))
+    names = _linears(model)
+    sens = measure(model, data, names, ["int3-g64", "int4-g64"], "gptq", keep=names, truth_windows=4)
+    ref4, ref = reference_logprobs(model, data[:4]), reference_logprobs(model, data)
+    scaled_err = []
+    for n in names:
+        ((fmt, true),) = sens.truth[n].items()
+        assert fmt == "int3-g64"  # the candidate the proxy finds most damaging: the loudest signal
+        assert true == pytest.approx(layer_kl(model, n, sens.w_hat[(n, fmt)], data[:4], ref4), rel=1e-6)
+        assert sens.effective(n, fmt) == pytest.approx(true)
+        # one factor per layer: the candidates keep the proxy's proportions
+        assert sens.effective(n, "int4-g64") / true == pytest.approx(sens.kl[n]["int4-g64"] / sens.kl[n][fmt])
+        # the other format's truth (all the data) predicted by the rescaled proxy within 1.5x on every layer
+        t4 = layer_kl(model, n, sens.w_hat[(n, "int4-g64")], data, ref)
+        scaled_err.append(abs(np.log(sens.effective(n, "int4-g64") / t4)))
+    assert max(scaled_err) < np.log(1.5), scaled_err
+    back = Sensitivity.from_dict(json.loads(json.dumps(sens.to_dict())))
+    assert all(back.effective(n, "int4-g64") == sens.effective(n, "int4-g64") for n in names)
+    assert Sensitivity(names, ["int4-g64"], {n: {"int4-g64": 1.0} for n in names}).effective(names[0], "int4-g64") == 1

@@ -176,3 +176,22 @@ def test_q4_1_reproduces_the_published_smollm2_file(smollm2_dir):
                                torch.from_numpy(np.array(t.data)).reshape(-1)), t.name
             checked += 1
     assert checked == 35
+
+
+@pytest.mark.parametrize("spec", ["q4_k", "q5_k", "q6_k"])
+def test_codes_under_fixed_headers_are_llama_cpps(spec):
+    """A calibrated method fixes each super-block's header, then encodes columns one at a time: on the header
+    llama.cpp's reference picks, the column-by-column codes are its codes (where the sub-block scale is not
+    0; there any code decodes to the same value) and decode to its values bit for bit."""
+    fmt = parse_format(spec)
+    w = _weights(8, 1024, seed=7)
+    codes, header = ggml.quantize(w, fmt)
+    s, m = ggml.column_grid(header, fmt, w.shape[1])
+    cols = [ggml.encode(w[:, j:j + 1], s[:, j:j + 1], None if m is None else m[:, j:j + 1], fmt) for j in range(1024)]
+    mine = torch.cat(cols, 1)
+    live = s != 0
+    assert live.float().mean() > 0.9
+    assert torch.equal(mine[live], codes[live])
+    assert torch.equal(ggml.dequantize(mine, header, fmt), ggml.dequantize(codes, header, fmt))
+    with pytest.raises(Exception, match="int4-g32"):
+        ggml.encode(w[:, :32], torch.ones(8, 32), None, parse_format("q4_0"))
