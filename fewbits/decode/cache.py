@@ -50,9 +50,10 @@ class LayerKV:
                           km=z(T // self.G, dim, dt=torch.float16), vc=z(T, nb, dt=torch.uint8),
                           vs=z(T, dim // self.gv, dt=torch.float16), vm=z(T, dim // self.gv, dt=torch.float16))
         self.ring = fmt.residual + self.G if (fmt.residual or self.G > 1) else 0
+        # keys and values pass through 16 bits before quantising, as `KVStore`'s window holds them
+        self.wdt = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         if self.ring:
-            wdt = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
-            self.t["rk"], self.t["rv"] = z(self.ring, dim, dt=wdt), z(self.ring, dim, dt=wdt)
+            self.t["rk"], self.t["rv"] = z(self.ring, dim, dt=self.wdt), z(self.ring, dim, dt=self.wdt)
 
     # ------------------------------------------------------------------ quantising
     def _quantise(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -85,6 +86,7 @@ class LayerKV:
             self.t["k"][:, :, start:start + n] = k
             self.t["v"][:, :, start:start + n] = v
             return
+        k, v = k.to(self.wdt), v.to(self.wdt)
         nq = int(quantized_tokens(start + n, self.fmt.residual, self.G))
         if nq:
             self._store(self._quantise(k[:, :, :nq], v[:, :, :nq]), torch.arange(nq, device=k.device))
@@ -100,7 +102,7 @@ class LayerKV:
             self.t["v"].index_copy_(2, slot, v.to(self.t["v"].dtype))
             return
         if not self.ring:
-            self._store(self._quantise(k, v), slot)
+            self._store(self._quantise(k.to(self.wdt), v.to(self.wdt)), slot)
             return
         R, G, W = self.fmt.residual, self.G, self.ring
         self.t["rk"].index_copy_(2, slot % W, k.to(self.t["rk"].dtype))
@@ -110,8 +112,7 @@ class LayerKV:
         g0 = (length - R - G).clamp_min(0)
         slots = g0 + torch.arange(G, device=slot.device)
         ring_idx = slots % W
-        q = self._quantise(self.t["rk"].index_select(2, ring_idx).to(k.dtype),
-                           self.t["rv"].index_select(2, ring_idx).to(v.dtype))
+        q = self._quantise(self.t["rk"].index_select(2, ring_idx), self.t["rv"].index_select(2, ring_idx))
         self._store(q, slots, flush)
 
     # ------------------------------------------------------------------ reading

@@ -91,7 +91,7 @@ class StaticDecoder:
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.compiled = compile
         self.compile_s = 0.0
-        self._fn = self._decode
+        self._fn = self._decode_eager
         if compile:
             cuda = self.device.type == "cuda"
             if cuda:
@@ -105,6 +105,9 @@ class StaticDecoder:
 
     def _decode(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot)
+
+    def _decode_eager(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1)
 
     def _warm(self, cache_dir: Path | None) -> None:
         """Compile (or load) the step by running it once on the last slot, then forget that write."""

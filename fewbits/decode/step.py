@@ -74,9 +74,13 @@ def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: tor
 
 
 def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch.Tensor, ids: torch.Tensor,
-            pos: torch.Tensor, slot: torch.Tensor | None = None) -> torch.Tensor:
+            pos: torch.Tensor, slot: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
     """Logits (B, V) of the last position.  ids/pos (B, n).  `slot` None: a prefill of n tokens into slots
-    0..n-1 (`valid` already set); else a decode step (n = 1) writing slot `slot` ((1,) long tensor)."""
+    0..n-1 (`valid` already set); else a decode step (n = 1) writing slot `slot` ((1,) long tensor).
+
+    `length` (the tokens held after this step, an int) is given only to an uncompiled step: a quantised
+    cache is then read dequantised into 16 bits, as the eager path reads it (`_attend_dense`), instead of
+    through the fused reductions over its codes (`_attend_codes`) that only pay off compiled."""
     inner = model.model
     B, n = ids.shape
     T = valid.shape[1]
@@ -118,6 +122,9 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
             kv.step(k, v, slot)
             if kv.fmt.kind == "float":
                 o = _attend_dense(q, kv.t["k"], kv.t["v"], allowed, plan.scaling)
+            elif length is not None:
+                kd, vd = kv.dense(length, q.dtype)
+                o = _attend_dense(q, kd, vd, allowed[:, :, :length], plan.scaling)
             else:
                 o = _attend_codes(q, kv, allowed, slot, plan.scaling)
         o = attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
