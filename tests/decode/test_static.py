@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_models import build
 
 from fewbits.decode.arch import describe, unsupported
 from fewbits.decode.runner import StaticDecoder
 from fewbits.generate import generate
-from decode_models import build
 
 # formats whose windows and groups flush several times within the test's 40 tokens
 KV_FORMATS = ["fp32", "bf16", "int8", "fp8-e4m3", "int8-r8", "int4-g8-r8", "int2-g8-r4"]
