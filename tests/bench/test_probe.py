@@ -63,7 +63,7 @@ def _canned(monkeypatch):
     # the skeleton step spends 0.15 ms in its own 16-bit linears
     monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec, device="cpu": saw("skeleton", device, 1.5e-4))
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
-    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu": saw("steps", device, {
+    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu", compiled=True: saw("steps", device, {
         s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": [], "refill_s": 2e-5,
             "refill_bytes": 1 << 21}
         for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs}))
