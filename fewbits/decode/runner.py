@@ -93,6 +93,9 @@ class StaticDecoder:
         self.compile_s = 0.0
         self._fn = self._decode_eager
         if compile:
+            from fewbits.kernels.ops import lower_cpu_ops_to_aten
+
+            lower_cpu_ops_to_aten()
             cuda = self.device.type == "cuda"
             if cuda:
                 for layer in self.cache:

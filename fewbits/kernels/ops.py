@@ -64,3 +64,28 @@ def triton_wq_mm(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Ten
 def _triton_wq_mm_fake(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, n_out: int, group: int,
                        pack: int, fp8: bool, programs: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], n_out))
+
+
+_LOWERED = False
+
+
+def lower_cpu_ops_to_aten() -> None:
+    """Let inductor compile `int4pack_mm` / `int8pack_mm` as the aten operators they wrap (inductor's own
+    lowerings, called from the generated code directly), not through the operators' Python bodies (a
+    dispatcher hop into Python per call, ~200 calls a SmolLM2 step).  Dynamo still sees one fewbits node per
+    matmul (`torch._dynamo.explain` shows them); this only tells inductor what that node is.  Idempotent;
+    imports inductor, so it is called when a step is first compiled, not when fewbits is imported."""
+    global _LOWERED
+    if _LOWERED:
+        return
+    from torch._inductor.decomposition import register_decomposition
+
+    @register_decomposition(torch.ops.fewbits.int4pack_mm.default)
+    def _int4(x: torch.Tensor, packed: torch.Tensor, group: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu.default(x, packed, group, scales_zeros)
+
+    @register_decomposition(torch.ops.fewbits.int8pack_mm.default)
+    def _int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm.default(x, q, scales)
+
+    _LOWERED = True
