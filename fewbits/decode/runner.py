@@ -42,14 +42,16 @@ def inductor_cache_dir() -> Path:
 @contextlib.contextmanager
 def compile_scope(cache_dir: Path | None = None) -> Iterator[None]:
     """Inductor's on-disk caches in `cache_dir` and room for one graph per shape, only inside the block (the
-    process environment and torch's settings are restored after it)."""
+    process environment and torch's settings are restored after it).  Fused 16-bit operations round between
+    operators as eager PyTorch does (`emulate_precision_casts`): without it inductor keeps fp32 across a fused
+    chain, and SmolLM2's greedy tokens left the eager path's after ~20 tokens."""
     import torch._dynamo.config as dcfg
     import torch._inductor.config as icfg
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     d = Path(cache_dir or inductor_cache_dir())
     d.mkdir(parents=True, exist_ok=True)
-    with temporary_cache_dir(str(d)), icfg.patch(fx_graph_cache=True), \
+    with temporary_cache_dir(str(d)), icfg.patch(fx_graph_cache=True, emulate_precision_casts=True), \
             dcfg.patch(recompile_limit=64, accumulated_recompile_limit=1024):
         yield
 
