@@ -1,7 +1,8 @@
 """`generate_static`: `fewbits.generate.generate` on the compiled static-cache path, with the same result type.
 
-A `StaticDecoder` is kept per (model, KV format, batch, cache length) for the model's lifetime, so a bench
-that decodes the same shapes again reuses the compiled step instead of compiling it again.  Where the
+A `StaticDecoder` is kept per (model, KV format, batch, cache length) on the model itself (an attribute, so
+model and decoders are collected together), so a bench that decodes the same shapes again reuses the
+compiled step instead of compiling it again.  Where the
 compiled path cannot run (`why_eager`), the eager `generate` runs and the result says why (logged once
 per reason).
 """
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import time
-import weakref
 
 import torch
 
@@ -19,7 +19,6 @@ from fewbits.generate import GenerationResult, attention_backends, generate, sam
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 log = logging.getLogger("fewbits.decode")
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: StaticDecoder}
 _LOGGED: set[str] = set()
 
 
@@ -27,7 +26,7 @@ def decoder_for(model: torch.nn.Module, kv: KVFormat | str, batch: int, max_len:
     """The model's compiled decoder for these shapes, built (compiled) on first use."""
     f = parse_kv_format(kv)
     key = (f.full_spec, batch, -(-max_len // SLOT_ROUND) * SLOT_ROUND)
-    per_model = _DECODERS.setdefault(model, {})
+    per_model = model.__dict__.setdefault("_fewbits_decoders", {})
     dec = per_model.get(key)
     if dec is None:
         dec = per_model[key] = StaticDecoder(model, f, batch, max_len)
