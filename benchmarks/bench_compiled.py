@@ -3,7 +3,7 @@ compile time cold and warm, greedy tokens against the eager path.  Ratios are ta
 rows alternating round by round (a shared host's drift hits all rows alike); each row keeps its fastest step
 and its median.  Threads pinned (default 2).
 
-    python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64] [--batch 1,8]
+    PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py compile [--model smollm2-135m] [--weights int4-g32]   # cold, then warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64] [-n 64]
@@ -57,27 +57,29 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
               f"{base[key] / med:7.2f}x {compile_s[r]:9.1f}")
 
 
-def _compile_child(model: str, weights: str, kv: str) -> None:
-    """In a fresh process: build the decoder (compiling, or loading from the scoped cache) and print the time."""
+def _compile_child(model: str, weights: str, kv: str, cache_dir: str) -> None:
+    """In a fresh process: build the decoder (compiling, or loading from `cache_dir`) and print the time."""
+    from pathlib import Path
+
     from fewbits.bench.decode import load_quantized
     from fewbits.decode import StaticDecoder
 
     m = load_quantized(model, weights)[0]
     t0 = time.perf_counter()
-    dec = StaticDecoder(m, kv, 1, 256)
+    dec = StaticDecoder(m, kv, 1, 256, cache_dir=Path(cache_dir))
     print(f"COMPILE {dec.compile_s:.2f} {time.perf_counter() - t0:.2f}")
 
 
 def _compile(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as d:
-        env = {**os.environ, "FEWBITS_CACHE": d, "OMP_NUM_THREADS": str(args.threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         for label in ("cold", "warm", "warm"):
             out = subprocess.run([sys.executable, __file__, "_compile_child", "--model", args.model, "--weights",
-                                  args.weights.split(",")[0], "--kv", args.kv.split(",")[0]],
+                                  args.weights.split(",")[0], "--kv", args.kv.split(",")[0], "--cache-dir", d],
                                  env=env, capture_output=True, text=True, check=True).stdout
             secs = next(line.split()[1] for line in out.splitlines() if line.startswith("COMPILE"))
             print(f"{label}: compile {float(secs):.1f} s ({args.model}, {args.weights.split(',')[0]}, "
-                  f"kv {args.kv.split(',')[0]}; inductor cache in a fresh $FEWBITS_CACHE)")
+                  f"kv {args.kv.split(',')[0]}; a fresh inductor cache directory)")
 
 
 def _tokens(args: argparse.Namespace) -> None:
@@ -111,6 +113,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=64, help="tokens: greedy tokens compared")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eager", action="store_true", help="speed/kv on the eager path instead")
+    ap.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
@@ -121,7 +124,7 @@ def main() -> None:
     args.prompt = args.prompt or defaults[2]
     args.batch = args.batch or ("1" if args.cmd == "kv" else "1,8")
     if args.cmd == "_compile_child":
-        return _compile_child(args.model, args.weights, args.kv)
+        return _compile_child(args.model, args.weights, args.kv, args.cache_dir)
     print(f"{args.cmd}: {args.model}, threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, torch {torch.__version__}")
     if args.cmd == "compile":
