@@ -48,6 +48,15 @@ def generate_static(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tok
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
     device = next(model.parameters()).device
     why = why_eager(model, device)
+    B, T = input_ids.shape
+    dec = None
+    if why is None:
+        try:
+            dec = decoder_for(model, kv, B, T + max_new_tokens)
+        except (ValueError, torch.OutOfMemoryError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - a compiler failure: decode eagerly, say why
+            why = f"compiling the step failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
     if why is not None:
         if why not in _LOGGED:
             _LOGGED.add(why)
@@ -56,12 +65,11 @@ def generate_static(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tok
                        eos_token_id, seed)
         res.eager_reason = why
         return res
-    B, T = input_ids.shape
+    assert dec is not None
     ids = input_ids.to(device)
     mask = (attention_mask if attention_mask is not None else torch.ones_like(ids)).to(device).long()
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
-    dec = decoder_for(model, kv, B, T + max_new_tokens)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     sync = synchronizer(device)
     with attention_backends(device), compile_scope():

@@ -98,3 +98,20 @@ def test_attention_over_codes_equals_dequantised_attention(kv: str) -> None:
     s = s.masked_fill(~allowed[:, :, None, :n], float("-inf"))
     want = torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), v).reshape(B, Hq, 1, D)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiler_failure_falls_back_to_eager_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fewbits.decode.generate as dg
+
+    def broken(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        raise RuntimeError("inductor: no such compiler\nmore")
+
+    monkeypatch.setattr(dg, "StaticDecoder", broken)
+    model = build("llama")
+    ids = torch.randint(4, 320, (1, 6), generator=torch.Generator().manual_seed(6))
+    res = dg.generate_static(model, ids, 5, kv="int8")
+    assert res.path == "eager" and res.eager_reason == ("compiling the step failed (RuntimeError: inductor: no such "
+                                                        "compiler)")
+    assert torch.equal(res.tokens, generate(model, ids, 5, kv="int8").tokens)
+    monkeypatch.setenv("FEWBITS_EAGER", "1")
+    assert dg.generate_static(model, ids, 5).eager_reason == "FEWBITS_EAGER=1"
