@@ -5,6 +5,7 @@ and its median.  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
+    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048]   # one layer's attention
     python benchmarks/bench_compiled.py compile [--model smollm2-135m] [--weights int4-g32]   # cold, then warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64] [-n 64]
 
@@ -57,6 +58,48 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
               f"{base[key] / med:7.2f}x {compile_s[r]:9.1f}")
 
 
+def _attn(args: argparse.Namespace) -> None:
+    """One layer's decode attention at `--prompt` tokens of context, compiled, per KV format: the cache write
+    and the read of every slot (SmolLM2's heads: 9 query, 3 KV, 64 dims), alternating rounds."""
+    from fewbits.decode.cache import make_cache
+    from fewbits.decode.step import _attend_codes, _attend_dense
+
+    T, B, Hq, Hkv, D = int(args.prompt.split(",")[0]), int(args.batch.split(",")[0]), 9, 3, 64
+    fns = {}
+    for kv in args.kv.split(","):
+        (layer,) = make_cache(kv, 1, B, Hkv, D, T + 64, torch.bfloat16, "cpu")
+        layer.prefill(torch.randn(B, Hkv, T, D).to(torch.bfloat16), torch.randn(B, Hkv, T, D).to(torch.bfloat16), 0)
+        allowed = torch.zeros(B, 1, layer.t[next(iter(layer.t))].shape[2], dtype=torch.bool)
+        allowed[:, :, :T + 1] = True
+
+        def step(q, k, v, slot, layer=layer, allowed=allowed):  # noqa: ANN001, ANN202
+            layer.step(k, v, slot)
+            if layer.fmt.kind == "float":
+                return _attend_dense(q, layer.t["k"], layer.t["v"], allowed, 0.125)
+            return _attend_codes(q, layer, allowed, slot, 0.125)
+
+        fns[kv] = torch.compile(step, fullgraph=True, dynamic=False)
+    q, k = torch.randn(B, Hq, 1, D).to(torch.bfloat16), torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
+    slot = torch.tensor([T])
+    t_compile = {}
+    for kv, fn in fns.items():
+        t0 = time.perf_counter()
+        fn(q, k, k, slot)
+        t_compile[kv] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {kv: [] for kv in fns}
+    for rnd in range(args.rounds * 10):
+        for kv in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fns[kv](q, k, k, slot)
+            times[kv].append((time.perf_counter() - t0) / 20)
+    first = statistics.median(times[next(iter(fns))])
+    for kv in fns:
+        med = statistics.median(times[kv])
+        print(f"kv {kv:>9}: attention + write at {T} tokens, batch {B}: {min(times[kv]) * 1e6:7.1f} us best, "
+              f"{med * 1e6:7.1f} us median, {first / med:.2f}x the first; compile {t_compile[kv]:.1f} s")
+
+
 def _compile_child(model: str, weights: str, kv: str, cache_dir: str) -> None:
     """In a fresh process: build the decoder (compiling, or loading from `cache_dir`) and print the time."""
     from pathlib import Path
@@ -102,7 +145,7 @@ def _tokens(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("cmd", choices=["speed", "kv", "compile", "tokens", "_compile_child"])
+    ap.add_argument("cmd", choices=["speed", "kv", "attn", "compile", "tokens", "_compile_child"])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--weights", default=None)
     ap.add_argument("--kv", default=None)
@@ -117,12 +160,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
-                "compile": ("int4-g32", "bf16", "128"), "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
+                "compile": ("int4-g32", "bf16", "128"), "attn": ("", "bf16,int8,int4,int8-r128", "2048"),
+                "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
                 "_compile_child": ("int4-g32", "bf16", "128")}[args.cmd]
     args.weights = args.weights or defaults[0]
     args.kv = args.kv or defaults[1]
     args.prompt = args.prompt or defaults[2]
-    args.batch = args.batch or ("1" if args.cmd == "kv" else "1,8")
+    args.batch = args.batch or ("1" if args.cmd in ("kv", "attn") else "1,8")
     if args.cmd == "_compile_child":
         return _compile_child(args.model, args.weights, args.kv, args.cache_dir)
     print(f"{args.cmd}: {args.model}, threads {torch.get_num_threads()}, load average "
@@ -131,6 +175,8 @@ def main() -> None:
         return _compile(args)
     if args.cmd == "tokens":
         return _tokens(args)
+    if args.cmd == "attn":
+        return _attn(args)
     rows = [(w, kv, int(b), int(p)) for w in args.weights.split(",") for kv in args.kv.split(",")
             for b in args.batch.split(",") for p in args.prompt.split(",")]
     _rows(args, rows)
