@@ -67,18 +67,20 @@ def _attn(args: argparse.Namespace) -> None:
     T, B, Hq, Hkv, D = int(args.prompt.split(",")[0]), int(args.batch.split(",")[0]), 9, 3, 64
     fns = {}
     for kv in args.kv.split(","):
+        dense = kv.endswith(":sdpa")  # bf16:sdpa: the 16-bit cache through scaled_dot_product_attention instead
+        kv = kv.removesuffix(":sdpa")
         (layer,) = make_cache(kv, 1, B, Hkv, D, T + 64, torch.bfloat16, "cpu")
         layer.prefill(torch.randn(B, Hkv, T, D).to(torch.bfloat16), torch.randn(B, Hkv, T, D).to(torch.bfloat16), 0)
         allowed = torch.zeros(B, 1, layer.t[next(iter(layer.t))].shape[2], dtype=torch.bool)
         allowed[:, :, :T + 1] = True
 
-        def step(q, k, v, slot, layer=layer, allowed=allowed):  # noqa: ANN001, ANN202
+        def step(q, k, v, slot, layer=layer, allowed=allowed, dense=dense):  # noqa: ANN001, ANN202
             layer.step(k, v, slot)
-            if layer.fmt.kind == "float":
+            if dense and layer.fmt.kind == "float":
                 return _attend_dense(q, layer.t["k"], layer.t["v"], allowed, 0.125)
             return _attend_codes(q, layer, allowed, slot, 0.125)
 
-        fns[kv] = torch.compile(step, fullgraph=True, dynamic=False)
+        fns[kv + (":sdpa" if dense else "")] = torch.compile(step, fullgraph=True, dynamic=False)
     q, k = torch.randn(B, Hq, 1, D).to(torch.bfloat16), torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
     slot = torch.tensor([T])
     t_compile = {}
@@ -160,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
-                "compile": ("int4-g32", "bf16", "128"), "attn": ("", "bf16,int8,int4,int8-r128", "2048"),
+                "compile": ("int4-g32", "bf16", "128"), "attn": ("", "bf16,bf16:sdpa,int8,int4,int8-r128", "2048"),
                 "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
                 "_compile_child": ("int4-g32", "bf16", "128")}[args.cmd]
     args.weights = args.weights or defaults[0]

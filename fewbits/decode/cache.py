@@ -147,6 +147,8 @@ class LayerKV:
         """All slots' keys and values as fp32 expressions of the codes (B, H, T, D): in a compiled graph they
         are fused into the reductions that use them, never stored."""
         t, f = self.t, self.fmt
+        if f.kind == "float":  # one fused pass over the 16-bit cache too (no GQA copy of K and V, no mask tensor)
+            return t["k"].float(), t["v"].float()
         if f.kind == "int8":
             return t["kc"].float() * t["ks"].float(), t["vc"].float() * t["vs"].float()
         if f.kind == "fp8":

@@ -120,9 +120,7 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
             o = _attend_dense(q, kd, vd, allowed[:, :, :n], plan.scaling)
         else:
             kv.step(k, v, slot)
-            if kv.fmt.kind == "float":
-                o = _attend_dense(q, kv.t["k"], kv.t["v"], allowed, plan.scaling)
-            elif length is not None:
+            if length is not None:
                 kd, vd = kv.dense(length, q.dtype)
                 o = _attend_dense(q, kd, vd, allowed[:, :, :length], plan.scaling)
             else:
