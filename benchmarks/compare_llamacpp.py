@@ -238,12 +238,22 @@ def first_layers(model: Any, n: int) -> Any:
     return small
 
 
+EAGER = False  # --eager: fewbits' eager decode path instead of the compiled static-cache step
+COMPILE_S: dict[int, float] = {}  # id(model) -> seconds spent compiling (or loading) its steps
+
+
 def fewbits_decode(model: Any, prompts: list[list[int]], steps: int) -> list[list[float]]:
     import torch
 
+    from fewbits.decode.generate import generate_static
     from fewbits.generate import generate
 
-    return [generate(model, torch.tensor([ids]), steps + 1).decode_step_s for ids in prompts]
+    out = []
+    for ids in prompts:
+        res = (generate if EAGER else generate_static)(model, torch.tensor([ids]), steps + 1)
+        COMPILE_S[id(model)] = COMPILE_S.get(id(model), 0.0) + res.compile_s
+        out.append(res.decode_step_s)
+    return out
 
 
 def op_profile(model: Any, steps: int = 32, top: int = 6) -> dict[str, Any]:
@@ -298,8 +308,14 @@ def main() -> None:
     ap.add_argument("--ops", action="store_true", help="also profile fewbits' step per aten op (first thread count)")
     ap.add_argument("--workdir", default="/tmp/fewbits_llamacpp", help="where requantised GGUFs are kept")
     ap.add_argument("--json", default=None, help="also write every measurement here")
+    ap.add_argument("--eager", action="store_true", help="fewbits' eager decode instead of the compiled step")
+    ap.add_argument("--fewbits-gguf", default=None, metavar="FILE",
+                    help="also run llama.cpp on this GGUF exported by fewbits (e.g. `fewbits quantize smollm2-135m "
+                         "--format int4-g32 --to gguf`: Q4_0 from fewbits' own codes), labelled fbQ4_0")
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global EAGER
+    EAGER = args.eager
     if args.llama_worker:
         llama_worker()
         return
@@ -320,6 +336,10 @@ def main() -> None:
     worker = Worker(args.llama_python, os.path.join(args.workdir, "llama_worker.log"))
     info = worker(op="info")
     ggufs = llama_models(worker, packaged, args.workdir, kinds)
+    if args.fewbits_gguf:
+        path = args.fewbits_gguf
+        ggufs["fbQ4_0"] = os.path.join(path, "model.gguf") if os.path.isdir(path) else path
+        kinds.append("fbQ4_0")
     facts = {k: gguf_facts(p) for k, p in ggufs.items()}
 
     fb: dict[str, Any] = {}
@@ -362,6 +382,12 @@ def main() -> None:
         eval_ms = {k: own[(p, t)] for k, p in ggufs.items()}  # from the last repeat
         results["threads"][t] = {"step_s": times, "llama_eval_ms": eval_ms}
         print_table(t, plens, times, fb, facts, fb_formats, kinds, eval_ms)
+        print(f"fewbits path: {'eager' if EAGER else 'compiled'}; compile (or cache load) s per model, apart from "
+              "the steps: " + ", ".join(f"{f} {COMPILE_S.get(id(fb[f][0]), 0.0):.1f}" for f in fb_formats))
+        for f in fb_formats:  # every fewbits format against every llama.cpp file, median steps, first prompt
+            med = statistics.median(times[f"fewbits {f}"][0])
+            print(f"  fewbits {f}: " + ", ".join(
+                f"{statistics.median(times[f'llama.cpp {k}'][0]) / med:.2f}x llama.cpp {k}" for k in kinds))
         if not args.no_layers:
             nbytes = {**{f"fewbits {f}": fb[f][2] for f in fb_formats},
                       **{f"llama.cpp {k}": facts[k]["bytes"] for k in kinds}}

@@ -36,6 +36,9 @@ class GenerationResult:
     decode_step_s: list[float] = field(default_factory=list)  # wall time of each decode step
     kv_nbytes: int = 0  # exact bytes of the cache after the last step
     kv_format: str = "bf16"
+    path: str = "eager"  # "compiled" (fewbits.decode's static graph) or "eager" (the model's own forward)
+    compile_s: float = 0.0  # compiling (or loading from the disk cache) the step, apart from the step times
+    eager_reason: str = ""  # why a compiled decode ran eagerly instead
 
     @property
     def batch(self) -> int:

@@ -9,6 +9,10 @@ fastest step (other processes only ever add time; see `timing.py`) and the media
 is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format written out in full
 (`KVFormat.full_spec`), so that the cost model counts the cache's true bytes, 16-bit window included.
 
+By default every row decodes through the compiled static-cache step (`fewbits.decode`); its compile time
+(or the time to load it from the on-disk cache) is reported apart (`compile_s`), never in a step's time.
+``eager=True`` runs the model's own eager forward instead (the path before the compiled one).
+
 On a CUDA device (``device="cuda"``) the model is loaded (or built) there and quantised where it lives, so
 that the dispatcher prepares the CUDA kernels, and every timed step ends with a synchronisation (`generate`).
 ``random_weights`` builds the model from its architecture alone (`fewbits.models.loading.random_model`),
@@ -50,6 +54,8 @@ class BenchRow:
     bound: str
     lm_head: str = ""  # the LM head's format when quantised apart (quantised weight rows only)
     predicted_speedup: float = float("nan")  # the prediction's speedup vs its own 16-bit row (drift cancels)
+    path: str = "eager"  # "compiled" (fewbits.decode's static graph) or "eager"
+    compile_s: float = 0.0  # time to compile (or load from the disk cache) the row's step, not in the step times
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,7 +133,8 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
               kvs: tuple[str, ...] = ("bf16", "fp8-e4m3", "int8", "int4", "int2"),
               batches: tuple[int, ...] = (1, 8), prompts: tuple[int, ...] = (128, 512), steps: int = 8,
               full: bool = False, seed: int = 0, log: Callable[[str], None] = print, rounds: int = 1,
-              device: str = "cpu", random_weights: bool = False, lm_head: str | None = None) -> list[BenchRow]:
+              device: str = "cpu", random_weights: bool = False, lm_head: str | None = None,
+              eager: bool = False) -> list[BenchRow]:
     """Measure every (weights, kv, batch, prompt) row; `full` crosses all weight and KV formats (else
     the quantised weights run with the first KV format, and the other KV formats with the first weights).
 
@@ -145,6 +152,11 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     spec = model_spec(name, next(iter(models.values()))[0])
     vocab = int(next(iter(models.values()))[0].config.get_text_config().vocab_size)
     best: dict[tuple[str, str, int, int], tuple[float, list[float], int]] = {}
+    paths: dict[tuple[str, str, int, int], tuple[str, float]] = {}
+    if eager:
+        run = generate
+    else:
+        from fewbits.decode.generate import generate_static as run
     for r in range(rounds):
         for w, kv_list in by_weights.items():
             model, _ = models[w]
@@ -154,8 +166,9 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
                     for p in prompts:
                         g = torch.Generator().manual_seed(seed + b * 1000 + p)
                         ids = torch.randint(0, vocab, (b, p), generator=g)
-                        res = generate(model, ids, steps + 1, kv=kvf)
+                        res = run(model, ids, steps + 1, kv=kvf)
                         key = (w, kv, b, p)
+                        paths[key] = (res.path, paths.get(key, ("", 0.0))[1] + res.compile_s)
                         times = best.get(key, (0.0, [], 0))[1] + list(res.decode_step_s)
                         best[key] = (min(times), times, res.kv_nbytes)
         if rounds > 1:
@@ -174,14 +187,15 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
         t16 = base.get((kvs[0], b, p), float("nan"))
         row = BenchRow(w, kvf.spec, b, p, steps, t * 1e3, statistics.median(times) * 1e3, b / t, pr.time_s * 1e3,
                        100.0 * (pr.time_s - t) / t, t16 / t, models[w][1], kv_bytes, pr.bound, heads[w] or "",
-                       base_pred.get((kvs[0], b, p), float("nan")) / pr.time_s)
+                       base_pred.get((kvs[0], b, p), float("nan")) / pr.time_s, *paths[(w, kv, b, p)])
         rows.append(row)
         log(format_row(row))
     return rows
 
 
 HEADER = (f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'measured ms':>11} {'median':>7} {'tok/s':>8} "
-          f"{'vs 16-bit':>9} {'predicted ms':>12} {'error':>7} {'pred vs 16':>10}  {'KV MB':>6}  kernels")
+          f"{'vs 16-bit':>9} {'predicted ms':>12} {'error':>7} {'pred vs 16':>10}  {'KV MB':>6} {'compile s':>9}"
+          "  kernels")
 
 
 def format_row(r: BenchRow) -> str:
@@ -189,8 +203,8 @@ def format_row(r: BenchRow) -> str:
     return (f"{weights:>10} {r.kv:>9} {r.batch:>5} {r.prompt:>6} {r.measured_ms:11.1f} {r.median_ms:7.1f} "
             f"{r.tokens_per_s:8.1f} "
             f"{r.speedup_vs_16bit:8.2f}x {r.predicted_ms:12.1f} {r.error_pct:+6.1f}% {r.predicted_speedup:9.2f}x  "
-            f"{r.kv_bytes / 1e6:6.2f}  "
-            f"{r.kernels}")
+            f"{r.kv_bytes / 1e6:6.2f} {r.compile_s if r.path == 'compiled' else float('nan'):9.1f}  "
+            f"{r.kernels}{'' if r.path == 'compiled' else ' (eager)'}")
 
 
 def summary(rows: list[BenchRow], goal_pct: float = 15.0) -> str:

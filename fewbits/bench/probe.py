@@ -195,8 +195,8 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
                refill_bytes: int | None = None, measure_refill: bool = True,
-               refill_sizes: tuple[float, ...] = REFILL_SIZES, device: str | torch.device = "cpu"
-               ) -> dict[str, dict[str, Any]]:
+               refill_sizes: tuple[float, ...] = REFILL_SIZES, device: str | torch.device = "cpu",
+               compiled: bool = False) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
@@ -213,8 +213,16 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     and the fit is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest
     (a fitted E < 0 is refitted as 0).  The refill is also measured at streams of `refill_sizes` x X
     bytes (the refill curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead).
-    On a device other than the CPU the refill is a core-cache effect that does not apply: E is left out."""
+    On a device other than the CPU the refill is a core-cache effect that does not apply: E is left out.
+
+    `compiled`: the steps run on the compiled static-cache path (`fewbits.decode`, what `fewbits bench` runs
+    by default), so a_f is that path's fixed cost per step (one graph, no Python per layer); each shape
+    compiles once, before its timed steps (the refill, which hooks into the layers, stays eager)."""
     from fewbits.generate import generate
+
+    decode = generate
+    if compiled:
+        from fewbits.decode.generate import generate_static as decode
 
     model = skeleton_model(spec, device)
     g = torch.Generator().manual_seed(0)
@@ -235,11 +243,12 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             curve = refill_curve(x_cache, rests, spec.n_layers)
         for s in kv_specs:
             kvf = parse_kv_format(s)
-            generate(model, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv=kvf)  # warm up
+            if not compiled:  # (a compiled step is run once when it is compiled)
+                generate(model, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv=kvf)  # warm up
             for b in batches:
                 for c in contexts:
                     ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
-                    t = min(generate(model, ids, steps + 1, kv=kvf).decode_step_s)
+                    t = min(decode(model, ids, steps + 1, kv=kvf).decode_step_s)
                     fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
     return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill, curve if len(refill_sizes) else None)
 
@@ -375,12 +384,14 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
                   log: Any = print, bandwidth_bytes: int | None = None, matmul_n: int | None = None,
-                  kv_contexts: tuple[int, int] = (128, 512), device: str | torch.device = "cpu") -> Profile:
+                  kv_contexts: tuple[int, int] = (128, 512), device: str | torch.device = "cpu",
+                  compiled: bool = True) -> Profile:
     """Run every measurement on `device` and assemble a `Profile` carrying it as its DeviceSpec.
 
     bandwidth_bytes / matmul_n default to 1 GiB / 1024 on the CPU and 4 GiB / 8192 on a GPU (whose L2
     cache is tens of MB and whose GEMMs need large tiles to reach their peak).  The size arguments exist
-    so that tests can run the whole probe on small buffers in seconds."""
+    so that tests can run the whole probe on small buffers in seconds.  `compiled`: the decode steps (4.) on
+    the compiled static-cache path that `fewbits bench` runs by default (False: the eager path)."""
     t_start = time.perf_counter()
     on_cpu = torch.device(device).type == "cpu"
     bandwidth_bytes = bandwidth_bytes or (1 << 30 if on_cpu else 4 << 30)
@@ -394,10 +405,13 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     log(f"GEMV passes over {spec.name}'s linears ...")
     passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes, device=device)
     log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
-    kv = step_costs(spec, kv_specs, kv_contexts, device=device)
+    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled)
     skel_lin = skeleton_linear_cost(spec, device=device)
     log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
     bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(spec, passes, bw, rates["bf16"], log, skel_lin)
+    if compiled:  # in a compiled step a quantised matmul is one call of its operator from the generated code,
+        # as the skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge
+        call_extra = {fam: 0.0 for fam in call_extra}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     fields = step_profile_fields(spec, kv, bw, log)
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
@@ -408,7 +422,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     dev = DeviceSpec(key=name, name=dev_name, memory_bytes=mem_total, bandwidth=bw, peak_flops=peak,
                      source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__, "device": str(device),
-                "threads": torch.get_num_threads(), "bandwidth": bw, "matmul_flops": rates,
+                "threads": torch.get_num_threads(), "decode_path": "compiled" if compiled else "eager",
+                "bandwidth": bw, "matmul_flops": rates,
                 "gemv_passes": passes, "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",

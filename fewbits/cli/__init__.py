@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "models": "fewbits.cli.models:models",
     "probe": "fewbits.cli.probe:probe_cmd",
     "bench": "fewbits.cli.bench:bench_cmd",
+    "generate": "fewbits.cli.generate:generate_cmd",
     "ui": "fewbits.cli.ui:ui_cmd",
 }
 

@@ -43,12 +43,16 @@ def _strs(s: str) -> tuple[str, ...]:
 @click.option("--random-weights", is_flag=True,
               help="build MODEL (a built-in name or a config.json) with random weights instead of loading them: "
                    "for speed only, where the weights cannot be had")
+@click.option("--eager", is_flag=True,
+              help="decode with the model's own eager forward instead of the compiled static-cache step")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
 def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
               full: bool, threads: int, rounds: int, device: str, lm_head: str | None, random_weights: bool,
-              json_out: str | None) -> None:
+              eager: bool, json_out: str | None) -> None:
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
-    weight format and KV-cache format, with the cost model's prediction and its error."""
+    weight format and KV-cache format, with the cost model's prediction and its error.  Decode runs the compiled
+    static-cache step (compiled graphs cached on disk under $FEWBITS_CACHE/inductor; compile time shown apart)
+    unless --eager."""
     import torch
 
     from fewbits.bench.decode import HEADER, BenchMemoryError, run_bench, summary
@@ -93,11 +97,12 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         if json_out:
             check_output(json_out, overwrite=True, kind="file")  # before the measuring
         rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
-                         rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head)
+                         rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head, eager=eager)
     except (BenchMemoryError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))
     if json_out:
         data = json.dumps({"model": model, "profile": prof.name, "device": dev, "random_weights": random_weights,
+                           "path": "eager" if eager else "compiled",
                            "rows": [r.to_dict() for r in rows]}, indent=1)
         write_text(json_out, data)

@@ -16,9 +16,13 @@ import click
               help="replicate weights to at least this many MB per format (more than the last-level cache)")
 @click.option("--device", default="cpu", show_default=True,
               help="what to measure: cpu, or a CUDA device (cuda, cuda:1) for a GPU's profile")
-def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, device: str) -> None:
+@click.option("--eager", is_flag=True,
+              help="measure the per-step costs on the eager decode path (`fewbits bench --eager`) instead of "
+                   "the compiled one")
+def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, device: str, eager: bool) -> None:
     """Measure memory bandwidth, matmul rates, GEMV per format at decode shapes, KV-cache reads and the
-    per-step overhead; write them as a profile that `fewbits plan --profile FILE` and `fewbits bench` load."""
+    per-step overhead; write them as a profile that `fewbits plan --profile FILE` and `fewbits bench` load.
+    The per-step costs are those of the compiled decode step `fewbits bench` runs (unless --eager)."""
     import torch
 
     from fewbits.bench.probe import build_profile
@@ -38,6 +42,7 @@ def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, d
         check_output(output, overwrite=True, kind="file")  # before minutes of measuring
     except OSError as exc:
         raise click.ClickException(str(exc)) from None
-    prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo, device=dev)
+    prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo, device=dev,
+                         compiled=not eager)
     save_profile(prof, output)
     click.echo(f"wrote {output} ({prof.measured['probe_seconds']:.0f} s of measurement)")

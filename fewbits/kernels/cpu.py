@@ -33,6 +33,7 @@ import torch
 from numba import njit
 
 from fewbits.formats.format import Format
+from fewbits.kernels import ops
 from fewbits.tensor import QuantizedTensor
 
 INT4_GROUPS = (256, 128, 64, 32)  # group sizes the int4 CPU operator accepts, largest first
@@ -111,7 +112,10 @@ class Int8PackKernel:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = _as_bf16_rows(x)  # (M, K)
-        y = _INT8_MM(x2, self.q, self.scales)  # (M, N) bf16
+        if torch.compiler.is_compiling():  # one opaque node of the compiled graph
+            y = ops.int8pack_mm(x2, self.q, self.scales)
+        else:
+            y = _INT8_MM(x2, self.q, self.scales)  # (M, N) bf16
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if self.corr is not None:
@@ -180,7 +184,10 @@ class Int4PackKernel:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = _as_bf16_rows(x)  # (M, K)
-        y = _INT4_MM(x2, self.packed, self.group, self.scales_zeros)
+        if torch.compiler.is_compiling():  # one opaque node of the compiled graph
+            y = ops.int4pack_mm(x2, self.packed, self.group, self.scales_zeros)
+        else:
+            y = _INT4_MM(x2, self.packed, self.group, self.scales_zeros)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         return _finish(y, x, bias)
@@ -281,7 +288,8 @@ class Fp8DequantKernel:
         # the scales as bf16 (what a bf16 multiply would use), held as float32 for the compiled pass
         self.scales = s.to(torch.bfloat16).float().reshape(-1, self.groups).contiguous()
         every = torch.arange(256, dtype=torch.uint8).view(getattr(torch, _FP8_DTYPES[self.element]))
-        self.lut = every.float().numpy()  # the exact value of each code
+        self.lut_t = every.float()  # the exact value of each code
+        self.lut = self.lut_t.numpy()
 
     @property
     def nbytes(self) -> int:
@@ -289,16 +297,27 @@ class Fp8DequantKernel:
 
     def weight(self) -> torch.Tensor:
         """The dequantised bf16 weight (N, K), in this thread's buffer for the shape."""
-        buffers = _SCRATCH.__dict__.setdefault("fp8", {})
-        buf = buffers.get(self.shape)
-        if buf is None:
-            buf = buffers[self.shape] = torch.empty(self.shape, dtype=torch.bfloat16)
-        _fp8_dequantize_bits(self.w8.numpy(), self.lut, self.scales.numpy(), self.shape[1] // self.groups,
-                             buf.view(torch.int16).numpy().view(np.uint16))
-        return buf
+        return fp8_weight(self.w8, self.lut, self.scales, self.shape[1] // self.groups)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight()).to(x.dtype)
+        if torch.compiler.is_compiling():  # numba is opaque to the compiler: one registered operator
+            x2 = _as_bf16_rows(x)
+            y = ops.fp8_dequant_mm(x2, self.w8, self.lut_t, self.scales, self.shape[1] // self.groups)
+            y = _finish(y if y.dtype == x.dtype else y.to(x.dtype), x, None)
+        else:
+            y = torch.nn.functional.linear(x.to(torch.bfloat16), self.weight()).to(x.dtype)
         if bias is not None:
             y = y + bias.to(x.dtype)
         return y
+
+
+def fp8_weight(w8: torch.Tensor, lut: np.ndarray, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """FP8 codes w8 (N, K) decoded through `lut` and scaled per (row, group) into this thread's bf16 buffer
+    for the shape (valid until the next call for the same shape on this thread)."""
+    shape = tuple(w8.shape)
+    buffers = _SCRATCH.__dict__.setdefault("fp8", {})
+    buf = buffers.get(shape)
+    if buf is None:
+        buf = buffers[shape] = torch.empty(shape, dtype=torch.bfloat16)
+    _fp8_dequantize_bits(w8.numpy(), lut, scales.numpy(), group, buf.view(torch.int16).numpy().view(np.uint16))
+    return buf

@@ -223,29 +223,57 @@ class TritonWeightOnlyKernel:
         if x2.dtype != torch.bfloat16 or not x2.is_contiguous():
             x2 = x2.to(torch.bfloat16).contiguous()
         M = x2.shape[0]
-        per_channel = self.ng == 1
-        if tiles is None:
-            tiles = self._tiles.get(M)
-            if tiles is None:
-                tiles = self._tiles[M] = choose_tiles(M, N, K, self.group, per_channel, self.programs)
-        bm, bn, bk, split = tiles
-        kb = -(-K // bk)
-        k_split = -(-kb // split) * bk
-        split = -(-K // k_split)
-        if split > 1:
-            y = torch.zeros((M, N), device=x.device, dtype=torch.float32)
+        if torch.compiler.is_compiling() and tiles is None:  # one opaque node of the compiled graph
+            from fewbits.kernels import ops
+
+            y = ops.triton_wq_mm(x2, self.q, self.s, self.m, N, self.group, self.pack, self.fp8, self.programs)
         else:
-            y = torch.empty((M, N), device=x.device, dtype=x.dtype)
-        grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
-        _wq_matmul[grid](x2, self.q, self.s, self.m, y, M, N, K, self.ng, k_split,
-                         x2.stride(0), self.q.stride(0), y.stride(0),
-                         GROUP=self.group, PACK=self.pack, FP8=self.fp8, PER_CHANNEL=per_channel,
-                         ATOMIC=split > 1, BF16_DOT=not _INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            if tiles is None:
+                tiles = self._tiles.get(M)
+                if tiles is None:
+                    tiles = self._tiles[M] = choose_tiles(M, N, K, self.group, self.ng == 1, self.programs)
+            y = _launch(x2, self.q, self.s, self.m, N, self.group, self.pack, self.fp8, tiles, x.dtype)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if bias is not None:
             y = y + bias.to(x.dtype)
         return y.reshape(*lead, N)
+
+
+def _launch(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, N: int, group: int, pack: int,
+            fp8: bool, tiles: tuple[int, int, int, int], out_dtype: torch.dtype) -> torch.Tensor:
+    """One launch of `_wq_matmul`: y (M, N) = x2 (M, K) bf16 times the codes q with scales s and offsets m."""
+    M, K = x2.shape
+    ng = s.shape[1]
+    bm, bn, bk, split = tiles
+    kb = -(-K // bk)
+    k_split = -(-kb // split) * bk
+    split = -(-K // k_split)
+    if split > 1:
+        y = torch.zeros((M, N), device=x2.device, dtype=torch.float32)
+    else:
+        y = torch.empty((M, N), device=x2.device, dtype=out_dtype)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    _wq_matmul[grid](x2, q, s, m, y, M, N, K, ng, k_split,
+                     x2.stride(0), q.stride(0), y.stride(0),
+                     GROUP=group, PACK=pack, FP8=fp8, PER_CHANNEL=ng == 1,
+                     ATOMIC=split > 1, BF16_DOT=not _INTERPRET, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    return y
+
+
+_TILES: dict[tuple[int, int, int, int, bool, int], tuple[int, int, int, int]] = {}
+
+
+def launch_weight_only(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, n_out: int, group: int,
+                       pack: int, fp8: bool, programs: int) -> torch.Tensor:
+    """`TritonWeightOnlyKernel`'s matmul from its tensors alone (the registered operator's body): bf16 (M, n_out)."""
+    M, K = x2.shape
+    key = (M, n_out, K, group, s.shape[1] == 1, programs)
+    tiles = _TILES.get(key)
+    if tiles is None:
+        tiles = _TILES[key] = choose_tiles(M, n_out, K, group, s.shape[1] == 1, programs)
+    y = _launch(x2, q, s, m, n_out, group, pack, fp8, tiles, torch.bfloat16)
+    return y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
 
 
 def _group_ok(fmt: Format) -> str | None:

@@ -24,7 +24,7 @@ def rows(tmp_path_factory):
     prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
                    compute_efficiency={"float": 0.5}, overhead_s=1e-3, device=dev)
     out = run_bench(str(path), prof, weights=("bf16", "int8", "int4-g64"), kvs=("bf16", "int8"), batches=(1, 2),
-                    prompts=(8,), steps=2, log=lambda _: None, random_weights=True, device="cpu")
+                    prompts=(8,), steps=2, log=lambda _: None, random_weights=True, device="cpu", eager=True)
     return {(r.weights, r.kv, r.batch): r for r in out}
 
 
@@ -69,6 +69,25 @@ def test_bench_on_cuda_runs_the_gpu_kernels(tmp_path):
     assert all(r.measured_ms > 0 for r in out)
 
 
+def test_compiled_rows_report_compile_time_apart(tmp_path, monkeypatch):
+    """The default path: the compiled static step, its compile time apart from the step times, and the
+    cache's bytes as the eager path's store counts them (KIVI window included)."""
+    monkeypatch.setenv("FEWBITS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
+    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                   compute_efficiency={"float": 0.5}, device=dev)
+    kw = dict(weights=("int4-g64",), kvs=("int4-g8-r4",), batches=(1,), prompts=(9,), steps=3,
+              log=lambda _: None, random_weights=True)
+    (row,) = run_bench(str(path), prof, **kw)
+    (ref,) = run_bench(str(path), prof, **kw, eager=True)
+    assert row.path == "compiled" and row.compile_s > 0 and ref.path == "eager"
+    assert row.kv_bytes == ref.kv_bytes
+    assert row.measured_ms > 0
+    assert any((tmp_path / "cache" / "inductor").rglob("*"))
+
+
 def test_lm_head_quantised_on_the_quantised_rows_only(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(CONFIG))
@@ -76,7 +95,7 @@ def test_lm_head_quantised_on_the_quantised_rows_only(tmp_path):
     prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
                    compute_efficiency={"float": 0.5}, device=dev)
     out = run_bench(str(path), prof, weights=("bf16", "int4-g64"), kvs=("bf16",), batches=(1,), prompts=(8,),
-                    steps=2, log=lambda _: None, random_weights=True, lm_head="int8")
+                    steps=2, log=lambda _: None, random_weights=True, lm_head="int8", eager=True)
     got = {r.weights: r for r in out}
     assert got["bf16"].lm_head == "" and got["bf16"].kernels == "dense"
     assert got["int4-g64"].lm_head == "int8" and got["int4-g64"].kernels == "cpu_int4pack,cpu_int8pack"

@@ -63,7 +63,7 @@ def _canned(monkeypatch):
     # the skeleton step spends 0.15 ms in its own 16-bit linears
     monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec, device="cpu": saw("skeleton", device, 1.5e-4))
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
-    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu": saw("steps", device, {
+    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu", compiled=True: saw("steps", device, {
         s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": [], "refill_s": 2e-5,
             "refill_bytes": 1 << 21}
         for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs}))
@@ -72,7 +72,12 @@ def _canned(monkeypatch):
 
 def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     bw = _canned(monkeypatch)
-    prof = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None)
+    prof = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None,
+                         compiled=False)
+    compiled = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None)
+    # compiled (the default): a quantised matmul is one operator call, as the skeleton's 16-bit one it replaces
+    assert compiled.measured["decode_path"] == "compiled" and prof.measured["decode_path"] == "eager"
+    assert compiled.call_overhead("int8") == 0.0 and compiled.bw_eff("int8") == prof.bw_eff("int8")
     # the 16-bit linears and the 16-bit LM head each at their own rate (not one blend of both)
     assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
     assert prof.head_eff() == pytest.approx(1e6 / 1e-3 / bw)

@@ -1,0 +1,189 @@
+"""The compiled static-cache decode (`fewbits.decode`): speed per weight format, KV formats at long context,
+compile time cold and warm, greedy tokens against the eager path.  Ratios are taken side by side in one run,
+rows alternating round by round (a shared host's drift hits all rows alike); each row keeps its fastest step
+and its median.  Threads pinned (default 2).
+
+    PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
+    python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
+    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048]   # one layer's attention
+    python benchmarks/bench_compiled.py compile [--model smollm2-135m] [--weights int4-g32]   # cold, then warm
+    python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64] [-n 64]
+
+Goals (issue 16): int4-g64 >= 2.5x and int8 >= 1.7x the bf16 model's tok/s (batch 1 and 8); at 2048 tokens of
+context an int8 / int4 cache at least as fast as the bf16 cache; compile < 60 s cold, < 5 s warm.  The
+llama.cpp comparison is `benchmarks/compare_llamacpp.py` (compiled by default, --fewbits-gguf for fewbits'
+own Q4_0 export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> None:
+    """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s."""
+    from fewbits.bench.decode import load_quantized
+    from fewbits.decode.generate import generate_static
+    from fewbits.generate import generate
+
+    run = generate if args.eager else generate_static
+    models = {w: load_quantized(args.model, w)[0] for w in dict.fromkeys(r[0] for r in rows)}
+    vocab = int(next(iter(models.values())).config.get_text_config().vocab_size)
+    times: dict[tuple, list[float]] = {r: [] for r in rows}
+    compile_s: dict[tuple, float] = {}
+    for rnd in range(args.rounds):
+        for r in rows if rnd % 2 == 0 else rows[::-1]:
+            w, kv, b, p = r
+            ids = torch.randint(0, vocab, (b, p), generator=torch.Generator().manual_seed(p + b))
+            res = run(models[w], ids, args.steps + 1, kv=kv)
+            times[r] += res.decode_step_s
+            compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
+    base = {}
+    print(f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'best ms':>8} {'median ms':>9} {'tok/s':>8} "
+          f"{'vs first':>8} {'compile s':>9}")
+    for r in rows:
+        w, kv, b, p = r
+        med = statistics.median(times[r])
+        key = (b, p) if args.cmd == "speed" else (w, b, p)
+        base.setdefault(key, med)
+        print(f"{w:>10} {kv:>9} {b:>5} {p:>6} {min(times[r]) * 1e3:8.2f} {med * 1e3:9.2f} {b / med:8.1f} "
+              f"{base[key] / med:7.2f}x {compile_s[r]:9.1f}")
+
+
+def _attn(args: argparse.Namespace) -> None:
+    """One layer's decode attention at `--prompt` tokens of context, compiled, per KV format: the cache write
+    and the read of every slot (SmolLM2's heads: 9 query, 3 KV, 64 dims), alternating rounds."""
+    from fewbits.decode.cache import make_cache
+    from fewbits.decode.step import _attend_codes, _attend_dense
+
+    T, B, Hq, Hkv, D = int(args.prompt.split(",")[0]), int(args.batch.split(",")[0]), 9, 3, 64
+    fns = {}
+    for kv in args.kv.split(","):
+        dense = kv.endswith(":sdpa")  # bf16:sdpa: the 16-bit cache through scaled_dot_product_attention instead
+        kv = kv.removesuffix(":sdpa")
+        (layer,) = make_cache(kv, 1, B, Hkv, D, T + 64, torch.bfloat16, "cpu")
+        layer.prefill(torch.randn(B, Hkv, T, D).to(torch.bfloat16), torch.randn(B, Hkv, T, D).to(torch.bfloat16), 0)
+        allowed = torch.zeros(B, 1, layer.t[next(iter(layer.t))].shape[2], dtype=torch.bool)
+        allowed[:, :, :T + 1] = True
+
+        def step(q, k, v, slot, layer=layer, allowed=allowed, dense=dense):  # noqa: ANN001, ANN202
+            layer.step(k, v, slot)
+            if dense and layer.fmt.kind == "float":
+                return _attend_dense(q, layer.t["k"], layer.t["v"], allowed, 0.125)
+            return _attend_codes(q, layer, allowed, slot, 0.125)
+
+        fns[kv + (":sdpa" if dense else "")] = torch.compile(step, fullgraph=True, dynamic=False)
+    q, k = torch.randn(B, Hq, 1, D).to(torch.bfloat16), torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
+    slot = torch.tensor([T])
+    t_compile = {}
+    for kv, fn in fns.items():
+        t0 = time.perf_counter()
+        fn(q, k, k, slot)
+        t_compile[kv] = time.perf_counter() - t0
+    times: dict[str, list[float]] = {kv: [] for kv in fns}
+    for rnd in range(args.rounds * 10):
+        for kv in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fns[kv](q, k, k, slot)
+            times[kv].append((time.perf_counter() - t0) / 20)
+    first = statistics.median(times[next(iter(fns))])
+    for kv in fns:
+        med = statistics.median(times[kv])
+        print(f"kv {kv:>9}: attention + write at {T} tokens, batch {B}: {min(times[kv]) * 1e6:7.1f} us best, "
+              f"{med * 1e6:7.1f} us median, {first / med:.2f}x the first; compile {t_compile[kv]:.1f} s")
+
+
+def _compile_child(model: str, weights: str, kv: str, cache_dir: str) -> None:
+    """In a fresh process: build the decoder (compiling, or loading from `cache_dir`) and print the time."""
+    from pathlib import Path
+
+    from fewbits.bench.decode import load_quantized
+    from fewbits.decode import StaticDecoder
+
+    m = load_quantized(model, weights)[0]
+    t0 = time.perf_counter()
+    dec = StaticDecoder(m, kv, 1, 256, cache_dir=Path(cache_dir))
+    print(f"COMPILE {dec.compile_s:.2f} {time.perf_counter() - t0:.2f}")
+
+
+def _compile(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        for label in ("cold", "warm", "warm"):
+            out = subprocess.run([sys.executable, __file__, "_compile_child", "--model", args.model, "--weights",
+                                  args.weights.split(",")[0], "--kv", args.kv.split(",")[0], "--cache-dir", d],
+                                 env=env, capture_output=True, text=True, check=True).stdout
+            secs = next(line.split()[1] for line in out.splitlines() if line.startswith("COMPILE"))
+            print(f"{label}: compile {float(secs):.1f} s ({args.model}, {args.weights.split(',')[0]}, "
+                  f"kv {args.kv.split(',')[0]}; a fresh inductor cache directory)")
+
+
+def _tokens(args: argparse.Namespace) -> None:
+    from fewbits.bench.decode import load_quantized
+    from fewbits.decode.generate import generate_static
+    from fewbits.generate import generate
+    from fewbits.models.loading import load_model
+
+    tok = load_model(args.model, dtype="bf16")[1]
+    ids = tok("The history of the printing press begins in", return_tensors="pt").input_ids
+    for w in args.weights.split(","):
+        m = load_quantized(args.model, w)[0]
+        for kv in args.kv.split(","):
+            ref = generate(m, ids, args.n, kv=kv).tokens[0]
+            got = generate_static(m, ids, args.n, kv=kv).tokens[0]
+            same = int((ref == got).long().cumprod(0).sum())
+            print(f"{w:>10} kv {kv:>9}: {same}/{args.n} greedy tokens equal to the eager path's"
+                  + ("" if same == args.n else f" (first difference at token {same})"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("cmd", choices=["speed", "kv", "attn", "compile", "tokens", "_compile_child"])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--kv", default=None)
+    ap.add_argument("--batch", default=None, help="default 1,8 (speed), 1 (kv)")
+    ap.add_argument("--prompt", default=None)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-n", type=int, default=64, help="tokens: greedy tokens compared")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eager", action="store_true", help="speed/kv on the eager path instead")
+    ap.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
+                "compile": ("int4-g32", "bf16", "128"), "attn": ("", "bf16,bf16:sdpa,int8,int4,int8-r128", "2048"),
+                "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
+                "_compile_child": ("int4-g32", "bf16", "128")}[args.cmd]
+    args.weights = args.weights or defaults[0]
+    args.kv = args.kv or defaults[1]
+    args.prompt = args.prompt or defaults[2]
+    args.batch = args.batch or ("1" if args.cmd in ("kv", "attn") else "1,8")
+    if args.cmd == "_compile_child":
+        return _compile_child(args.model, args.weights, args.kv, args.cache_dir)
+    print(f"{args.cmd}: {args.model}, threads {torch.get_num_threads()}, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, torch {torch.__version__}")
+    if args.cmd == "compile":
+        return _compile(args)
+    if args.cmd == "tokens":
+        return _tokens(args)
+    if args.cmd == "attn":
+        return _attn(args)
+    rows = [(w, kv, int(b), int(p)) for w in args.weights.split(",") for kv in args.kv.split(",")
+            for b in args.batch.split(",") for p in args.prompt.split(",")]
+    _rows(args, rows)
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+
+if __name__ == "__main__":
+    main()

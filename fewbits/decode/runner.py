@@ -1,0 +1,173 @@
+"""The compiled static-cache decode: one `torch.compile`d graph per (model, batch, cache length, KV format).
+
+    dec = StaticDecoder(model, kv="int8", batch=1, max_len=prompt + new)   # compiles (or loads) the step
+    logits = dec.prefill(ids, mask); logits = dec.step(next_ids)            # ... one fixed graph per step
+
+On a CPU inductor generates C++; on a CUDA device the step is compiled with ``mode="reduce-overhead"``, which
+replays it as a CUDA graph (the cache tensors are marked static, so the graph writes them in place).  The
+compiled code is cached on disk under ``$FEWBITS_CACHE/inductor`` (inductor's FX graph cache), set only
+for the duration of the compilation (`compile_scope`), so a second run of the same shapes loads it.
+
+Where compiling is impossible (`why_eager`: an architecture the step does not reproduce, no C++ compiler,
+``FEWBITS_EAGER=1``) callers run the model's own eager forward instead and log that one reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from fewbits.decode.arch import describe, unsupported
+from fewbits.decode.cache import make_cache
+from fewbits.decode.step import forward
+from fewbits.kvcache.format import KVFormat, parse_kv_format
+
+log = logging.getLogger("fewbits.decode")
+SLOT_ROUND = 64  # cache lengths are rounded up to this, so nearby prompt lengths share one graph
+
+
+def inductor_cache_dir() -> Path:
+    """Where compiled graphs are kept between runs: $FEWBITS_CACHE/inductor (default ~/.cache/fewbits)."""
+    base = os.environ.get("FEWBITS_CACHE")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "fewbits") / "inductor"
+
+
+@contextlib.contextmanager
+def compile_scope(cache_dir: Path | None = None) -> Iterator[None]:
+    """Inductor's on-disk caches in `cache_dir` and room for one graph per shape, only inside the block (the
+    process environment and torch's settings are restored after it).  Fused 16-bit operations round between
+    operators as eager PyTorch does (`emulate_precision_casts`): without it inductor keeps fp32 across a fused
+    chain, and SmolLM2's greedy tokens left the eager path's after ~20 tokens."""
+    import torch._dynamo.config as dcfg
+    import torch._inductor.config as icfg
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    d = Path(cache_dir or inductor_cache_dir())
+    d.mkdir(parents=True, exist_ok=True)
+    with temporary_cache_dir(str(d)), icfg.patch(fx_graph_cache=True, emulate_precision_casts=True), \
+            dcfg.patch(recompile_limit=64, accumulated_recompile_limit=1024):
+        yield
+
+
+def why_eager(model: torch.nn.Module, device: torch.device | str = "cpu") -> str | None:
+    """None when the compiled static path can run `model` on `device`, else the one reason it cannot."""
+    if os.environ.get("FEWBITS_EAGER") == "1":
+        return "FEWBITS_EAGER=1"
+    why = unsupported(model)
+    if why is not None:
+        return why
+    if torch.device(device).type == "cpu":
+        from torch._inductor import config as icfg
+
+        cxx = icfg.cpp.cxx[-1] if isinstance(icfg.cpp.cxx, tuple) else icfg.cpp.cxx
+        if not any(shutil.which(c) for c in ([cxx] if cxx else []) + ["g++", "clang++", "c++"]):
+            return "no C++ compiler (g++ / clang++) for inductor's CPU code"
+    return None
+
+
+class StaticDecoder:
+    """A preallocated cache for `batch` sequences of up to `max_len` tokens and the step over it."""
+
+    def __init__(self, model: torch.nn.Module, kv: KVFormat | str = "bf16", batch: int = 1, max_len: int = 256,
+                 compile: bool = True, cache_dir: Path | None = None) -> None:
+        self.model = model
+        self.arch = describe(model)
+        p = next(model.parameters())
+        self.device = p.device
+        self.dtype = model.model.embed_tokens.weight.dtype
+        self.fmt = parse_kv_format(kv)
+        self.max_len = -(-max_len // SLOT_ROUND) * SLOT_ROUND
+        self.cache = make_cache(self.fmt, self.arch.n_layers, batch, self.arch.n_kv_heads, self.arch.head_dim,
+                                self.max_len, self.dtype, self.device)
+        self.max_len = self.cache[0].t[next(iter(self.cache[0].t))].shape[2]
+        self.valid = torch.zeros(batch, self.max_len, dtype=torch.bool, device=self.device)
+        self.batch = batch
+        self.length = 0
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
+        self.compiled = compile
+        self.compile_s = 0.0
+        self._fn = self._decode_eager
+        if compile:
+            from fewbits.kernels.ops import lower_cpu_ops_to_aten
+
+            lower_cpu_ops_to_aten()
+            cuda = self.device.type == "cuda"
+            if cuda:
+                for layer in self.cache:
+                    for t in layer.t.values():
+                        torch._dynamo.mark_static_address(t)
+                torch._dynamo.mark_static_address(self.valid)
+            self._fn = torch.compile(self._decode, fullgraph=True, dynamic=False,
+                                     mode="reduce-overhead" if cuda else None)
+            self._warm(cache_dir)
+
+    def _decode(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot)
+
+    def _decode_eager(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1)
+
+    def _warm(self, cache_dir: Path | None) -> None:
+        """Compile (or load) the step by running it once on the last slot, then forget that write."""
+        ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        slot = torch.tensor([self.max_len - 1], device=self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad(), compile_scope(cache_dir):
+            for _ in range(2 if self.device.type == "cuda" else 1):  # CUDA graphs record on a later call
+                self._fn(ids, self.pos, slot)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compile_s = time.perf_counter() - t0
+        self.valid.zero_()
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Write a (left-padded) prompt ids (B, T) into an empty cache; logits (B, V) of its last position."""
+        B, T = ids.shape
+        if B != self.batch:
+            raise ValueError(f"decoder was built for batch {self.batch}, prompt has {B} rows")
+        if T >= self.max_len:
+            raise ValueError(f"prompt of {T} tokens does not fit a cache of {self.max_len}")
+        mask = torch.ones_like(ids) if mask is None else mask.to(ids.device)
+        self.valid.zero_()
+        self.valid[:, :T] = mask.bool()
+        pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        logits = forward(self.model, self.arch, self.cache, self.valid, ids, pos, None)
+        self.length = T
+        self.pos = pos[:, -1:].clone()
+        return logits
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append one token per sequence, ids (B,) or (B, 1); logits (B, V) of it."""
+        if self.length >= self.max_len:
+            raise ValueError(f"cache of {self.max_len} tokens is full")
+        slot = torch.tensor([self.length], device=self.device)
+        self.pos = self.pos + 1
+        logits = self._fn(ids.view(self.batch, 1), self.pos, slot)
+        self.length += 1
+        return logits.clone() if self.device.type == "cuda" and self.compiled else logits
+
+    @property
+    def kv_nbytes(self) -> int:
+        """Bytes of the cache as stored for the tokens written so far (the format's own accounting)."""
+        from fewbits.formats.kvformat import quantized_tokens
+
+        f, L = self.fmt, self.length
+        total = 0
+        for layer in self.cache:
+            if f.kind == "float":
+                total += sum(t[:, :, :L].numel() * t.element_size() for t in layer.t.values())
+                continue
+            nq = int(quantized_tokens(L, f.residual, layer.G)) if layer.ring else L
+            for name, t in layer.t.items():
+                rows = nq // layer.G if name in ("ks", "km") else (L - nq if name in ("rk", "rv") else nq)
+                total += t[:, :, :rows].numel() * t.element_size()
+        return total

@@ -1,0 +1,138 @@
+"""One forward pass of a supported decoder over the static cache: a prompt (prefill, Python-int slots) or one
+token per sequence (a decode step, every index a tensor: one fixed graph for all steps).
+
+The model's own modules do everything but attention (embedding, norms, projections with their quantised
+kernels, rotary embedding, MLP, LM head); attention reads `fewbits.decode.cache.LayerKV`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fewbits.decode.arch import Arch
+from fewbits.decode.cache import NEG, LayerKV
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """q (B, Hq, n, D), k/v (B, Hkv, T, D) 16-bit, allowed (B, n, T) -> (B, Hq, n, D)."""
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed[:, None],
+                                          scale=scaling, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """One query token per sequence over a quantised layer: q (B, Hq, 1, D), allowed (B, 1, T), slot (1,).
+
+    Scores and the weighted sum of values are reductions over expressions of the codes (scale, minimum
+    and unpacking inside), so a compiled step reads each code once and stores no dequantised copy."""
+    B, Hq, _, D = q.shape
+    f = kv.fmt
+    keys, vals = kv.code_values()  # (B, Hkv, T, D) fp32 expressions
+    Hkv, T = keys.shape[1], keys.shape[2]
+    qg = q.view(B, Hkv, Hq // Hkv, D).float()
+    length = slot + 1
+    parts_s, parts_v = [], []
+    if kv.ring:
+        n_quant = ((length - f.residual) // kv.G * kv.G).clamp_min(0)
+        ar = torch.arange(T, device=q.device)
+        ok_q = allowed[:, :, :T] & (ar < n_quant)  # (B, 1, T)
+    else:
+        ok_q = allowed
+    s_q = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1) * scaling  # (B, Hkv, r, T)
+    parts_s.append(s_q.masked_fill(~ok_q[:, :, None, :].expand_as(s_q), NEG))
+    parts_v.append(vals)
+    if kv.ring:
+        W = kv.ring
+        j = torch.arange(W, device=q.device)
+        tok = slot - (slot - j) % W  # the token each ring slot holds (the latest one congruent to it)
+        ok_r = (tok >= n_quant) & (tok >= 0)
+        ok_r = ok_r & allowed.gather(2, tok.clamp_min(0).view(1, 1, W).expand(B, 1, W))  # (B, 1, W)
+        rk, rv = kv.t["rk"].float(), kv.t["rv"].float()
+        s_r = (qg[:, :, :, None, :] * rk[:, :, None, :, :]).sum(-1) * scaling
+        parts_s.append(s_r.masked_fill(~ok_r[:, :, None, :].expand_as(s_r), NEG))
+        parts_v.append(rv)
+    p = torch.softmax(torch.cat(parts_s, -1), -1)
+    out = None
+    start = 0
+    for s_part, v_part in zip(parts_s, parts_v, strict=True):
+        n = s_part.shape[-1]
+        o = (p[..., start:start + n, None] * v_part[:, :, None, :, :]).sum(-2)  # (B, Hkv, r, D)
+        out = o if out is None else out + o
+        start += n
+    return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch.Tensor, ids: torch.Tensor,
+            pos: torch.Tensor, slot: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+    """Logits (B, V) of the last position.  ids/pos (B, n).  `slot` None: a prefill of n tokens into slots
+    0..n-1 (`valid` already set); else a decode step (n = 1) writing slot `slot` ((1,) long tensor).
+
+    `length` (the tokens held after this step, an int) is given only to an uncompiled step: a quantised
+    cache is then read dequantised into 16 bits, as the eager path reads it (`_attend_dense`), instead of
+    through the fused reductions over its codes (`_attend_codes`) that only pay off compiled."""
+    inner = model.model
+    B, n = ids.shape
+    T = valid.shape[1]
+    h = inner.embed_tokens(ids)
+    ropes = {}
+    for key in arch.rope_keys:
+        cos, sin = inner.rotary_emb(h, pos, key) if key is not None else inner.rotary_emb(h, pos)
+        ropes[key] = (cos.unsqueeze(1), sin.unsqueeze(1))
+    ar = torch.arange(T, device=ids.device)
+    if slot is None:
+        qslot = torch.arange(n, device=ids.device).view(1, n, 1)
+    else:
+        valid.index_fill_(1, slot, True)
+        qslot = slot.view(1, 1, 1)
+    base = valid[:, None, :] & (ar.view(1, 1, T) <= qslot)  # (B, n, T)
+    if slot is None:  # a padding query sees itself: its row stays finite (and is never attended to)
+        base = base | (ar.view(1, 1, T) == qslot)
+    masks: dict[int | None, torch.Tensor] = {None: base}
+    Hq, Hkv, D = arch.n_heads, arch.n_kv_heads, arch.head_dim
+    for layer, plan, kv in zip(inner.layers[: arch.n_layers], arch.layers, cache, strict=True):
+        if plan.window not in masks:
+            masks[plan.window] = base & (qslot - ar.view(1, 1, T) < plan.window)
+        allowed = masks[plan.window]
+        attn = layer.self_attn
+        res = h
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(B, n, Hq, D)
+        k = attn.k_proj(x).view(B, n, Hkv, D)
+        v = attn.v_proj(x).view(B, n, Hkv, D).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        cos, sin = ropes[plan.rope_key]
+        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        if slot is None:
+            kv.prefill(k, v, 0)
+            kd, vd = kv.dense(n, q.dtype)
+            o = _attend_dense(q, kd, vd, allowed[:, :, :n], plan.scaling)
+        else:
+            kv.step(k, v, slot)
+            if length is not None:
+                kd, vd = kv.dense(length, q.dtype)
+                o = _attend_dense(q, kd, vd, allowed[:, :, :length], plan.scaling)
+            else:
+                o = _attend_codes(q, kv, allowed, slot, plan.scaling)
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
+        if arch.sandwich:
+            h = res + layer.post_attention_layernorm(o)
+            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+        else:
+            h = res + o
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+    logits = model.lm_head(inner.norm(h[:, -1:]))[:, -1]
+    if arch.final_softcap:
+        logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
+    return logits

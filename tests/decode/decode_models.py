@@ -1,0 +1,40 @@
+"""Tiny random models of each family the static decode path reproduces (Llama, Qwen2, Qwen3, Gemma-3)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+COMMON = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512)
+
+
+def build(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**COMMON))
+    elif family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**COMMON))  # q/k/v biases
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=32))  # q/k norms
+    elif family == "gemma3":  # sandwich norms, q/k norms, a sliding window shorter than the test's context
+        cfg = Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=32, sliding_window=8,
+                               layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                               query_pre_attn_scalar=32)
+        model = Gemma3ForCausalLM(cfg)
+        with torch.no_grad():  # transformers initialises Gemma's norm weights to 0 (scale 1): vary them
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0, 0.3)
+    else:
+        raise ValueError(family)
+    return model.to(dtype).eval()

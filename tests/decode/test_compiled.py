@@ -1,0 +1,78 @@
+"""The compiled step: one graph without breaks (quantised matmuls as registered operators), the eager path's
+greedy tokens, and the compile cache scoped to the call."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from decode_models import build
+
+from fewbits.decode.runner import StaticDecoder, compile_scope, why_eager
+
+
+def quantised(model: torch.nn.Module, fmt: str, lm_head: str | None = None) -> torch.nn.Module:
+    from fewbits.api import quantize
+    from fewbits.kernels import prepare_linear
+    from fewbits.models.recipe import Recipe
+
+    quantize(model, Recipe.from_format(fmt, misfit="regroup", lm_head=lm_head), progress=False, chooser=prepare_linear)
+    return model
+
+
+@pytest.fixture(scope="module")
+def int4_llama() -> torch.nn.Module:
+    return quantised(build("llama", torch.bfloat16), "int4-g32", lm_head="int8")
+
+
+def test_step_is_one_graph_with_quantised_ops(int4_llama: torch.nn.Module) -> None:
+    """torch._dynamo.explain over a decode step with int4 linears, an int8 LM head and an int4 KIVI cache."""
+    dec = StaticDecoder(int4_llama, "int4-g8-r8", 1, 40, compile=False)
+    dec.prefill(torch.randint(4, 320, (1, 12)))
+    ids, slot = torch.tensor([[5]]), torch.tensor([12])
+    with torch.no_grad():
+        ex = torch._dynamo.explain(dec._decode)(ids, dec.pos + 1, slot)
+    assert ex.graph_break_count == 0, ex.break_reasons
+    assert ex.graph_count == 1
+    targets = {str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("fewbits.int4pack_mm" in t for t in targets), sorted(targets)[:20]
+    assert any("fewbits.int8pack_mm" in t for t in targets)
+
+
+@pytest.mark.parametrize("kv", ["bf16", "int8", "int4-g8-r8"])
+def test_compiled_step_equals_uncompiled(int4_llama: torch.nn.Module, kv: str, tmp_path) -> None:
+    """Teacher-forced with the eager path's greedy tokens, the compiled step's logits equal the uncompiled
+    step's (whose tokens are the eager path's, test_static.py) to bf16 rounding: the compiled attention reads
+    a quantised cache's codes with the scale folded in (fp32), the uncompiled one a bf16 copy.  (A random
+    bf16 model's logits lie too close together for its greedy tokens to be a stable reference.)"""
+    from fewbits.generate import generate
+
+    if why_eager(int4_llama) is not None:
+        pytest.skip(why_eager(int4_llama))
+    ids = torch.randint(4, 320, (1, 10), generator=torch.Generator().manual_seed(5))
+    ref = generate(int4_llama, ids, 12, kv=kv).tokens
+    runs = []
+    for compiled in (True, False):
+        dec = StaticDecoder(int4_llama, kv, 1, 22, compile=compiled, cache_dir=tmp_path)
+        logits = [dec.prefill(ids)]
+        for i in range(11):
+            logits.append(dec.step(ref[:, i]))
+        runs.append(torch.stack(logits, 1).float())
+        if compiled:
+            assert dec.compile_s > 0
+    got, want = runs
+    torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
+    assert any(tmp_path.rglob("*")), "inductor wrote nothing to the scoped cache directory"
+
+
+def test_compile_scope_restores_the_environment(tmp_path) -> None:
+    before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    with compile_scope(tmp_path):
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
+    assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before
+
+
+def test_eager_reason_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEWBITS_EAGER", "1")
+    assert why_eager(build("llama")) == "FEWBITS_EAGER=1"
