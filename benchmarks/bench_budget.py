@@ -22,7 +22,7 @@ import json
 import os
 import time
 
-CANDIDATES = ("int3-g64", "int4-g64", "int4-g32", "int5-g64", "int6-g64", "int8")
+CANDIDATES = ("int3-g64", "int3-g32", "int4-g64", "int4-g32", "int5-g64", "int5-g32", "int6-g64", "int8")
 MIX_BPW = (3.5, 4.25, 5.0, 6.0)
 KINDS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -184,7 +184,7 @@ def report(args: argparse.Namespace) -> None:
                          + " | ".join(f"{r['kl'][c]:.4f}" for c in cats)
                          + (f" | {1e3 * step:.3f} |" if step else " | - |"))
         base = next((r for r in rows if r["label"] == "uniform int4-g64"), None)
-        for mix in (r for r in rows if r["label"].endswith("mix bpw=4.25") and base):
+        for mix in (r for r in rows if "mix bpw=4.25" in r["label"] and base):
             gain = 1 - mix["kl_mean"] / base["kl_mean"]
             lines += ["", f"{mix['label']}: at the bytes of uniform int4-g64 ({base['linear_bytes']:,} vs "
                       f"{mix['linear_bytes']:,} bytes) KL {mix['kl_mean']:.4f} against {base['kl_mean']:.4f}, "

@@ -29,7 +29,7 @@ from fewbits.models.recipe import DEFAULT_IGNORE, Recipe, Rule
 from fewbits.models.swap import linear_shapes, model_nbytes
 
 #: candidates when none are given: 3 to 8 bits, all symmetric with 16-bit scales
-DEFAULT_CANDIDATES = ("int3-g64", "int4-g64", "int4-g32", "int5-g64", "int6-g64", "int8")
+DEFAULT_CANDIDATES = ("int3-g64", "int3-g32", "int4-g64", "int4-g32", "int5-g64", "int5-g32", "int6-g64", "int8")
 #: decode context (tokens per sequence, batch 1) at which a step-ms budget is costed
 STEP_CONTEXT = 2048
 #: calibration samples on which each layer's proxy is rescaled by its true single-layer KL (one forward pass of
