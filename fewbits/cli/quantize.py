@@ -59,8 +59,8 @@ def calibration_ids(tokenizer, seq_len: int, n_windows: int):  # noqa: ANN001, A
                    "(bits per weight of the linears), size=BYTES (whole model, e.g. 1.2GB) or step-ms=MS (predicted "
                    "batch-1 decode step on --device); writes OUT/recipe.toml and OUT/budget.json too")
 @click.option("--candidates", default=None,
-              help="formats --budget chooses from, comma-separated (default int3-g64,int4-g64,int4-g32,int5-g64,"
-                   "int6-g64,int8)")
+              help="formats --budget chooses from, comma-separated (default int3-g64,int3-g32,int4-g64,int4-g32,"
+                   "int5-g64,int5-g32,int6-g64,int8)")
 @click.option("--device", default=None, help="cost-model device (e.g. h100) for --budget's predicted step time")
 @click.option("--stream/--no-stream", "stream", default=None,
               help="read, quantise and write one decoder block at a time, for models bigger than memory (a model "
