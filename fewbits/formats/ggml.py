@@ -268,7 +268,7 @@ def dequantize(codes: torch.Tensor, header: torch.Tensor, fmt: Format, dtype: to
 def column_grid(header: torch.Tensor, fmt: Format, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Header bytes (rows, blocks * header_bytes) -> each column's s and m (rows, cols), m None without a min.
 
-    For a calibrated method (GPTQ) writing a K-quant: it fixes a super-block's header when it reaches the
+    For a calibrated method (GPTQ) writing a block type: it fixes a block's header when it reaches the
     block's first column (`quantize(W[:, j:j + 256])[1]` on the weights as updated so far), then takes each
     column's codes with `encode` against these s and m, so its codes land in the block without re-rounding."""
     t = gtype(fmt)
@@ -279,21 +279,29 @@ def column_grid(header: torch.Tensor, fmt: Format, cols: int) -> tuple[torch.Ten
 
 
 def encode(x: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, fmt: Format) -> torch.Tensor:
-    """The nearest codes (uint8, x's shape) of float32 weights x on the fixed grids s * (c - offset) + m, with
-    the arithmetic llama.cpp's K-quant quantisers use once their scales are final: round((x - m) / s) for
-    Q4_K / Q5_K, round(x / s) + 32 for Q6_K (round-half-even, clamped).  Where s is 0 every code decodes to
-    the same value and code 0 is given (llama.cpp keeps its search's code there: same values, other bits).
-    The 32-weight types are not here: their codes come from the unrounded fp32 scale, which fewbits' int
-    formats reproduce (int4-g32 is Q4_0's grid)."""
+    """The nearest codes (uint8, x's shape) of float32 weights x on the fixed grids s * (c - offset) + m:
+    round((x - m) / s) for the types with a min, round(x / s) + offset for the others (round-half-even,
+    clamped to the code range), the arithmetic llama.cpp's K-quant quantisers use once their scales are final.
+    Where s is 0 every code decodes to the same value and code 0 is given (llama.cpp keeps its search's code
+    there: same values, other bits).
+
+    For the 32-weight types the grid is the stored one (fp16 d), while llama.cpp's reference rounds with the
+    unrounded fp32 d (and halves up): the codes are then the nearest on the grid the file decodes, and differ
+    from `quantize`'s only where a weight sits within the fp16 rounding of d of a rounding boundary."""
     t = gtype(fmt)
-    if t.block != 256:
-        raise FormatError(f"{fmt.spec}: codes under a fixed header are for the K-quants; use int{t.bits}-g32")
     x = x.to(F32)
-    if t.name == "q6_k":
-        c = torch.round(x / s).clamp(-32, 31) + 32
-    else:
+    if t.has_min:
         c = torch.round((x - m) / s).clamp(0, 2**t.bits - 1)
+    else:
+        c = torch.round(x / s).clamp(-t.offset, 2**t.bits - 1 - t.offset) + t.offset
     return torch.where(s == 0, torch.zeros_like(c), c).to(torch.uint8)
+
+
+def decode(c: torch.Tensor, s: torch.Tensor, m: torch.Tensor | None, fmt: Format) -> torch.Tensor:
+    """Codes c on the grids s, m (any matching shapes) -> float32 values, with `dequantize`'s arithmetic, so a
+    column decoded here is bit for bit the column `dequantize` (and gguf-py) gives."""
+    v = (c.to(torch.int16) - gtype(fmt).offset).float() * s
+    return v + m if m is not None else v
 
 
 # ---------------------------------------------------------------------- GGUF block bytes

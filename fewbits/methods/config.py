@@ -155,8 +155,9 @@ class GPTQ(MethodConfig):
     results), lazy block width, and group scales from the original weights (static groups)."""
 
     method: ClassVar[str] = "gptq"
-    kinds: ClassVar[frozenset[str] | None] = INT_KINDS
-    takes: ClassVar[str] = "integer formats (int2..int8, any grouping, sym or asym)"
+    kinds: ClassVar[frozenset[str] | None] = INT_KINDS | {"ggml"}
+    takes: ClassVar[str] = "integer formats (int2..int8, any grouping, sym or asym) and llama.cpp's block types " \
+                           "(q4_0 ... q8_0, q4_k, q5_k, q6_k)"
     float_zeros: ClassVar[bool] = False  # the column loop rounds on an integer grid: round(w / s) + z
 
     damp: float = 0.01
@@ -204,6 +205,8 @@ class AWQGPTQ(GPTQ):
     """AWQ scales folded into the model (no clipping), then GPTQ on the scaled weights."""
 
     method: ClassVar[str] = "awq+gptq"
+    kinds: ClassVar[frozenset[str] | None] = INT_KINDS  # as AWQ's search
+    takes: ClassVar[str] = "integer formats (int2..int8, any grouping, sym or asym)"
 
     grid: int = 20
     search_tokens: int = 512

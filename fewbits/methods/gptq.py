@@ -26,14 +26,21 @@ Deviations and additions:
   keep their column order and no index permutation has to be stored; otherwise each group's scale is
   taken from the already-updated weights when quantisation reaches the group (block size is rounded up
   to a multiple of the group size so a group lies inside one lazy block and is fully up to date).
+* llama.cpp's block types (q4_0 ... q8_0, and the K-quants q4_k, q5_k, q6_k with 256-weight super-blocks
+  of sub-block scales and mins): a block plays the part of a group.  Its header is the one llama.cpp's
+  reference quantiser picks for the block's weights as updated when quantisation reaches the block (static:
+  for the original weights), and each column's codes are the nearest on that header's grid (`BlockGrid`),
+  so the codes and headers are the GGUF file's bytes.  They run on the plain torch loop.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
+from fewbits.formats import ggml
 from fewbits.formats.format import Format
 from fewbits.formats.quant import all_finite, compute_scales
 from fewbits.methods import backend as backends
@@ -102,6 +109,68 @@ def spread_tile(w_rest: torch.Tensor, err: torch.Tensor, hs: torch.Tensor) -> No
         w_rest -= err[:, t:t + 1] * hs[t]
 
 
+class IntGrid:
+    """Rounding on an integer format's grid: group scales (and zero points) in `scale`, `zero` (rows, n_groups),
+    filled in by `start` when quantisation reaches a group unless they are static."""
+
+    def __init__(self, scale: torch.Tensor, zero: torch.Tensor | None, fmt: Format, order: torch.Tensor, g: int,
+                 name: str) -> None:
+        self.scale, self.zero, self.fmt, self.g, self.name = scale, zero, fmt, g, name
+        self.qlo, self.qhi, self.off = int_range(fmt)
+        self.group_of = (order // g).tolist()  # the group of the j-th column quantised (a host list: no sync)
+
+    def start(self, W: torch.Tensor, a: int, a1: int) -> None:
+        """A new group (columns a..a1 of W, in quantisation order): its scales from its weights as they are now."""
+        s_, z_ = group_scales(W[:, a:a1], self.fmt, self.name)
+        self.scale[:, a // self.g] = s_
+        if self.zero is not None:
+            self.zero[:, a // self.g] = z_
+
+    def round(self, j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes (rows,) uint8 of column j (quantisation order) with weights w, and the values they decode to."""
+        s = self.scale[:, self.group_of[j]]
+        z = self.zero[:, self.group_of[j]] if self.zero is not None else 0.0
+        q = torch.clamp(torch.round(w / s), self.qlo - z, self.qhi - z)  # quant(w_q), in units of the scale
+        return (q + z + self.off).to(torch.uint8), q * s
+
+
+class BlockGrid:
+    """Rounding on a llama.cpp block type's grids (Q4_0 ... Q6_K, `fewbits.formats.ggml`).  A block's header
+    (its fp16 scale, or a K-quant's super-block scales and 6/8-bit sub-block scales and mins) is chosen as
+    llama.cpp's reference quantiser chooses it, from the block's weights as updated when quantisation reaches
+    its first column (`start`), or once from the original weights when static (act-order: the columns of a
+    block are then not quantised together).  Each column's codes are the nearest on that fixed grid
+    (`ggml.encode`), so the header bytes and codes are what the GGUF file stores, never rounded again.
+
+    header (rows, blocks * header_bytes) float: the headers' bytes, as `QuantResult.scale` holds them."""
+
+    def __init__(self, header: torch.Tensor, fmt: Format, order: torch.Tensor, static: bool) -> None:
+        self.header, self.fmt, self.t = header, fmt, ggml.gtype(fmt)
+        rows, cols = header.shape[0], order.numel()
+        if static:  # each column's grid, permuted to quantisation order
+            s, m = ggml.column_grid(header.to(torch.uint8), fmt, cols)
+            self.s, self.m = s[:, order], (m[:, order] if m is not None else None)
+        else:
+            self.s = torch.zeros(rows, cols, device=header.device)
+            self.m = torch.zeros(rows, cols, device=header.device) if self.t.has_min else None
+
+    def start(self, W: torch.Tensor, a: int, a1: int) -> None:
+        """A new block (columns a..a1 of W, natural order): llama.cpp's header for its current weights."""
+        hb, k = self.t.header_bytes, a // self.t.block
+        h = ggml.quantize(W[:, a:a1], self.fmt)[1]  # (rows, header_bytes) uint8
+        self.header[:, k * hb:(k + 1) * hb] = h.float()
+        s, m = ggml.column_grid(h, self.fmt, a1 - a)
+        self.s[:, a:a1] = s
+        if m is not None:
+            self.m[:, a:a1] = m
+
+    def round(self, j: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `IntGrid.round`: the nearest codes of column j on its block's grid, and their exact values."""
+        s, m = self.s[:, j], (self.m[:, j] if self.m is not None else None)
+        c = ggml.encode(w, s, m, self.fmt)
+        return c, ggml.decode(c, s, m, self.fmt)
+
+
 def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: torch.Tensor,
                  zero: torch.Tensor | None, fmt: Format, block: int, static: bool, name: str
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,8 +179,9 @@ def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: t
 
     scale, zero (rows, n_groups): the group scales; with `static` they are given (column order[j] uses
     group order[j] // g), otherwise they are filled in here, each group's from its weights as updated when
-    quantisation reaches it.  Returns the codes (rows, cols) in W's column order and every row's OBS loss
-    sum_q (w_q - quant(w_q))^2 / [H^-1]_qq / 2.
+    quantisation reaches it.  For a llama.cpp block type, scale holds the block headers' bytes (rows,
+    blocks * header_bytes) and zero is None (`BlockGrid`).  Returns the codes (rows, cols) in W's column
+    order and every row's OBS loss sum_q (w_q - quant(w_q))^2 / [H^-1]_qq / 2.
 
     Inside a block, eq. 2 moves the later columns after each column is rounded.  It is applied in tiles of
     TILE columns: within a tile column by column, to the rest of the block once per tile (`spread_tile`).
@@ -120,8 +190,7 @@ def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: t
     """
     rows, cols = W.shape
     g = fmt.group_size if fmt.granularity == "group" else cols
-    qlo, qhi, off = int_range(fmt)
-    group_of = (order // g).tolist()  # the group of the j-th column quantised (a host list: no sync per column)
+    grid = BlockGrid(scale, fmt, order, static) if fmt.kind == "ggml" else IntGrid(scale, zero, fmt, order, g, name)
     W = W[:, order]  # (rows, cols), a copy in quantisation order: the loop updates it in place
     Q = torch.empty(rows, cols, dtype=torch.uint8, device=W.device)
     losses = torch.zeros(rows, device=W.device)
@@ -134,21 +203,15 @@ def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: t
         for a in range(b0, b1, b1 - b0 if static else g):  # the block, or one group of it at a time
             a1 = b1 if static else a + g
             if not static:  # a new group: its scales from the weights as updated so far
-                s_, z_ = group_scales(W[:, a:a1], fmt, name)
-                scale[:, a // g] = s_
-                if zero is not None:
-                    zero[:, a // g] = z_
+                grid.start(W, a, a1)
             for t0 in range(a, a1, TILE):
                 t1 = min(t0 + TILE, a1)
                 err_t = torch.empty(rows, t1 - t0, device=W.device)  # the tile's errors
                 for j in range(t0, t1):
                     i = j - b0
-                    s = scale[:, group_of[j]]
-                    z = zero[:, group_of[j]] if zero is not None else 0.0
                     w = W[:, j]
-                    q = torch.clamp(torch.round(w / s), qlo - z, qhi - z)  # quant(w_q), in units of the scale
-                    err = w - q * s
-                    Q[:, j] = (q + z + off).to(torch.uint8)
+                    Q[:, j], value = grid.round(j, w)  # quant(w_q)
+                    err = w - value
                     E[:, i] = err / d[i]
                     err_t[:, j - t0] = err
                     W[:, j + 1:t1] -= err[:, None] * Hs[i, i + 1:t1 - b0]  # eq. 2 inside the tile
@@ -156,6 +219,20 @@ def gptq_columns(W: torch.Tensor, U: torch.Tensor, order: torch.Tensor, scale: t
         losses += (E * E).sum(1) / 2
         W[:, b1:].addmm_(E, U[b0:b1, b1:], alpha=-1)  # eq. 4: the block's errors reach every later column
     return Q[:, torch.argsort(order)], losses
+
+
+def _column_loop(dev: torch.device, backend: str | None, fmt: Format, name: str) -> str:
+    """The column loop's backend (`fewbits.methods.backend`).  The compiled loop rounds on integer grids only: a
+    llama.cpp block type runs the plain torch loop, and asking for numba by name for one is an error."""
+    chosen = backends.choose(dev, backend)
+    if fmt.kind != "ggml" or chosen != "numba":
+        return chosen
+    asked = backend if backend is not None else os.environ.get(backends.ENV, "")
+    if asked.strip().lower() == "numba":
+        source = "backend argument" if backend is not None else backends.ENV
+        raise MethodError(f"{name}: the numba column loop of GPTQ takes integer formats, not {fmt.spec} ({source} "
+                          f"asks for numba); use the torch or auto backend, which run {fmt.spec} on torch")
+    return "torch"
 
 
 def gptq_quantize(
@@ -191,7 +268,7 @@ def gptq_quantize(
     if not all_finite(W):
         raise MethodError(f"{name}: weight of shape {(rows, cols)} contains NaN or inf")
     dev = W.device
-    fast = backends.choose(dev, backend) == "numba"
+    fast = _column_loop(dev, backend, fmt, name) == "numba"
     H = hessian.detach().to(dev, torch.float32)  # never written: copied before any change below
     dead = torch.diag(H) <= 0
     if bool(dead.all()):
@@ -214,6 +291,9 @@ def gptq_quantize(
         if fmt.granularity == "tensor":  # broadcast the single scale to every row
             scale = scale.expand(rows, 1).contiguous()
             zero = zero.expand(rows, 1).contiguous() if zero is not None else None
+    elif fmt.kind == "ggml":  # block headers' bytes, filled in by the column loop block by block
+        scale = torch.zeros(rows, cols // g * ggml.gtype(fmt).header_bytes, device=dev)
+        zero = None
     else:  # filled in by the column loop, group by group
         scale = torch.zeros(rows, cols // g, device=dev)
         zero = torch.zeros(rows, cols // g, device=dev) if not fmt.symmetric else None

@@ -133,10 +133,12 @@ def test_misshapen_headers_are_refused_by_name():
         quantize_tensor(torch.randn(4, 96), "q4_k", name="w")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "hqq"])
+@pytest.mark.parametrize("method", ["awq", "awq+gptq", "hqq"])
 def test_calibrated_methods_refuse_block_types(method):
+    """GPTQ takes the block types (tests/methods/test_gptq_ggml.py); the others do not, and say so."""
     with pytest.raises(MethodError, match="q4_k"):
         check_method_format(method, "q4_k")
+    assert check_method_format("gptq", "q4_k").spec == "q4_k"
 
 
 def test_float64_input_quantises_as_float32():
@@ -193,5 +195,21 @@ def test_codes_under_fixed_headers_are_llama_cpps(spec):
     assert live.float().mean() > 0.9
     assert torch.equal(mine[live], codes[live])
     assert torch.equal(ggml.dequantize(mine, header, fmt), ggml.dequantize(codes, header, fmt))
-    with pytest.raises(Exception, match="int4-g32"):
-        ggml.encode(w[:, :32], torch.ones(8, 32), None, parse_format("q4_0"))
+
+
+@pytest.mark.parametrize("spec", ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0"])
+def test_codes_under_fixed_32_weight_headers_are_the_nearest(spec):
+    """The 32-weight types: encoded on the header llama.cpp's reference picks, every weight gets the nearest
+    value of the grid the file decodes (fp16 d and min), so no worse than llama.cpp's codes (rounded with the
+    unrounded d), and the codes are llama.cpp's but for near-ties and zero blocks."""
+    fmt = parse_format(spec)
+    w = _weights(8, 1024, seed=7)
+    codes, header = ggml.quantize(w, fmt)
+    s, m = ggml.column_grid(header, fmt, w.shape[1])
+    mine = ggml.encode(w, s, m, fmt)
+    err_mine = (ggml.dequantize(mine, header, fmt) - w).abs()
+    err_ref = (ggml.dequantize(codes, header, fmt) - w).abs()
+    assert (err_mine <= err_ref).all()
+    live = s != 0  # where d is 0 any code decodes to the same value
+    assert live.float().mean() > 0.7 and (mine == codes)[live].float().mean() > 0.99
+    assert torch.equal(ggml.decode(mine, s, m, fmt), ggml.dequantize(mine, header, fmt))
