@@ -23,6 +23,16 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + _rotate_half(x) * sin
 
 
+def _stored(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself, but stored once by a compiled graph instead of recomputed where it is used.
+
+    Inductor inlines a pointwise result into every consumer; the query's rotary embedding (a cos and a
+    sin per element) was recomputed for each of the T cache slots inside the score reduction, ~0.4 ms a
+    layer at 256 slots, the largest part of a SmolLM2 step.  A strided view needs a stored buffer, so it
+    makes inductor write the value once (eagerly it is a no-op view)."""
+    return x.as_strided(x.shape, x.stride())
+
+
 def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
                   scaling: float) -> torch.Tensor:
     """q (B, Hq, n, D), k/v (B, Hkv, T, D) 16-bit, allowed (B, n, T) -> (B, Hq, n, D)."""
@@ -113,7 +123,7 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = ropes[plan.rope_key]
-        q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)
+        q, k = _stored(_rope(q.transpose(1, 2), cos, sin)), _rope(k.transpose(1, 2), cos, sin)
         if slot is None:
             kv.prefill(k, v, 0)
             kd, vd = kv.dense(n, q.dtype)

@@ -76,3 +76,36 @@ def test_compile_scope_restores_the_environment(tmp_path) -> None:
 def test_eager_reason_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FEWBITS_EAGER", "1")
     assert why_eager(build("llama")) == "FEWBITS_EAGER=1"
+
+
+def _reduction_bodies(fn, *args) -> list[str]:  # noqa: ANN001 - the reduction loops' bodies of fn's C++ code
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with compile_scope():
+        _, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False), *args)
+    return re.findall(r"tmp_acc\w*_vec = [^;]*;(.*?)vec_reduce_all", code, re.S)
+
+
+def test_query_rotary_embedding_is_stored_once_not_recomputed_per_slot() -> None:
+    """Inductor inlines a pointwise query into the score reduction over every cache slot, recomputing its
+    cos/sin per slot (0.4 ms a layer on SmolLM2); `_stored` makes it write the query once.  The identity
+    shows the check can see the recomputation."""
+    from fewbits.decode.step import _rope, _stored
+
+    q, k = torch.randn(1, 3, 1, 64).to(torch.bfloat16), torch.randn(1, 3, 256, 64).to(torch.bfloat16)
+    ang = torch.randn(1, 1, 1, 64)
+
+    def scores(q, k, ang, keep=_stored):  # noqa: ANN001, ANN202
+        qr = keep(_rope(q, ang.cos().to(q.dtype), ang.sin().to(q.dtype)))
+        return (qr.float() * k.float()).sum(-1)
+
+    assert any(".cos()" in b for b in _reduction_bodies(lambda *a: scores(*a, keep=lambda x: x), q, k, ang))
+    bodies = _reduction_bodies(scores, q, k, ang)
+    assert bodies and not any(".cos()" in b for b in bodies)
+    ref = (_rope(q, ang.cos().to(q.dtype), ang.sin().to(q.dtype)).float() * k.float()).sum(-1)
+    torch._dynamo.reset()
+    with compile_scope():  # fused 16-bit arithmetic rounds as eager does: the same scores
+        torch.testing.assert_close(torch.compile(scores, fullgraph=True)(q, k, ang), ref, atol=1e-5, rtol=1e-5)
