@@ -119,6 +119,35 @@ def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: floa
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def decode_loop(prefill: Callable[[], torch.Tensor], step: Callable[[torch.Tensor], torch.Tensor],
+                max_new_tokens: int, sync: Callable[[], None], do_sample: bool = False, temperature: float = 1.0,
+                top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
+                generator: torch.Generator | None = None) -> tuple[torch.Tensor, float, list[float]]:
+    """The prefill-then-step loop every decode path shares: `prefill()` gives the prompt's last logits (B, V),
+    `step(ids)` appends one token per sequence and gives its logits.  Returns the tokens (B, n) (a finished
+    sequence padded with `eos_token_id`), the prefill's wall time and every step's, each ended by `sync`."""
+    sync()
+    t0 = time.perf_counter()
+    nxt = sample_next(prefill(), do_sample, temperature, top_k, top_p, generator)
+    sync()
+    prefill_s = time.perf_counter() - t0
+    tokens = [nxt]
+    done = nxt == eos_token_id if eos_token_id is not None else None
+    steps: list[float] = []
+    for _ in range(max_new_tokens - 1):
+        if done is not None and bool(done.all()):
+            break
+        t1 = time.perf_counter()
+        nxt = sample_next(step(nxt), do_sample, temperature, top_k, top_p, generator)
+        if done is not None:
+            nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+            done |= nxt == eos_token_id
+        sync()
+        steps.append(time.perf_counter() - t1)
+        tokens.append(nxt)
+    return torch.stack(tokens, 1), prefill_s, steps
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -149,37 +178,21 @@ def generate(
     kw = cache_kwargs(model, cache)
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     pos = (mask.cumsum(-1) - 1).clamp_min(0)  # (B, T) positions from each first real token
-    sync = synchronizer(device)
-    with attention_backends(device):  # the whole decode: prefill and steps
-        sync()
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                    **kw)
-        nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
-        sync()
-        prefill_s = time.perf_counter() - t0
+    state = {"mask": mask, "pos": pos[:, -1:]}
 
-        tokens = [nxt]
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
-        last_pos = pos[:, -1:]
-        steps: list[float] = []
-        for _ in range(max_new_tokens - 1):
-            if bool(done.all()):
-                break
-            t1 = time.perf_counter()
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
-            last_pos = last_pos + 1
-            out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
-                        logits_to_keep=1, **kw)
-            nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            sync()
-            steps.append(time.perf_counter() - t1)
-            tokens.append(nxt)
-        fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
-        nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
-        return GenerationResult(torch.stack(tokens, 1), T, prefill_s, steps, nbytes, fmt)
+    def prefill() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                     **kw).logits[:, -1]
+
+    def step(nxt: torch.Tensor) -> torch.Tensor:
+        state["mask"] = torch.cat([state["mask"], torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
+        state["pos"] = state["pos"] + 1
+        return model(input_ids=nxt.unsqueeze(-1), attention_mask=state["mask"], position_ids=state["pos"],
+                     use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+
+    with attention_backends(device):  # the whole decode: prefill and steps
+        tokens, prefill_s, steps = decode_loop(prefill, step, max_new_tokens, synchronizer(device), do_sample,
+                                               temperature, top_k, top_p, eos_token_id, gen)
+    fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
+    nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
+    return GenerationResult(tokens, T, prefill_s, steps, nbytes, fmt)

@@ -10,12 +10,11 @@ per reason).
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from fewbits.decode.runner import SLOT_ROUND, StaticDecoder, compile_scope, why_eager
-from fewbits.generate import GenerationResult, attention_backends, generate, sample_next, synchronizer
+from fewbits.generate import GenerationResult, attention_backends, decode_loop, generate, synchronizer
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 log = logging.getLogger("fewbits.decode")
@@ -71,28 +70,9 @@ def generate_static(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tok
     if mask.shape != ids.shape:
         raise ValueError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    sync = synchronizer(device)
     with attention_backends(device), compile_scope():
-        sync()
-        t0 = time.perf_counter()
-        nxt = sample_next(dec.prefill(ids, mask), do_sample, temperature, top_k, top_p, gen)
-        sync()
-        prefill_s = time.perf_counter() - t0
-        tokens = [nxt]
-        done = torch.zeros(B, dtype=torch.bool, device=device)
-        if eos_token_id is not None:
-            done |= nxt == eos_token_id
-        steps: list[float] = []
-        for _ in range(max_new_tokens - 1):
-            if eos_token_id is not None and bool(done.all()):
-                break
-            t1 = time.perf_counter()
-            nxt = sample_next(dec.step(nxt), do_sample, temperature, top_k, top_p, gen)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            sync()
-            steps.append(time.perf_counter() - t1)
-            tokens.append(nxt)
-    return GenerationResult(torch.stack(tokens, 1), T, prefill_s, steps, dec.kv_nbytes, dec.fmt.spec,
+        tokens, prefill_s, steps = decode_loop(lambda: dec.prefill(ids, mask), dec.step, max_new_tokens,
+                                               synchronizer(device), do_sample, temperature, top_k, top_p,
+                                               eos_token_id, gen)
+    return GenerationResult(tokens, T, prefill_s, steps, dec.kv_nbytes, dec.fmt.spec,
                             path="compiled", compile_s=dec.compile_s)
