@@ -1,12 +1,13 @@
 """fewbits decode speed beside llama.cpp on the same model, prompt token ids, thread count and machine.
 
-Model: the packaged SmolLM2-135M-Instruct.  llama.cpp runs the packaged GGUF as shipped (Q4_1 linears,
-Q8_0 tied embedding/LM head) and GGUFs requantised from it with llama.cpp's own `llama_model_quantize`:
-F16 and BF16 (16-bit baselines) and Q8_0 / Q4_0 with the embedding kept F16, as fewbits keeps its LM head
-and embeddings 16-bit (the bf16 rows of both engines hold the same dequantised Q4_1 values).  fewbits
-loads the same weights (its cached conversion of that GGUF) and quantises the linears per format with the
-kernel dispatcher's fast CPU paths (`fewbits.bench.decode.load_quantized`) and decodes with
-`fewbits.generate.generate`, which times every decode step.  Both engines: batch 1, greedy, the same random
+Model: a packaged one (`--model`: SmolLM2-135M-Instruct, Gemma-3-270M).  llama.cpp runs the packaged GGUF
+as shipped (label `shipped`: SmolLM2's Q4_1 linears with a Q8_0 tied embedding/LM head; Gemma's Q4_K_M) and
+GGUFs requantised from it with llama.cpp's own `llama_model_quantize`: F16 and BF16 (16-bit baselines) and
+Q8_0 / Q4_0 with the embedding kept F16 (the bf16 rows of both engines hold the same dequantised values), and
+with `--fewbits-gguf` fewbits' own GGUF exports.  fewbits loads the same weights (its cached conversion of
+that GGUF), quantises the linears per format (`FORMAT+h:HEAD` the LM head too) with the kernel dispatcher's
+fast CPU paths (`fewbits.bench.decode.load_quantized`) and decodes on its compiled static-cache step
+(`--eager`: the eager path), timing every decode step.  Both engines: batch 1, greedy, the same random
 prompt ids, `--steps` decode steps after the prefill, step times excluding the prefill; reported: the
 fastest step (as `fewbits bench`) and the median.  Engines alternate within each repeat, so a burst of load
 from another process hits both alike.
@@ -190,15 +191,16 @@ def truncate_gguf(src: str, dst: str, n_layers: int) -> None:
 def llama_models(worker: Worker, packaged: str, workdir: str, kinds: list[str]) -> dict[str, str]:
     """label -> GGUF path: the packaged file, and requantised ones made once into `workdir`."""
     os.makedirs(workdir, exist_ok=True)
-    paths = {"Q4_1": packaged}
-    f16 = os.path.join(workdir, "smollm2-135m.F16.gguf")
+    paths = {"shipped": packaged}
+    stem = os.path.basename(packaged).removesuffix(".gguf")
+    f16 = os.path.join(workdir, f"{stem}.F16.gguf")
     recipes = {"F16": (packaged, "MOSTLY_F16"), "BF16": (packaged, "MOSTLY_BF16"), "Q8_0": (f16, "MOSTLY_Q8_0"),
                "Q4_0": (f16, "MOSTLY_Q4_0")}
     for kind in ["F16", *kinds]:
-        if kind == "Q4_1" or kind in paths:
+        if kind in paths:
             continue
         src, ftype = recipes[kind]
-        dst = os.path.join(workdir, f"smollm2-135m.{kind}.gguf")
+        dst = os.path.join(workdir, f"{stem}.{kind}.gguf")
         if not os.path.exists(dst):
             embd = kind if kind in ("F16", "BF16") else "F16"
             secs = worker(op="quantize", src=src, dst=dst, ftype=ftype, embd=embd)["seconds"]
@@ -302,16 +304,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per engine (steps pooled)")
     ap.add_argument("--fewbits", default="bf16,int8,int4-g64,int4-g32",
                     help="fewbits formats; FORMAT+h:HEAD also quantises the LM head (e.g. int4-g32-asym+h:int8, "
-                         "as the packaged Q4_1 file's Q8_0 head)")
-    ap.add_argument("--gguf", default="Q4_1,BF16,F16,Q8_0,Q4_0", help="Q4_1 is the packaged file as shipped")
+                         "as the packaged SmolLM2 file's Q8_0 head)")
+    ap.add_argument("--gguf", default="shipped,BF16,F16,Q8_0,Q4_0",
+                    help="llama.cpp files: `shipped` is the packaged GGUF as shipped, the others llama.cpp's own "
+                         "requantisations of it")
     ap.add_argument("--no-layers", action="store_true", help="skip the 1-layer decomposition")
     ap.add_argument("--ops", action="store_true", help="also profile fewbits' step per aten op (first thread count)")
     ap.add_argument("--workdir", default="/tmp/fewbits_llamacpp", help="where requantised GGUFs are kept")
     ap.add_argument("--json", default=None, help="also write every measurement here")
     ap.add_argument("--eager", action="store_true", help="fewbits' eager decode instead of the compiled step")
-    ap.add_argument("--fewbits-gguf", default=None, metavar="FILE",
-                    help="also run llama.cpp on this GGUF exported by fewbits (e.g. `fewbits quantize smollm2-135m "
-                         "--format int4-g32 --to gguf`: Q4_0 from fewbits' own codes), labelled fbQ4_0")
+    ap.add_argument("--fewbits-gguf", default=None, metavar="[LABEL=]FILE,...",
+                    help="also run llama.cpp on these GGUFs exported by fewbits (e.g. `fewbits quantize smollm2-135m "
+                         "--format int4-g32 --to gguf`: Q4_0 from fewbits' own codes); label default fbQ4_0")
     ap.add_argument("--llama-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     global EAGER
@@ -336,10 +340,12 @@ def main() -> None:
     worker = Worker(args.llama_python, os.path.join(args.workdir, "llama_worker.log"))
     info = worker(op="info")
     ggufs = llama_models(worker, packaged, args.workdir, kinds)
-    if args.fewbits_gguf:
-        path = args.fewbits_gguf
-        ggufs["fbQ4_0"] = os.path.join(path, "model.gguf") if os.path.isdir(path) else path
-        kinds.append("fbQ4_0")
+    for item in (args.fewbits_gguf or "").split(","):
+        if item:
+            label, _, path = item.rpartition("=")
+            label = label or "fbQ4_0"
+            ggufs[label] = os.path.join(path, "model.gguf") if os.path.isdir(path) else path
+            kinds.append(label)
     facts = {k: gguf_facts(p) for k, p in ggufs.items()}
 
     fb: dict[str, Any] = {}
