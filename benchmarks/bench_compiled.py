@@ -173,7 +173,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
-                "compile": ("int4-g32", "bf16", "128"), "attn": ("", "bf16,int8,int8-r128,int4,int2,int4:torch", "2048,512"),
+                "compile": ("int4-g32", "bf16", "128"),
+                "attn": ("", "bf16,int8,int8-r128,int4,int2,int4:torch", "2048,512"),
                 "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
                 "_compile_child": ("int4-g32", "bf16", "128")}[args.cmd]
     args.weights = args.weights or defaults[0]
