@@ -7,9 +7,10 @@ is one graph for every t) and attends over all slots under a mask.  Semantics ar
 16-bit ring of R + G slots; a group is quantised once, from the ring, when it leaves the window.  In the
 graph that flush happens at every step under a condition (`torch.where`), so there are no branches.
 
-Attention reads the stored codes, not a dequantised copy: the scale (and KIVI's minimum) is applied inside
-the score and value reductions, which inductor fuses into one pass over the codes, so a step reads the
-cache's own bytes (`attend_codes`).  Outside a compiled graph (prefill, an eager fallback) the codes are
+Attention reads the stored codes, not a dequantised copy: on a CPU int8 and KIVI caches go through one C++
+operator (`fewbits.decode.kvkernel`); otherwise `LayerKV.scores` / `weighted_values` fold the scales and
+minima out of the score and value reductions, which inductor fuses into passes over the codes, so a step
+reads the cache's own bytes (`step._attend_codes`).  Outside a compiled graph (prefill, an eager fallback) the codes are
 dequantised with `fewbits.kvcache.quant`'s functions and a plain matmul runs (`attend_dense`).
 """
 
