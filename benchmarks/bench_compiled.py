@@ -6,7 +6,7 @@ and its median.  Threads pinned (default 2).
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
                                                             [--lm-head same|none|FORMAT]
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
-    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048]   # one layer's attention
+    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
     python benchmarks/bench_compiled.py compile [--model smollm2-135m] [--weights int4-g32]   # cold, then warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64] [-n 64]
 
@@ -70,15 +70,25 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
 def _attn(args: argparse.Namespace) -> None:
     """One layer's decode attention at `--prompt` tokens of context, compiled, per KV format: the cache write
     and the read of every slot (SmolLM2's heads: 9 query, 3 KV, 64 dims), alternating rounds."""
+    for T in (int(p) for p in args.prompt.split(",")):
+        _attn_at(args, T)
+
+
+def _attn_at(args: argparse.Namespace, T: int) -> None:
+    from fewbits.decode import kvkernel
     from fewbits.decode.cache import make_cache
     from fewbits.decode.step import _attend_codes, _attend_dense
 
-    T, B, Hq, Hkv, D = int(args.prompt.split(",")[0]), int(args.batch.split(",")[0]), 9, 3, 64
+    torch._dynamo.config.recompile_limit = 64  # one graph per format and length, all of `step`
+    print(f"int8/KIVI attention kernel: {'built' if kvkernel.available() else kvkernel._STATE.get('why')}")
+    B, Hq, Hkv, D = int(args.batch.split(",")[0]), 9, 3, 64
     fns = {}
     for kv in args.kv.split(","):
         dense = kv.endswith(":sdpa")  # bf16:sdpa: the 16-bit cache through scaled_dot_product_attention instead
-        kv = kv.removesuffix(":sdpa")
+        plain = kv.endswith(":torch")  # int4:torch: inductor's fused reductions instead of `kvkernel`'s operator
+        kv = kv.removesuffix(":sdpa").removesuffix(":torch")
         (layer,) = make_cache(kv, 1, B, Hkv, D, T + 64, torch.bfloat16, "cpu")
+        layer.kernel = layer.kernel and not plain
         layer.prefill(torch.randn(B, Hkv, T, D).to(torch.bfloat16), torch.randn(B, Hkv, T, D).to(torch.bfloat16), 0)
         allowed = torch.zeros(B, 1, layer.t[next(iter(layer.t))].shape[2], dtype=torch.bool)
         allowed[:, :, :T + 1] = True
@@ -89,7 +99,8 @@ def _attn(args: argparse.Namespace) -> None:
                 return _attend_dense(q, layer.t["k"], layer.t["v"], allowed, 0.125)
             return _attend_codes(q, layer, allowed, slot, 0.125)
 
-        fns[kv + (":sdpa" if dense else "")] = torch.compile(step, fullgraph=True, dynamic=False)
+        fns[kv + (":sdpa" if dense else ":torch" if plain else "")] = torch.compile(step, fullgraph=True,
+                                                                                     dynamic=False)
     q, k = torch.randn(B, Hq, 1, D).to(torch.bfloat16), torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
     slot = torch.tensor([T])
     t_compile = {}
@@ -107,7 +118,7 @@ def _attn(args: argparse.Namespace) -> None:
     first = statistics.median(times[next(iter(fns))])
     for kv in fns:
         med = statistics.median(times[kv])
-        print(f"kv {kv:>9}: attention + write at {T} tokens, batch {B}: {min(times[kv]) * 1e6:7.1f} us best, "
+        print(f"kv {kv:>11}: attention + write at {T} tokens, batch {B}: {min(times[kv]) * 1e6:7.1f} us best, "
               f"{med * 1e6:7.1f} us median, {first / med:.2f}x the first; compile {t_compile[kv]:.1f} s")
 
 
@@ -173,7 +184,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
-                "compile": ("int4-g32", "bf16", "128"), "attn": ("", "bf16,bf16:sdpa,int8,int4,int8-r128", "2048"),
+                "compile": ("int4-g32", "bf16", "128"),
+                "attn": ("", "bf16,int8,int8-r128,int4,int2,int4:torch", "2048,512"),
                 "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
                 "_compile_child": ("int4-g32", "bf16", "128")}[args.cmd]
     args.weights = args.weights or defaults[0]

@@ -7,9 +7,10 @@ is one graph for every t) and attends over all slots under a mask.  Semantics ar
 16-bit ring of R + G slots; a group is quantised once, from the ring, when it leaves the window.  In the
 graph that flush happens at every step under a condition (`torch.where`), so there are no branches.
 
-Attention reads the stored codes, not a dequantised copy: the scale (and KIVI's minimum) is applied inside
-the score and value reductions, which inductor fuses into one pass over the codes, so a step reads the
-cache's own bytes (`attend_codes`).  Outside a compiled graph (prefill, an eager fallback) the codes are
+Attention reads the stored codes, not a dequantised copy: on a CPU int8 and KIVI caches go through one C++
+operator (`fewbits.decode.kvkernel`); otherwise `LayerKV.scores` / `weighted_values` fold the scales and
+minima out of the score and value reductions, which inductor fuses into passes over the codes, so a step
+reads the cache's own bytes (`step._attend_codes`).  Outside a compiled graph (prefill, an eager fallback) the codes are
 dequantised with `fewbits.kvcache.quant`'s functions and a plain matmul runs (`attend_dense`).
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from fewbits.decode import kvkernel
 from fewbits.formats.kvformat import quantized_tokens
 from fewbits.kvcache import quant as Q
 from fewbits.kvcache.format import KVFormat, parse_kv_format
@@ -31,6 +33,8 @@ class LayerKV:
     def __init__(self, fmt: KVFormat, batch: int, heads: int, dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.fmt, self.dim, self.dtype = fmt, dim, dtype
+        # attention through the hand-written kernel (`fewbits.decode.kvkernel`), decided here, outside any graph
+        self.kernel = fmt.kind in ("int8", "kivi") and torch.device(device).type == "cpu" and kvkernel.available()
         z = lambda *s, dt: torch.zeros(batch, heads, *s, dtype=dt, device=device)  # noqa: E731
         T = max_len
         self.t: dict[str, torch.Tensor] = {}
@@ -143,25 +147,68 @@ class LayerKV:
             vs.append(self.t["rv"].index_select(2, idx).to(dtype))
         return torch.cat(ks, 2), torch.cat(vs, 2)
 
-    def code_values(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All slots' keys and values as fp32 expressions of the codes (B, H, T, D): in a compiled graph they
-        are fused into the reductions that use them, never stored."""
+    def scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q . key for every slot: q (B, Hkv, r, D) fp32 (r query heads share a KV head) -> (B, Hkv, r, T).
+
+        The scale and minimum are folded out of the reduction over D so its inner loop is a plain product
+        of the query with the codes: per-token scales multiply the finished dot product (s_t * (q . c_t));
+        KIVI's per-channel key scales multiply the query once per group of G tokens (G x D products, small)
+        and its minimum becomes one bias per group (sum_d q_d m_{g,d}).  4- and 2-bit codes are read one
+        byte at a time, each of its codes against its own slice of the query (no unpacked copy, no index
+        arithmetic in the loop)."""
         t, f = self.t, self.fmt
-        if f.kind == "float":  # one fused pass over the 16-bit cache too (no GQA copy of K and V, no mask tensor)
-            return t["k"].float(), t["v"].float()
-        if f.kind == "int8":
-            return t["kc"].float() * t["ks"].float(), t["vc"].float() * t["vs"].float()
-        if f.kind == "fp8":
-            big = 2.0**120
-            return (Q.e4m3_as_bf16_bits(t["kc"]).float() * (t["ks"].float() * big),
-                    Q.e4m3_as_bf16_bits(t["vc"]).float() * (t["vs"].float() * big))
-        B, H, T, _ = t["kc"].shape
-        D, G = self.dim, self.G
-        kc = Q.unpack_small(t["kc"], f.bits).float().view(B, H, T // G, G, D)
-        keys = (kc * t["ks"].float().unsqueeze(3) + t["km"].float().unsqueeze(3)).view(B, H, T, D)
-        vc = Q.unpack_small(t["vc"], f.bits).float().view(B, H, T, D // self.gv, self.gv)
-        vals = (vc * t["vs"].float().unsqueeze(-1) + t["vm"].float().unsqueeze(-1)).view(B, H, T, D)
-        return keys, vals
+        B, H, r, D = q.shape
+        if f.kind == "float":
+            return (q[:, :, :, None, :] * t["k"][:, :, None].float()).sum(-1)
+        if f.kind in ("int8", "fp8"):
+            if f.kind == "int8":
+                c, s = t["kc"].float(), t["ks"].float()
+            else:
+                c, s = Q.e4m3_as_bf16_bits(t["kc"]).float(), t["ks"].float() * 2.0**120
+            return (q[:, :, :, None, :] * c[:, :, None]).sum(-1) * s.view(B, H, 1, -1)
+        T, G, b = t["kc"].shape[2], self.G, f.bits
+        per, nb = 8 // b, D * b // 8
+        qs = q[:, :, :, None, :] * t["ks"][:, :, None].float()  # (B, H, r, T/G, D): the query scaled per group
+        bias = (q[:, :, :, None, :] * t["km"][:, :, None].float()).sum(-1)  # (B, H, r, T/G)
+        qs = qs.view(B, H, r, T // G, 1, nb, per)
+        codes = t["kc"].view(B, H, 1, T // G, G, nb)
+        acc = None
+        for j in range(per):  # code j of each byte is channel byte * per + j
+            cj = ((codes >> (b * j)) & ((1 << b) - 1)) if j else codes & ((1 << b) - 1)
+            term = cj.float() * qs[..., j]
+            acc = term if acc is None else acc + term
+        return (acc.sum(-1) + bias[..., None]).view(B, H, r, T)
+
+    def weighted_values(self, p: torch.Tensor) -> torch.Tensor:
+        """sum_t p_t value_t: p (B, Hkv, r, T) fp32 -> (B, Hkv, r, D).
+
+        Per-token scales go into the weights once (p_t s_t), and KIVI's per-token minima become one sum
+        (sum_t p_t s_t m_t), so the reduction over tokens multiplies the weights with the raw codes."""
+        t, f = self.t, self.fmt
+        B, H, r, T = p.shape
+        D = self.dim
+        if f.kind == "float":
+            return (p[..., None] * t["v"][:, :, None].float()).sum(-2)
+        if f.kind in ("int8", "fp8"):
+            if f.kind == "int8":
+                c, s = t["vc"].float(), t["vs"].float()
+            else:
+                c, s = Q.e4m3_as_bf16_bits(t["vc"]).float(), t["vs"].float() * 2.0**120
+            ps = p * s.view(B, H, 1, T)
+            return (ps[..., None] * c[:, :, None]).sum(-2)
+        b, gv = f.bits, self.gv
+        per, nb, ng = 8 // b, D * b // 8, D // gv
+        ps = p[..., None] * t["vs"][:, :, None].float()  # (B, H, r, T, D/gv)
+        bias = (p[..., None] * t["vm"][:, :, None].float()).sum(-2)  # (B, H, r, D/gv)
+        # the weight of channel d = byte * per + j is ps[..., d // gv]
+        psd = ps[..., None].expand(B, H, r, T, ng, gv).reshape(B, H, r, T, nb, per)
+        codes = t["vc"][:, :, None]  # (B, H, 1, T, nb)
+        outs = []
+        for j in range(per):
+            cj = ((codes >> (b * j)) & ((1 << b) - 1)) if j else codes & ((1 << b) - 1)
+            outs.append((cj.float() * psd[..., j]).sum(-2))  # (B, H, r, nb)
+        out = torch.stack(outs, -1).view(B, H, r, D)
+        return out + bias[..., None].expand(B, H, r, ng, gv).reshape(B, H, r, D)
 
 
 def make_cache(fmt: KVFormat | str, n_layers: int, batch: int, heads: int, dim: int, max_len: int,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fewbits.decode import kvkernel
 from fewbits.decode.arch import Arch
 from fewbits.decode.cache import NEG, LayerKV
 
@@ -44,42 +45,40 @@ def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: tor
                   scaling: float) -> torch.Tensor:
     """One query token per sequence over a quantised layer: q (B, Hq, 1, D), allowed (B, 1, T), slot (1,).
 
-    Scores and the weighted sum of values are reductions over expressions of the codes (scale, minimum
-    and unpacking inside), so a compiled step reads each code once and stores no dequantised copy."""
+    int8 and KIVI caches on a CPU go through `fewbits.decode.kvkernel` (one operator: codes read once for
+    all the query heads of a KV head, scales folded out of the loops); otherwise the scores and the weighted
+    sum of values are reductions over the stored codes with the scales and minima folded out of them
+    (`LayerKV.scores`, `LayerKV.weighted_values`), fused by inductor.  Neither stores a dequantised copy."""
     B, Hq, _, D = q.shape
     f = kv.fmt
-    keys, vals = kv.code_values()  # (B, Hkv, T, D) fp32 expressions
-    Hkv, T = keys.shape[1], keys.shape[2]
-    qg = q.view(B, Hkv, Hq // Hkv, D).float()
-    length = slot + 1
-    parts_s, parts_v = [], []
-    if kv.ring:
-        n_quant = ((length - f.residual) // kv.G * kv.G).clamp_min(0)
-        ar = torch.arange(T, device=q.device)
-        ok_q = allowed[:, :, :T] & (ar < n_quant)  # (B, 1, T)
-    else:
-        ok_q = allowed
-    s_q = (qg[:, :, :, None, :] * keys[:, :, None, :, :]).sum(-1) * scaling  # (B, Hkv, r, T)
-    parts_s.append(s_q.masked_fill(~ok_q[:, :, None, :].expand_as(s_q), NEG))
-    parts_v.append(vals)
+    Hkv, T = kv.t["k" if f.kind == "float" else "kc"].shape[1:3]
+    allowed = allowed[:, :, :T]
+    if kv.kernel:  # the masks of the window and of the quantised slots are computed inside
+        t = kv.t
+        km, vm = (t["km"], t["vm"]) if f.kind == "kivi" else (t["ks"], t["vs"])  # int8: no minima (unused)
+        rk, rv = (t["rk"], t["rv"]) if kv.ring else (q.new_empty(0), q.new_empty(0))
+        out = torch.ops.fewbits_kv.attend_kv(q.view(B, Hkv, Hq // Hkv, D), scaling, f.bits, kv.G, getattr(kv, "gv", 1),
+                                             t["kc"], t["ks"], km, t["vc"], t["vs"], vm, allowed, slot, f.residual,
+                                             rk, rv, kvkernel.CHUNK)
+        return out.reshape(B, Hq, 1, D)
+    qg = q.view(B, Hkv, Hq // Hkv, D).float() * scaling
+    ok_q = allowed  # (B, 1, T)
     if kv.ring:
         W = kv.ring
-        j = torch.arange(W, device=q.device)
-        tok = slot - (slot - j) % W  # the token each ring slot holds (the latest one congruent to it)
+        n_quant = ((slot + 1 - f.residual) // kv.G * kv.G).clamp_min(0)
+        ok_q = allowed & (torch.arange(T, device=q.device) < n_quant)
+        tok = slot - (slot - torch.arange(W, device=q.device)) % W  # the token each ring slot holds (the latest)
         ok_r = (tok >= n_quant) & (tok >= 0)
         ok_r = ok_r & allowed.gather(2, tok.clamp_min(0).view(1, 1, W).expand(B, 1, W))  # (B, 1, W)
-        rk, rv = kv.t["rk"].float(), kv.t["rv"].float()
-        s_r = (qg[:, :, :, None, :] * rk[:, :, None, :, :]).sum(-1) * scaling
-        parts_s.append(s_r.masked_fill(~ok_r[:, :, None, :].expand_as(s_r), NEG))
-        parts_v.append(rv)
-    p = torch.softmax(torch.cat(parts_s, -1), -1)
-    out = None
-    start = 0
-    for s_part, v_part in zip(parts_s, parts_v, strict=True):
-        n = s_part.shape[-1]
-        o = (p[..., start:start + n, None] * v_part[:, :, None, :, :]).sum(-2)  # (B, Hkv, r, D)
-        out = o if out is None else out + o
-        start += n
+    s_q = kv.scores(qg)  # (B, Hkv, r, T)
+    s_q = s_q.masked_fill(~ok_q[:, :, None, :].expand_as(s_q), NEG)
+    if not kv.ring:
+        return kv.weighted_values(torch.softmax(s_q, -1)).reshape(B, Hq, 1, D).to(q.dtype)
+    rk, rv = kv.t["rk"].float(), kv.t["rv"].float()
+    s_r = (qg[:, :, :, None, :] * rk[:, :, None, :, :]).sum(-1)
+    s_r = s_r.masked_fill(~ok_r[:, :, None, :].expand_as(s_r), NEG)
+    p = torch.softmax(torch.cat([s_q, s_r], -1), -1)
+    out = kv.weighted_values(p[..., :T]) + (p[..., T:, None] * rv[:, :, None, :, :]).sum(-2)
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 

@@ -1,0 +1,336 @@
+"""Decode attention over an int8 or KIVI (4/2-bit) KV cache as one hand-written CPU operator.
+
+Inductor turns the folded reductions of `LayerKV.scores` / `weighted_values` into loops that unpack 4- and
+2-bit codes with index arithmetic inside the reduction, one query head at a time; at 2048 tokens that was
+~27x slower than the 16-bit cache.  This kernel reads each row of codes once for all the query heads that
+share its KV head (GQA), unpacks it into a small float row, and runs plain dot products and axpys on it,
+with the scales and minima folded out of the loops exactly as in `LayerKV`.  Tokens are cut into chunks
+(whole KIVI groups) that run in parallel with a per-chunk softmax (maximum, sum, weighted values) merged at
+the end, so one KV head still uses every thread; the 16-bit residual window is one more chunk.
+
+`fewbits::attend_kv` is a torch operator with a fake implementation, so a compiled step keeps it as one
+node.  It is compiled once per machine with the C++ compiler the compiled path already needs and cached
+under ``$FEWBITS_CACHE/kernels`` (default ``~/.cache/fewbits``); where that fails `available()` is False
+and `fewbits.decode.step` keeps the pure-torch reductions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+constexpr int MAXD = 512, MAXR = 32;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// A row of codes in "plane" order: c[k * nb + j] = code k of byte j (bits 8: int8 codes, one plane), so
+// 4- and 2-bit codes unpack with shifts and masks only; the query and the value accumulators use the
+// same order (channel d = j * per + k sits at k * nb + j).
+inline void unpack_planes(const uint8_t* row, int64_t nb, int64_t bits, float* c) {
+  const int64_t per = 8 / bits;
+#ifdef __AVX512F__
+  if (nb % 16 == 0) {
+    for (int64_t j = 0; j < nb; j += 16) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+      if (bits == 8) { _mm512_storeu_ps(c + j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))); continue; }
+      const __m512i v = _mm512_cvtepu8_epi32(raw), mask = _mm512_set1_epi32((1 << bits) - 1);
+      for (int64_t k = 0; k < per; ++k)
+        _mm512_storeu_ps(c + k * nb + j, _mm512_cvtepi32_ps(
+            _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(static_cast<int>(k * bits))), mask)));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t k = 0; k < per; ++k)
+      c[k * nb + j] = bits == 8 ? static_cast<float>(static_cast<int8_t>(row[j]))
+                                : static_cast<float>((row[j] >> (k * bits)) & ((1 << bits) - 1));
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
+}
+
+inline float h2f(const at::Half& x) { return static_cast<float>(x); }
+
+// n fp16 values -> float (vector conversions: c10's scalar one costs more than the dot products here)
+inline void halves(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// n bf16 values -> float (a 16-bit shift)
+inline void bf16s(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// row i of a 16- or 32-bit float tensor's data -> float
+inline void row_f32(const void* base, at::ScalarType dt, int64_t i, int64_t D, float* dst) {
+  if (dt == at::kBFloat16) bf16s(static_cast<const at::BFloat16*>(base) + i * D, dst, D);
+  else if (dt == at::kHalf) halves(static_cast<const at::Half*>(base) + i * D, dst, D);
+  else for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const float*>(base)[i * D + d];
+}
+
+// y[i] = exp(y[i] - mx) for i < n, returning their sum.  Scalar expf was a fifth of the kernel's time;
+// this is the usual range reduction exp(x) = 2^k exp(f), |f| <= ln2/2, with a degree-6 polynomial
+// (relative error ~2e-7, like expf's rounding) and 2^k applied by scalef.
+inline float exp_sub_sum(float* y, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 vmx = _mm512_set1_ps(mx), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2hi = _mm512_set1_ps(0.693359375f), ln2lo = _mm512_set1_ps(-2.12194440e-4f);
+  __m512 vs = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(y + i), vmx), _mm512_set1_ps(-100.f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(k, ln2lo, _mm512_fnmadd_ps(k, ln2hi, x));
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+    __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(y + i, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; i < n; ++i) { y[i] = std::exp(y[i] - mx); sum += y[i]; }
+  return sum;
+}
+}  // namespace
+
+// q (B, H, r, D): the r query heads that share KV head h, any float dtype; scale: the softmax scale.
+// bits 8: int8 per token (kc/vc int8 (B,H,T,D), ks/vs (B,H,T,1) f16); bits 4/2: KIVI (kc/vc uint8
+// (B,H,T,D*bits/8), ks/km (B,H,T/G,D) f16, vs/vm (B,H,T,D/gv) f16).  allowed (B, T) bool: the slots the
+// query may see; slot (1,) long: the query's own slot.  rk/rv (B, H, W, D) bf16/f16/f32: the 16-bit window
+// of the `residual` most recent tokens (W = 0: none), slot j holding the latest token congruent to j mod W,
+// and the quantised slots are the first (slot + 1 - residual) // G * G.  -> (B, H, r, D) in q's dtype
+at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t G, int64_t gv,
+                     const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& km, const at::Tensor& vc,
+                     const at::Tensor& vs, const at::Tensor& vm, const at::Tensor& allowed, const at::Tensor& slot_t,
+                     int64_t residual, const at::Tensor& rk, const at::Tensor& rv, int64_t chunk) {
+  const at::Tensor q = q_in.to(at::kFloat).mul(scale).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), T = kc.size(2);
+  const int64_t W = rk.numel() ? rk.size(2) : 0;
+  TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_kv: head dim or query heads per KV head too large");
+  TORCH_CHECK(allowed.size(-1) >= T, "attend_kv: the mask is shorter than the cache");
+  const bool kivi = bits != 8;
+  const int64_t per = 8 / bits, nb = D / per, ng = kivi ? D / gv : 1;
+  TORCH_CHECK(!kivi || gv % per == 0, "attend_kv: value group not a multiple of the codes per byte");
+  const int64_t slot = slot_t.item<int64_t>(), grp = kivi ? G : 1;
+  const int64_t n_quant = W ? std::max<int64_t>(0, slot + 1 - residual) / grp * grp : T;
+  const auto allowed_ = allowed.reshape({B, -1}).contiguous();
+  const bool* AL = allowed_.data_ptr<bool>();
+  const int64_t AT = allowed_.size(1);
+  // which slots the query sees: quantised ones below n_quant, window slots holding tokens from n_quant on
+  std::vector<uint8_t> okq(B * T), okr(B * std::max<int64_t>(W, 1));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) okq[b * T + t] = AL[b * AT + t] && t < n_quant;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t tok = slot - (((slot - j) % W) + W) % W;
+      okr[b * W + j] = tok >= n_quant && tok >= 0 && AL[b * AT + tok];
+    }
+  }
+  chunk = kivi ? std::max<int64_t>(G, chunk / G * G) : chunk;
+  const int64_t nchunk = (T + chunk - 1) / chunk, nunits = nchunk + (W ? 1 : 0);
+  auto kc_ = kc.contiguous(), vc_ = vc.contiguous(), ks_ = ks.contiguous(), vs_ = vs.contiguous();
+  auto km_ = km.contiguous(), vm_ = vm.contiguous(), rk_ = rk.contiguous(), rv_ = rv.contiguous();
+  // per (b, h, unit) and query head: the chunk's softmax maximum and sum, and its weighted values
+  std::vector<float> pm(B * H * nunits * R), pl(B * H * nunits * R), pacc(B * H * nunits * R * D);
+  const float* Q = q.data_ptr<float>();
+  const uint8_t* KC = static_cast<const uint8_t*>(kc_.data_ptr());
+  const uint8_t* VC = static_cast<const uint8_t*>(vc_.data_ptr());
+  const at::Half *KS = ks_.data_ptr<at::Half>(), *VS = vs_.data_ptr<at::Half>();
+  const at::Half *KM = km_.data_ptr<at::Half>(), *VM = vm_.data_ptr<at::Half>();
+  const uint8_t *OK = okq.data(), *OKR = okr.data();
+  const void *RK = W ? rk_.data_ptr() : nullptr, *RV = W ? rv_.data_ptr() : nullptr;
+  const at::ScalarType rdt = rk.scalar_type();
+
+  at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(R * std::max(chunk, W));
+    alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t bh = u / nunits, unit = u % nunits, b = bh / H;
+      const float* qh = Q + bh * R * D;
+      const bool ring = unit == nchunk;
+      const int64_t t0 = ring ? 0 : unit * chunk, n = ring ? W : std::min(chunk, T - t0);
+      const uint8_t* okp = ring ? OKR + b * W : OK + b * T + t0;
+      if (!kivi)  // the query in plane order (one plane: itself)
+        for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
+      int64_t cur_g = -1;
+      // scores
+      for (int64_t i = 0; i < n; ++i) {
+        float* si = s.data() + i;
+        if (!okp[i]) { for (int64_t r = 0; r < R; ++r) si[r * n] = NEG_INF; continue; }
+        const int64_t t = t0 + i;
+        if (ring) {
+          row_f32(RK, rdt, bh * W + i, D, c);
+          for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qh + r * D, c, D);
+          continue;
+        }
+        unpack_planes(KC + (bh * T + t) * nb, nb, bits, c);
+        if (!kivi) {
+          const float sc = h2f(KS[bh * T + t]);
+          for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qp + r * D, c, D) * sc;
+          continue;
+        }
+        const int64_t g = t / G;
+        if (g != cur_g) {  // the query times this group's per-channel scales (plane order), its minima's bias
+          cur_g = g;
+          halves(KS + (bh * (T / G) + g) * D, sgf, D);
+          halves(KM + (bh * (T / G) + g) * D, mgf, D);
+          for (int64_t r = 0; r < R; ++r) {
+            const float* qr = qh + r * D;
+            bias[r] = dot(qr, mgf, D);
+            for (int64_t j = 0; j < nb; ++j)
+              for (int64_t k = 0; k < per; ++k) qp[r * D + k * nb + j] = qr[j * per + k] * sgf[j * per + k];
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qp + r * D, c, D) + bias[r];
+      }
+      // softmax weights within the chunk
+      float m[MAXR], l[MAXR];
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s.data() + r * n;
+        float mx = NEG_INF;
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+        m[r] = mx;
+        l[r] = mx == NEG_INF ? 0.f : exp_sub_sum(sr, n, mx);
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+        for (int64_t x = 0; x < ng; ++x) vb[r * ng + x] = 0.f;
+      }
+      // the weighted sum of values (plane order for codes)
+      for (int64_t i = 0; i < n; ++i) {
+        if (!okp[i]) continue;
+        const int64_t t = t0 + i;
+        if (ring) {
+          row_f32(RV, rdt, bh * W + i, D, c);
+          for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
+          continue;
+        }
+        unpack_planes(VC + (bh * T + t) * nb, nb, bits, c);
+        if (!kivi) {
+          const float sc = h2f(VS[bh * T + t]);
+          for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i] * sc, c, acc + r * D, D);
+          continue;
+        }
+        const at::Half *sv = VS + (bh * T + t) * ng, *mv = VM + (bh * T + t) * ng;
+        const int64_t seg = gv / per;  // channels of one value group within one plane
+        for (int64_t g = 0; g < ng; ++g) {
+          const float sg = h2f(sv[g]), mg = h2f(mv[g]);
+          for (int64_t k = 0; k < per; ++k)
+            for (int64_t x = 0; x < seg; ++x) c[k * nb + g * seg + x] *= sg;
+          for (int64_t r = 0; r < R; ++r) vb[r * ng + g] += s[r * n + i] * mg;
+        }
+        for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
+      }
+      const int64_t base = bh * nunits + unit;
+      for (int64_t r = 0; r < R; ++r) {
+        pm[base * R + r] = m[r];
+        pl[base * R + r] = l[r];
+        float* dst = pacc.data() + (base * R + r) * D;
+        if (ring || !kivi)
+          for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d];
+        else
+          for (int64_t j = 0; j < nb; ++j)
+            for (int64_t k = 0; k < per; ++k)
+              dst[j * per + k] = acc[r * D + k * nb + j] + vb[r * ng + (j * per + k) / gv];
+      }
+    }
+  });
+  auto out = at::empty({B, H, R, D}, q.options());
+  float* O = out.data_ptr<float>();
+  for (int64_t bh = 0; bh < B * H; ++bh)
+    for (int64_t r = 0; r < R; ++r) {
+      float M = NEG_INF, L = 0.f;
+      for (int64_t k = 0; k < nunits; ++k) M = std::max(M, pm[(bh * nunits + k) * R + r]);
+      float* o = O + (bh * R + r) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      if (M == NEG_INF) continue;  // nothing attended to
+      for (int64_t k = 0; k < nunits; ++k) {
+        const float mk = pm[(bh * nunits + k) * R + r];
+        if (mk == NEG_INF) continue;
+        const float e = std::exp(mk - M);
+        L += e * pl[(bh * nunits + k) * R + r];
+        axpy(e, pacc.data() + ((bh * nunits + k) * R + r) * D, o, D);
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= L;
+    }
+  return out.to(q_in.scalar_type());
+}
+
+TORCH_LIBRARY(fewbits_kv, m) {
+  m.def("attend_kv(Tensor q, float scale, int bits, int G, int gv, Tensor kc, Tensor ks, Tensor km, Tensor vc, "
+        "Tensor vs, Tensor vm, Tensor allowed, Tensor slot, int residual, Tensor rk, Tensor rv, int chunk) -> Tensor");
+  m.impl("attend_kv", c10::DispatchKey::CPU, &attend_kv);
+}
+"""
+
+CHUNK = 256  # tokens per parallel unit
+_STATE: dict[str, object] = {}
+
+
+def _build_dir() -> Path:
+    """A directory per source and CPU (the code is built for this CPU's instruction set)."""
+    try:
+        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    key = hashlib.sha256((_SRC + flags + torch.__version__).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("FEWBITS_CACHE") or Path.home() / ".cache" / "fewbits")
+    return base / "kernels" / f"attend_kv_{key}"
+
+
+def available() -> bool:
+    """Whether `fewbits::attend_kv` is usable (built or loaded once per process; False if no compiler)."""
+    if "ok" not in _STATE:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            d = _build_dir()
+            d.mkdir(parents=True, exist_ok=True)
+            load_inline("fewbits_attend_kv", _SRC, build_directory=str(d), is_python_module=False,
+                        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"])
+            torch.library.register_fake("fewbits_kv::attend_kv")(_fake)
+            _STATE["ok"] = True
+        except Exception as e:  # noqa: BLE001 - any build failure means: use the pure-torch path
+            _STATE["ok"], _STATE["why"] = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return bool(_STATE["ok"])
+
+
+def _fake(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)

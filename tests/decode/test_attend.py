@@ -1,0 +1,106 @@
+"""Decode attention over a quantised cache (`fewbits.decode.step._attend_codes`): the hand-written kernel
+(`fewbits.decode.kvkernel`) and the pure-torch folded reductions, eager and compiled, against softmax
+attention over the history dequantised by `fewbits.kvcache.quant` (`LayerKV.dense`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fewbits.decode import kvkernel
+from fewbits.decode.cache import make_cache
+from fewbits.decode.step import _attend_codes
+
+needs_kernel = pytest.mark.skipif(not kvkernel.available(), reason=f"no kernel: {kvkernel._STATE.get('why')}")
+
+
+def filled(kv: str, D: int, n: int, H: int = 2, B: int = 2, seed: int = 4):  # noqa: ANN201
+    """A layer holding n tokens, the last 8 (or fewer) written one step at a time (the window wraps)."""
+    g = torch.Generator().manual_seed(seed)
+    (layer,) = make_cache(kv, 1, B, H, D, n + 8, torch.bfloat16, "cpu")
+    first = max(1, n - 8)
+    k, v = torch.randn(B, H, first, D, generator=g), torch.randn(B, H, first, D, generator=g)
+    layer.prefill(k.bfloat16(), v.bfloat16(), 0)
+    for t in range(first, n):
+        layer.step(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g), torch.tensor([t]))
+    return layer
+
+
+def reference(layer, q: torch.Tensor, allowed: torch.Tensor, n: int, scale: float) -> torch.Tensor:  # noqa: ANN001
+    """Softmax attention over the dequantised history, each KV head shared by Hq / Hkv query heads."""
+    B, Hq, _, D = q.shape
+    k, v = layer.dense(n, torch.float32)
+    H = k.shape[1]
+    s = torch.einsum("bhrd,bhtd->bhrt", q.float().view(B, H, Hq // H, D), k) * scale
+    s = s.masked_fill(~allowed[:, :, None, :n], float("-inf"))
+    return torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), v).reshape(B, Hq, 1, D)
+
+
+def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
+    allowed = torch.zeros(B, 1, layer.t["kc"].shape[2], dtype=torch.bool)
+    allowed[:, :, :n] = True
+    allowed[1, :, :3] = False  # a left-padded row
+    return allowed
+
+
+# D = 64: the vector path (whole 16-byte rows of codes); D = 16 / 24: the scalar one.  Windows that wrap
+# (int8-r8, int4-g8-r8: 16-slot rings, 8 steps), KIVI's default g32-r128 at 300 tokens, GQA 3 and 1.
+CASES = [("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
+         ("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g8-r8", 16, 41, 2), ("int2-g8-r4", 24, 29, 3),
+         ("int8", 24, 30, 2)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv,D,n,r", CASES)
+def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int) -> None:
+    layer = filled(kv, D, n)
+    assert layer.kernel
+    q = torch.randn(2, 2 * r, 1, D, generator=torch.Generator().manual_seed(7)).bfloat16()
+    allowed = mask(layer, 2, n)
+    got = _attend_codes(q, layer, allowed, torch.tensor([n - 1]), D**-0.5)
+    assert got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), reference(layer, q, allowed, n, D**-0.5), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kv,D,n,r", CASES[:6])
+def test_torch_reductions_equal_dequantised_attention(kv: str, D: int, n: int, r: int) -> None:
+    """The fallback (scales folded out of inductor-fused reductions) where the kernel is not built."""
+    layer = filled(kv, D, n)
+    layer.kernel = False
+    q = torch.randn(2, 2 * r, 1, D, generator=torch.Generator().manual_seed(7))
+    allowed = mask(layer, 2, n)
+    got = _attend_codes(q, layer, allowed, torch.tensor([n - 1]), D**-0.5)
+    torch.testing.assert_close(got, reference(layer, q, allowed, n, D**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", ["int8-r8", "int4-g8-r8"])
+def test_compiled_kernel_step_equals_reference(kv: str) -> None:
+    """The operator inside a compiled step (cache write + attention, one graph), slot after slot."""
+    torch._dynamo.reset()
+    D, B = 64, 2
+    layer = filled(kv, D, 20)
+    allowed = torch.zeros(B, 1, layer.t["kc"].shape[2], dtype=torch.bool)
+
+    def step(q, k, v, slot):  # noqa: ANN001, ANN202
+        layer.step(k, v, slot)
+        return _attend_codes(q, layer, allowed, slot, 0.125)
+
+    fn = torch.compile(step, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(8)
+    for t in range(20, 27):  # groups flush out of the window on the way
+        allowed[:, :, : t + 1] = True
+        q = torch.randn(B, 6, 1, D, generator=g).bfloat16()
+        k, v = torch.randn(B, 2, 1, D, generator=g).bfloat16(), torch.randn(B, 2, 1, D, generator=g).bfloat16()
+        got = fn(q, k, v, torch.tensor([t]))
+        torch.testing.assert_close(got.float(), reference(layer, q, allowed, t + 1, 0.125), rtol=1e-2, atol=1e-2)
+
+
+def test_without_a_compiler_the_torch_path_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kvkernel, "_STATE", {"ok": False, "why": "no compiler"})
+    layer = filled("int4-g8-r8", 32, 30)
+    assert not layer.kernel
+    q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(9))
+    allowed = mask(layer, 2, 30)
+    torch.testing.assert_close(_attend_codes(q, layer, allowed, torch.tensor([29]), 0.2),
+                               reference(layer, q, allowed, 30, 0.2), rtol=1e-5, atol=1e-5)
