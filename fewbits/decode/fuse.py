@@ -48,6 +48,9 @@ class FusedLinear:
                  bias: torch.Tensor | None = None, kernel: object | None = None) -> None:
         self.kind, self.sizes = kind, sizes
         self.weight, self.bias, self.kernel = weight, bias, kernel
+        for t in (weight, bias):  # a CUDA graph copies its inputs on every replay unless told they stay put
+            if t is not None and t.is_cuda:
+                torch._dynamo.mark_static_address(t)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.kernel is None:
