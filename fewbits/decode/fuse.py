@@ -19,11 +19,12 @@ stays unfused, with the reason in `Fused.skipped`.
 
 Memory: the fused tensors become the storage and the original layers see row views of them (the 16-bit
 weights and biases, the int8 codes/scales/corrections, the int4 packed codes), so the model's own forward
-still works at the same speed and the weights are held once.  The one exception is the int4 scale table:
-a part's rows of a (K/g, N, 2) table are not contiguous, and the operator reads a strided table wrongly,
-so each part keeps its own table beside the fused one (4/g bytes per weight, `Fused.extra_nbytes`:
-12.5% of the 4-bit codes' bytes at g64, 4.4 MB for SmolLM2-135M).  Moving the model (`model.to`)
-rebuilds its quantised kernels apart from these tensors: build the decoder again after moving it.
+still works and the weights are held once (a second decoder over the model reuses them).  A part's columns
+of the int4 (K/g, N, 2) scale table are not contiguous, and the operator reads a strided table wrongly, so
+an int4 part (`Int4PackRows`) copies its columns (K/g x N_part x 4 bytes, ~20 KB) on each of its own calls
+rather than keep a second table (7% of the int4-g64 weights' bytes); the decode step never calls the
+parts.  Moving the model (`model.to`) rebuilds its quantised kernels apart from these tensors: build the
+decoder again after moving it.
 """
 
 from __future__ import annotations
@@ -60,6 +61,24 @@ class FusedLinear:
         return tuple(y.split(self.sizes, dim=-1))
 
 
+class Int4PackRows(Int4PackKernel):
+    """One part of a fused int4 group, as a kernel of its own (the model's own forward calls it): its rows of
+    the fused packed codes (a view) and its columns of the fused scale table, made contiguous per call."""
+
+    def __init__(self, part: Int4PackKernel, whole: Int4PackKernel, rows: tuple[int, int]) -> None:
+        self.__dict__.update({k: v for k, v in vars(part).items() if k not in ("packed", "scales_zeros")})
+        self.packed = whole.packed[rows[0]:rows[1]]
+        self._table, self._rows = whole.scales_zeros, rows
+
+    @property
+    def scales_zeros(self) -> torch.Tensor:  # read by Int4PackKernel.__call__
+        return self._table[:, self._rows[0]:self._rows[1]].contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + self._table.shape[0] * (self._rows[1] - self._rows[0]) * 4
+
+
 @dataclass
 class LayerFusion:
     qkv: FusedLinear | None
@@ -72,7 +91,6 @@ class Fused:
 
     layers: list[LayerFusion]
     skipped: list[str] = field(default_factory=list)
-    extra_nbytes: int = 0  # bytes held beside the model's own (the int4 parts' scale tables)
 
     @property
     def matmuls_saved(self) -> int:
@@ -166,8 +184,8 @@ def _fuse_int4(mods: list[nn.Module], sizes: tuple[int, ...]) -> tuple[FusedLine
     with torch.no_grad():
         if not torch.equal(k(x), torch.cat([p(x) for p in ks], -1)):
             return None, "the int4 operator's packing does not concatenate by rows on this machine"
-    for p, (a, b) in zip(ks, _bounds(sizes), strict=True):
-        p.packed = k.packed[a:b]
+    for m, rows in zip(mods, _bounds(sizes), strict=True):
+        m.kernel = Int4PackRows(m.kernel, k, rows)
     bias = _cat_bias(mods, k.packed)
     _give_views(mods, sizes, bias)
     return FusedLinear("int4", sizes, bias=bias, kernel=k), None
@@ -219,7 +237,7 @@ def _fuse(mods: list[nn.Module]) -> tuple[FusedLinear | None, str | None]:
 def fuse_projections(model: nn.Module, n_layers: int) -> Fused:
     """Fuse q/k/v and gate/up of the first `n_layers` decoder layers of a transformers causal LM (a model
     fused before, by another decoder over it, keeps its fused tensors)."""
-    layers, skipped, extra = [], [], 0
+    layers, skipped = [], []
     for i, layer in enumerate(model.model.layers[:n_layers]):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, why = fuse_group([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -232,8 +250,5 @@ def fuse_projections(model: nn.Module, n_layers: int) -> Fused:
             why = f"{type(mlp).__name__} is not a gated MLP"
         if why:
             skipped.append(f"layer {i} gate/up: {why}")
-        for f in (qkv, gate_up):
-            if f is not None and f.kind == "int4":
-                extra += f.kernel.scales_zeros.numel() * f.kernel.scales_zeros.element_size()
         layers.append(LayerFusion(qkv, gate_up))
-    return Fused(layers, skipped, extra)
+    return Fused(layers, skipped)
