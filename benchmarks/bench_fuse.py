@@ -59,8 +59,8 @@ def main() -> None:
           f"max|dlogit|={diff:.3g} same argmax={same}")
     for k, t in times.items():
         p10 = statistics.quantiles(t, n=10)[0]
-        print(f"  {k:8s} median {statistics.median(t) * 1e3:6.2f} ms  p10 {p10 * 1e3:6.2f} ms  best {min(t) * 1e3:6.2f} ms"
-              f"  ({len(t)} steps)")
+        print(f"  {k:8s} median {statistics.median(t) * 1e3:6.2f} ms  p10 {p10 * 1e3:6.2f} ms  "
+              f"best {min(t) * 1e3:6.2f} ms  ({len(t)} steps)")
     m = {k: statistics.median(t) for k, t in times.items()}
     b = {k: min(t) for k, t in times.items()}
     print(f"  fused/unfused ratio: median {m['fused'] / m['unfused']:.3f}, best {b['fused'] / b['unfused']:.3f}")
