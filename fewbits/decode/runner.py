@@ -26,6 +26,7 @@ import torch
 
 from fewbits.decode.arch import describe, unsupported
 from fewbits.decode.cache import make_cache
+from fewbits.decode.fuse import fuse_projections
 from fewbits.decode.step import forward
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
@@ -76,7 +77,7 @@ class StaticDecoder:
     """A preallocated cache for `batch` sequences of up to `max_len` tokens and the step over it."""
 
     def __init__(self, model: torch.nn.Module, kv: KVFormat | str = "bf16", batch: int = 1, max_len: int = 256,
-                 compile: bool = True, cache_dir: Path | None = None) -> None:
+                 compile: bool = True, cache_dir: Path | None = None, fuse: bool = True) -> None:
         self.model = model
         self.arch = describe(model)
         p = next(model.parameters())
@@ -92,6 +93,7 @@ class StaticDecoder:
         self.length = 0
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.compiled = compile
+        self.fused = fuse_projections(model, self.arch.n_layers) if fuse else None  # q/k/v, gate/up: one matmul
         self.compile_s = 0.0
         self._fn = self._decode_eager
         if compile:
@@ -109,10 +111,10 @@ class StaticDecoder:
             self._warm(cache_dir)
 
     def _decode(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot)
+        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, fused=self.fused)
 
     def _decode_eager(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1)
+        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1, self.fused)
 
     def _warm(self, cache_dir: Path | None) -> None:
         """Compile (or load) the step by running it once on the last slot, then forget that write."""
@@ -139,7 +141,7 @@ class StaticDecoder:
         self.valid.zero_()
         self.valid[:, :T] = mask.bool()
         pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        logits = forward(self.model, self.arch, self.cache, self.valid, ids, pos, None)
+        logits = forward(self.model, self.arch, self.cache, self.valid, ids, pos, None, fused=self.fused)
         self.length = T
         self.pos = pos[:, -1:].clone()
         return logits

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from fewbits.decode import kvkernel
 from fewbits.decode.arch import Arch
 from fewbits.decode.cache import NEG, LayerKV
+from fewbits.decode.fuse import Fused, LayerFusion
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -82,14 +83,32 @@ def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: tor
     return out.reshape(B, Hq, 1, D).to(q.dtype)
 
 
+def _qkv(attn: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    if f is not None and f.qkv is not None:
+        return f.qkv(x)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+
+def _mlp(mlp: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> torch.Tensor:
+    """The gated MLP (down(act(gate(x)) * up(x)), as transformers' Llama/Qwen/Gemma MLPs) with gate/up as one
+    matmul where they were fused, else the model's own module."""
+    if f is None or f.gate_up is None:
+        return mlp(x)
+    gate, up = f.gate_up(x)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
 def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch.Tensor, ids: torch.Tensor,
-            pos: torch.Tensor, slot: torch.Tensor | None = None, length: int | None = None) -> torch.Tensor:
+            pos: torch.Tensor, slot: torch.Tensor | None = None, length: int | None = None,
+            fused: Fused | None = None) -> torch.Tensor:
     """Logits (B, V) of the last position.  ids/pos (B, n).  `slot` None: a prefill of n tokens into slots
     0..n-1 (`valid` already set); else a decode step (n = 1) writing slot `slot` ((1,) long tensor).
 
     `length` (the tokens held after this step, an int) is given only to an uncompiled step: a quantised
     cache is then read dequantised into 16 bits, as the eager path reads it (`_attend_dense`), instead of
-    through the fused reductions over its codes (`_attend_codes`) that only pay off compiled."""
+    through the fused reductions over its codes (`_attend_codes`) that only pay off compiled.
+
+    `fused` (`fewbits.decode.fuse.fuse_projections`): q/k/v and gate/up run as one matmul each where fused."""
     inner = model.model
     B, n = ids.shape
     T = valid.shape[1]
@@ -109,16 +128,16 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
         base = base | (ar.view(1, 1, T) == qslot)
     masks: dict[int | None, torch.Tensor] = {None: base}
     Hq, Hkv, D = arch.n_heads, arch.n_kv_heads, arch.head_dim
-    for layer, plan, kv in zip(inner.layers[: arch.n_layers], arch.layers, cache, strict=True):
+    fl = fused.layers if fused is not None else [None] * arch.n_layers
+    for layer, plan, kv, f in zip(inner.layers[: arch.n_layers], arch.layers, cache, fl, strict=True):
         if plan.window not in masks:
             masks[plan.window] = base & (qslot - ar.view(1, 1, T) < plan.window)
         allowed = masks[plan.window]
         attn = layer.self_attn
         res = h
         x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(B, n, Hq, D)
-        k = attn.k_proj(x).view(B, n, Hkv, D)
-        v = attn.v_proj(x).view(B, n, Hkv, D).transpose(1, 2)
+        q, k, v = _qkv(attn, f, x)
+        q, k, v = q.view(B, n, Hq, D), k.view(B, n, Hkv, D), v.view(B, n, Hkv, D).transpose(1, 2)
         if hasattr(attn, "q_norm"):
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = ropes[plan.rope_key]
@@ -137,10 +156,10 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
         o = attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
         if arch.sandwich:
             h = res + layer.post_attention_layernorm(o)
-            h = h + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h)))
+            h = h + layer.post_feedforward_layernorm(_mlp(layer.mlp, f, layer.pre_feedforward_layernorm(h)))
         else:
             h = res + o
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + _mlp(layer.mlp, f, layer.post_attention_layernorm(h))
     logits = model.lm_head(inner.norm(h[:, -1:]))[:, -1]
     if arch.final_softcap:
         logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
