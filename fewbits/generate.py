@@ -68,15 +68,20 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
     return _no_sync
 
 
-def attention_backends(device: torch.device | str) -> contextlib.AbstractContextManager:
+def attention_backends(device: torch.device | str, decode: bool = False) -> contextlib.AbstractContextManager:
     """The scaled-dot-product-attention kernels a decode on `device` may use: on a CUDA device flash,
     memory-efficient and math, not cuDNN.  cuDNN's attention builds an execution plan for every new shape
     (and strides), and a decode step's key length is new at every step: on an H200 a profiled SmolLM2
     step spent its host time in `_cudnn_attention_forward`, and `fewbits bench` measured the same
-    16-bit step at ~60 ms where repeating a prompt length (the plans cached) gave 21 ms.  Elsewhere:
-    torch's own choice."""
+    16-bit step at ~60 ms where repeating a prompt length (the plans cached) gave 21 ms.
+
+    On a CPU a decode step (`decode`: one query token) runs the math kernel: fp32 scores, softmax and
+    value sum, rounded to 16 bits once, which is what the compiled step (`fewbits.decode`) computes.  The
+    CPU flash kernel rounds its unnormalised probabilities to 16 bits before the value product and takes a
+    20-bit approximation of exp; its outputs differed from fp32 attention in ~35% of a bf16 SmolLM2 layer's
+    elements, enough to turn greedy tokens at near ties.  A prefill keeps torch's own choice."""
     if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.MATH]) if decode else contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -165,21 +170,22 @@ def generate(
             done |= nxt == eos_token_id
         last_pos = pos[:, -1:]
         steps: list[float] = []
-        for _ in range(max_new_tokens - 1):
-            if bool(done.all()):
-                break
-            t1 = time.perf_counter()
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
-            last_pos = last_pos + 1
-            out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
-                        logits_to_keep=1, **kw)
-            nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
-            if eos_token_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
-                done |= nxt == eos_token_id
-            sync()
-            steps.append(time.perf_counter() - t1)
-            tokens.append(nxt)
+        with attention_backends(device, decode=True):  # the steps: what the compiled step computes
+            for _ in range(max_new_tokens - 1):
+                if bool(done.all()):
+                    break
+                t1 = time.perf_counter()
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
+                last_pos = last_pos + 1
+                out = model(input_ids=nxt.unsqueeze(-1), attention_mask=mask, position_ids=last_pos, use_cache=True,
+                            logits_to_keep=1, **kw)
+                nxt = sample_next(out.logits[:, -1], do_sample, temperature, top_k, top_p, gen)
+                if eos_token_id is not None:
+                    nxt = torch.where(done, torch.full_like(nxt, eos_token_id), nxt)
+                    done |= nxt == eos_token_id
+                sync()
+                steps.append(time.perf_counter() - t1)
+                tokens.append(nxt)
         fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
         nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
         return GenerationResult(torch.stack(tokens, 1), T, prefill_s, steps, nbytes, fmt)

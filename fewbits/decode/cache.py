@@ -145,23 +145,20 @@ class LayerKV:
 
     def code_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All slots' keys and values as fp32 expressions of the codes (B, H, T, D): in a compiled graph they
-        are fused into the reductions that use them, never stored."""
+        are fused into the reductions that use them, never stored.  They are the values `quantised_dense`
+        reads (dequantised in the model's dtype, with its roundings), so the compiled step attends over
+        the very keys and values the eager path does."""
         t, f = self.t, self.fmt
         if f.kind == "float":  # one fused pass over the 16-bit cache too (no GQA copy of K and V, no mask tensor)
             return t["k"].float(), t["v"].float()
         if f.kind == "int8":
-            return t["kc"].float() * t["ks"].float(), t["vc"].float() * t["vs"].float()
+            return (Q.dequant_int8_per_token(t["kc"], t["ks"], self.dtype).float(),
+                    Q.dequant_int8_per_token(t["vc"], t["vs"], self.dtype).float())
         if f.kind == "fp8":
-            big = 2.0**120
-            return (Q.e4m3_as_bf16_bits(t["kc"]).float() * (t["ks"].float() * big),
-                    Q.e4m3_as_bf16_bits(t["vc"]).float() * (t["vs"].float() * big))
-        B, H, T, _ = t["kc"].shape
-        D, G = self.dim, self.G
-        kc = Q.unpack_small(t["kc"], f.bits).float().view(B, H, T // G, G, D)
-        keys = (kc * t["ks"].float().unsqueeze(3) + t["km"].float().unsqueeze(3)).view(B, H, T, D)
-        vc = Q.unpack_small(t["vc"], f.bits).float().view(B, H, T, D // self.gv, self.gv)
-        vals = (vc * t["vs"].float().unsqueeze(-1) + t["vm"].float().unsqueeze(-1)).view(B, H, T, D)
-        return keys, vals
+            return (Q.dequant_fp8_per_token(t["kc"], t["ks"], self.dtype).float(),
+                    Q.dequant_fp8_per_token(t["vc"], t["vs"], self.dtype).float())
+        return (Q.dequant_kivi_keys(t["kc"], t["ks"], t["km"], f.bits, self.G, self.dtype).float(),
+                Q.dequant_kivi_values(t["vc"], t["vs"], t["vm"], f.bits, self.gv, self.dtype).float())
 
 
 def make_cache(fmt: KVFormat | str, n_layers: int, batch: int, heads: int, dim: int, max_len: int,
