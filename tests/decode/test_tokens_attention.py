@@ -24,7 +24,8 @@ B, HQ, HKV, D, N, SLOTS = 1, 6, 2, 64, 45, 64
 SCALE = D**-0.5
 
 
-@pytest.mark.parametrize("kv", ["bf16", "int8", "fp8-e4m3", "int4-g8-r8", "int2-g8-r4"])
+@pytest.mark.parametrize("kv", ["bf16", "int8", "int4-g8-r8", pytest.param("fp8-e4m3", marks=pytest.mark.slow),
+                                pytest.param("int2-g8-r4", marks=pytest.mark.slow)])
 def test_compiled_step_attention_is_the_eager_paths(kv: str, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     k = (torch.randn(B, HKV, N + 1, D, generator=g) * torch.rand(1, 1, 1, D, generator=g) * 4).bfloat16()
