@@ -8,7 +8,8 @@ and its median.  Threads pinned (default 2).
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
     python benchmarks/bench_compiled.py compile [--model smollm2-135m] [--weights int4-g32]   # cold, then warm
-    python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64] [-n 64]
+    python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64]
+                                               [--kv bf16,int8,fp8-e4m3,int4-r16,int2-r16] [-n 64]
 
 Goals (issue 16): int4-g64 >= 2.5x and int8 >= 1.7x the bf16 model's tok/s (batch 1 and 8); at 2048 tokens of
 context an int8 / int4 cache at least as fast as the bf16 cache; compile < 60 s cold, < 5 s warm.  The
@@ -148,21 +149,50 @@ def _compile(args: argparse.Namespace) -> None:
 
 
 def _tokens(args: argparse.Namespace) -> None:
+    """Greedy tokens of the compiled step against the eager path (`fewbits.generate.generate`, transformers'
+    forward over fewbits' KV store), per weight format and KV format.  At the first differing token it prints
+    the eager path's margin between its top two logits there (a near tie flipping is rounding, not a bug)
+    and the compiled step's logits' largest difference from the eager ones at the step before."""
     from fewbits.bench.decode import load_quantized
-    from fewbits.decode.generate import generate_static
+    from fewbits.decode.generate import decoder_for
+    from fewbits.decode.runner import compile_scope
     from fewbits.generate import generate
     from fewbits.models.loading import load_model
 
     tok = load_model(args.model, dtype="bf16")[1]
     ids = tok("The history of the printing press begins in", return_tensors="pt").input_ids
+    n = args.n
     for w in args.weights.split(","):
         m = load_quantized(args.model, w)[0]
         for kv in args.kv.split(","):
-            ref = generate(m, ids, args.n, kv=kv).tokens[0]
-            got = generate_static(m, ids, args.n, kv=kv).tokens[0]
-            same = int((ref == got).long().cumprod(0).sum())
-            print(f"{w:>10} kv {kv:>9}: {same}/{args.n} greedy tokens equal to the eager path's"
-                  + ("" if same == args.n else f" (first difference at token {same})"))
+            seen: list[torch.Tensor] = []  # the eager path's logits, taken at its LM head
+            hook = m.lm_head.register_forward_hook(lambda _m, _i, out, seen=seen: seen.append(out[:, -1].float()))
+            try:
+                ref = generate(m, ids, n, kv=kv).tokens[0]
+            finally:
+                hook.remove()
+            ref_logits = torch.cat(seen)
+            t0 = time.perf_counter()
+            dec = decoder_for(m, kv, 1, ids.shape[1] + n)
+            t_compile = time.perf_counter() - t0
+            with torch.no_grad(), compile_scope():
+                logits = [dec.prefill(ids)]
+                got = [int(logits[-1].argmax(-1))]
+                for _ in range(n - 1):  # greedy on its own tokens, as generate_static
+                    logits.append(dec.step(torch.tensor([got[-1]])))
+                    got.append(int(logits[-1].argmax(-1)))
+            got_t = torch.tensor(got)
+            same = int((ref == got_t).long().cumprod(0).sum())
+            line = f"{w:>10} kv {kv:>13}: {same:2d}/{n} equal"
+            if same < n:
+                top2 = ref_logits[same].topk(2).values
+                cl = logits[same].float()[0]
+                line += (f", first difference at token {same}: eager margin {float(top2[0] - top2[1]):.4f}"
+                         f" (top logit {float(top2[0]):.2f}), compiled picks {got[same]} at eager logit "
+                         f"{float(ref_logits[same][got[same]]):.2f}; |compiled - eager| there "
+                         f"{float((cl - ref_logits[same]).abs().max()):.4f}")
+            line += f"  [compile {t_compile:.0f} s]"
+            print(line, flush=True)
 
 
 def main() -> None:
@@ -186,7 +216,7 @@ def main() -> None:
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
                 "compile": ("int4-g32", "bf16", "128"),
                 "attn": ("", "bf16,int8,int8-r128,int4,int2,int4:torch", "2048,512"),
-                "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16", "8"),
+                "tokens": ("bf16,int8,int4-g32,int4-g64", "bf16,int8,fp8-e4m3,int4-r16,int2-r16", "8"),
                 "_compile_child": ("int4-g32", "bf16", "128")}[args.cmd]
     args.weights = args.weights or defaults[0]
     args.kv = args.kv or defaults[1]

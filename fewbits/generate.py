@@ -68,15 +68,20 @@ def synchronizer(device: torch.device | str) -> Callable[[], None]:
     return _no_sync
 
 
-def attention_backends(device: torch.device | str) -> contextlib.AbstractContextManager:
+def attention_backends(device: torch.device | str, decode: bool = False) -> contextlib.AbstractContextManager:
     """The scaled-dot-product-attention kernels a decode on `device` may use: on a CUDA device flash,
     memory-efficient and math, not cuDNN.  cuDNN's attention builds an execution plan for every new shape
     (and strides), and a decode step's key length is new at every step: on an H200 a profiled SmolLM2
     step spent its host time in `_cudnn_attention_forward`, and `fewbits bench` measured the same
-    16-bit step at ~60 ms where repeating a prompt length (the plans cached) gave 21 ms.  Elsewhere:
-    torch's own choice."""
+    16-bit step at ~60 ms where repeating a prompt length (the plans cached) gave 21 ms.
+
+    On a CPU a decode step (`decode`: one query token) runs the math kernel: fp32 scores, softmax and
+    value sum, rounded to 16 bits once, which is what the compiled step (`fewbits.decode`) computes.  The
+    CPU flash kernel rounds its unnormalised probabilities to 16 bits before the value product and takes a
+    20-bit approximation of exp; its outputs differed from fp32 attention in ~35% of a bf16 SmolLM2 layer's
+    elements, enough to turn greedy tokens at near ties.  A prefill keeps torch's own choice."""
     if torch.device(device).type != "cuda":
-        return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.MATH]) if decode else contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
@@ -187,8 +192,9 @@ def generate(
     def step(nxt: torch.Tensor) -> torch.Tensor:
         state["mask"] = torch.cat([state["mask"], torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)
         state["pos"] = state["pos"] + 1
-        return model(input_ids=nxt.unsqueeze(-1), attention_mask=state["mask"], position_ids=state["pos"],
-                     use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
+        with attention_backends(device, decode=True):  # a step's attention as the compiled step computes it
+            return model(input_ids=nxt.unsqueeze(-1), attention_mask=state["mask"], position_ids=state["pos"],
+                         use_cache=True, logits_to_keep=1, **kw).logits[:, -1]
 
     with attention_backends(device):  # the whole decode: prefill and steps
         tokens, prefill_s, steps = decode_loop(prefill, step, max_new_tokens, synchronizer(device), do_sample,

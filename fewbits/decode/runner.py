@@ -114,7 +114,11 @@ class StaticDecoder:
         return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, fused=self.fused)
 
     def _decode_eager(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1, self.fused)
+        from fewbits.generate import attention_backends
+
+        with attention_backends(self.device, decode=True):  # the eager path's step attention
+            return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1,
+                           self.fused)
 
     def _warm(self, cache_dir: Path | None) -> None:
         """Compile (or load) the step by running it once on the last slot, then forget that write."""

@@ -1,5 +1,10 @@
-"""The compiled step on the packaged models: its greedy tokens are the eager path's (16 here; the full 64 per
-weight format in `benchmarks/bench_compiled.py tokens`)."""
+"""The compiled step on the packaged models: its 64 greedy tokens are the eager path's (`fewbits.generate.generate`:
+transformers' own forward over fewbits' `KVStore`, its step attention on torch's math kernel), for a 16-bit and a
+quantised model, a 16-bit and a quantised KV cache.  The full table over weight and KV formats is
+`benchmarks/bench_compiled.py tokens`; rows it shows leaving the eager path are exact or one-step bf16 ties of
+the eager logits broken the other way by fp32 sums in another order (see the README).
+
+Slow: each case compiles a real model's step."""
 
 from __future__ import annotations
 
@@ -11,7 +16,10 @@ import torch
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("name", "weights", "kv"), [("smollm2-135m", "int4-g32", "int8"),
+N = 64
+
+
+@pytest.mark.parametrize(("name", "weights", "kv"), [("smollm2-135m", "bf16", "int8"),
                                                      ("gemma3-270m", "int4-g64", "bf16")])
 def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:
@@ -24,9 +32,11 @@ def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, re
     tok = load_model(name, dtype="bf16")[1]
     model = load_quantized(name, weights)[0]
     ids = tok("The history of the printing press begins in", return_tensors="pt").input_ids
-    ref = generate(model, ids, 16, kv=kv).tokens
-    dec = StaticDecoder(model, kv, 1, ids.shape[1] + 16, cache_dir=tmp_path)
+    ref = generate(model, ids, N, kv=kv).tokens
+    dec = StaticDecoder(model, kv, 1, ids.shape[1] + N, cache_dir=tmp_path)
+    assert dec.compiled
     out = [dec.prefill(ids).argmax(-1)]
-    for _ in range(15):
+    for _ in range(N - 1):
         out.append(dec.step(out[-1]).argmax(-1))
-    assert torch.equal(torch.stack(out, 1), ref)
+    same = int((torch.stack(out, 1) == ref).long().cumprod(1).sum())
+    assert same == N, f"compiled greedy tokens leave the eager path's at token {same} of {N}"
