@@ -129,7 +129,6 @@ class StaticDecoder:
                     for t in layer.t.values():
                         torch._dynamo.mark_static_address(t)
                 torch._dynamo.mark_static_address(self.valid)
-            if cuda:
                 self._fn = torch.compile(self._decode, fullgraph=True, dynamic=False, mode="reduce-overhead")
                 self._warm(cache_dir)
             else:
@@ -155,7 +154,8 @@ class StaticDecoder:
 
         t0 = time.perf_counter()
         with torch.no_grad(), compile_scope(cache_dir), icfg.patch(options):
-            fn = precompiled.load(path, globals())
+            with icfg.patch(precompiled.LOAD_OPTIONS):
+                fn = precompiled.load(path, globals())
             if fn is not None:
                 try:
                     fn(*args)
