@@ -34,10 +34,10 @@ from fewbits.files import write_bytes
 
 log = logging.getLogger("fewbits.decode")
 FORMAT = 1  # bump when what is saved changes meaning
-#: inductor options while loading a saved step, which skip per-process checks its compile already passed: the
-#: vector ISA taken from the CPU's flags without a test build and a child process per ISA (several seconds on a
-#: busy host), the libraries found by their hash without preprocessing the precompiled header to check it
-LOAD_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": True, "cpp_cache_precompile_headers": False}
+#: inductor options while loading a saved step: the vector ISA taken from the CPU's flags without a test build
+#: and a child process per ISA (seconds on a busy host); its compile already passed those checks and picks the
+#: same ISA.  (Precompiled headers stay as compiled: the setting is part of the libraries' hash.)
+LOAD_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": True}
 
 
 def _sources(model: torch.nn.Module) -> list[str]:
