@@ -4,8 +4,8 @@
     logits = dec.prefill(ids, mask); logits = dec.step(next_ids)            # ... one fixed graph per step
 
 On a CPU inductor generates C++ kernels and, by default (``wrapper="cpp"``), C++ for the step itself: its
-~800 kernel and operator calls are issued from one C++ function instead of a Python one (SmolLM2-135M int4:
-~10.7 -> ~7-8 ms a step).  That function is built apart from the kernels and at -O1
+~800 kernel and operator calls are issued from one C++ function instead of a Python one.  That function is
+built apart from the kernels and at -O1
 (`CPU_OPTIONS`): compiled at -O3 together with them it took g++ minutes.  ``wrapper="python"`` (or
 ``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  On a CUDA device the step is compiled with
 ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked static, so the
