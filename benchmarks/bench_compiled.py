@@ -7,7 +7,7 @@ and its median.  Threads pinned (default 2).
                                                             [--lm-head same|none|FORMAT]
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
-    python benchmarks/bench_compiled.py compile [--model smollm2-135m] [--weights int4-g32]   # cold, then warm
+    python benchmarks/bench_compiled.py compile [--weights int4-g32] [--wrapper cpp,python]  # cold, warm, warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64]
                                                [--kv bf16,int8,fp8-e4m3,int4-r16,int2-r16] [-n 64]
 
@@ -123,29 +123,47 @@ def _attn_at(args: argparse.Namespace, T: int) -> None:
               f"{med * 1e6:7.1f} us median, {first / med:.2f}x the first; compile {t_compile[kv]:.1f} s")
 
 
-def _compile_child(model: str, weights: str, kv: str, cache_dir: str) -> None:
-    """In a fresh process: build the decoder (compiling, or loading from `cache_dir`) and print the time."""
+def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: str) -> None:
+    """In a fresh process: build the decoder (compiling, or loading from `cache_dir`); print its wall time, the
+    CPU time of this process and of its children (g++) over it, and one step's time."""
+    import resource
     from pathlib import Path
 
     from fewbits.bench.decode import load_quantized
     from fewbits.decode import StaticDecoder
 
     m = load_quantized(model, weights)[0]
-    t0 = time.perf_counter()
-    dec = StaticDecoder(m, kv, 1, 256, cache_dir=Path(cache_dir))
-    print(f"COMPILE {dec.compile_s:.2f} {time.perf_counter() - t0:.2f}")
+
+    def cpu() -> tuple[float, float]:
+        me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+    c0 = cpu()
+    dec = StaticDecoder(m, kv, 1, 256, cache_dir=Path(cache_dir), wrapper=wrapper)
+    c1 = cpu()
+    dec.prefill(torch.zeros(1, 128, dtype=torch.long))
+    steps = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        dec.step(torch.zeros(1, dtype=torch.long))
+        steps.append(time.perf_counter() - t0)
+    print(f"COMPILE {dec.compile_s:.2f} {c1[0] - c0[0]:.2f} {c1[1] - c0[1]:.2f} {statistics.median(steps) * 1e3:.2f}")
 
 
 def _compile(args: argparse.Namespace) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-        for label in ("cold", "warm", "warm"):
-            out = subprocess.run([sys.executable, __file__, "_compile_child", "--model", args.model, "--weights",
-                                  args.weights.split(",")[0], "--kv", args.kv.split(",")[0], "--cache-dir", d],
-                                 env=env, capture_output=True, text=True, check=True).stdout
-            secs = next(line.split()[1] for line in out.splitlines() if line.startswith("COMPILE"))
-            print(f"{label}: compile {float(secs):.1f} s ({args.model}, {args.weights.split(',')[0]}, "
-                  f"kv {args.kv.split(',')[0]}; a fresh inductor cache directory)")
+    """Cold (an empty inductor cache directory), then twice warm, each in a fresh process, per wrapper."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    w, kv = args.weights.split(",")[0], args.kv.split(",")[0]
+    for wrapper in args.wrapper.split(","):
+        with tempfile.TemporaryDirectory() as d:
+            for label in ("cold", "warm", "warm"):
+                out = subprocess.run([sys.executable, __file__, "_compile_child", "--model", args.model, "--weights", w,
+                                      "--kv", kv, "--cache-dir", d, "--wrapper", wrapper, "--threads",
+                                      str(args.threads)], env=env, capture_output=True, text=True, check=True).stdout
+                wall, cpu, gxx, step = next(line.split()[1:] for line in out.splitlines() if line.startswith("COMPILE"))
+                print(f"{wrapper:>6} wrapper {label}: compile {float(wall):6.1f} s wall, {float(cpu):6.1f} s CPU + "
+                      f"{float(gxx):5.1f} s CPU in g++; then {float(step):.2f} ms a step ({args.model}, {w}, kv {kv}; "
+                      f"load average {os.getloadavg()[0]:.2f})")
 
 
 def _tokens(args: argparse.Namespace) -> None:
@@ -211,6 +229,7 @@ def main() -> None:
     ap.add_argument("--lm-head", default="same",
                     help="LM head of the quantised rows: same (the weights' format), none (16-bit) or a format")
     ap.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--wrapper", default="cpp,python", help="compile: inductor's wrapper(s) of the CPU step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     defaults = {"speed": ("bf16,int8,int4-g64", "bf16", "128"), "kv": ("int4-g64", "bf16,int8,int4", "2048"),
@@ -223,7 +242,7 @@ def main() -> None:
     args.prompt = args.prompt or defaults[2]
     args.batch = args.batch or ("1" if args.cmd in ("kv", "attn") else "1,8")
     if args.cmd == "_compile_child":
-        return _compile_child(args.model, args.weights, args.kv, args.cache_dir)
+        return _compile_child(args.model, args.weights, args.kv, args.cache_dir, args.wrapper)
     print(f"{args.cmd}: {args.model}, LM head of quantised rows: {args.lm_head}, "
           f"threads {torch.get_num_threads()}, load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, torch {torch.__version__}")

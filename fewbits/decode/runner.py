@@ -3,10 +3,17 @@
     dec = StaticDecoder(model, kv="int8", batch=1, max_len=prompt + new)   # compiles (or loads) the step
     logits = dec.prefill(ids, mask); logits = dec.step(next_ids)            # ... one fixed graph per step
 
-On a CPU inductor generates C++; on a CUDA device the step is compiled with ``mode="reduce-overhead"``, which
-replays it as a CUDA graph (the cache tensors are marked static, so the graph writes them in place).  The
-compiled code is cached on disk under ``$FEWBITS_CACHE/inductor`` (inductor's FX graph cache), set only
-for the duration of the compilation (`compile_scope`), so a second run of the same shapes loads it.
+On a CPU inductor generates C++ kernels and, by default (``wrapper="cpp"``), C++ for the step itself: its
+~800 kernel and operator calls are issued from one C++ function instead of a Python one.  That function is
+built apart from the kernels and at -O1
+(`CPU_OPTIONS`): compiled at -O3 together with them it took g++ minutes.  ``wrapper="python"`` (or
+``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  On a CUDA device the step is compiled with
+``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked static, so the
+graph writes them in place).
+
+The compiled code is cached on disk under ``$FEWBITS_CACHE/inductor`` (inductor's FX graph cache), set only
+for the duration of the compilation (`compile_scope`); on a CPU the traced step is saved there as well
+(`fewbits.decode.precompiled`), so a second process of the same model and shapes skips dynamo's tracing too.
 
 Where compiling is impossible (`why_eager`: an architecture the step does not reproduce, no C++ compiler,
 ``FEWBITS_EAGER=1``) callers run the model's own eager forward instead and log that one reason.
@@ -24,14 +31,22 @@ from pathlib import Path
 
 import torch
 
-from fewbits.decode.arch import describe, unsupported
-from fewbits.decode.cache import make_cache
-from fewbits.decode.fuse import fuse_projections
+from fewbits.decode import precompiled
+from fewbits.decode.arch import Arch, describe, unsupported
+from fewbits.decode.cache import LayerKV, make_cache
+from fewbits.decode.fuse import Fused, fuse_projections
 from fewbits.decode.step import forward
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 log = logging.getLogger("fewbits.decode")
 SLOT_ROUND = 64  # cache lengths are rounded up to this, so nearby prompt lengths share one graph
+WRAPPERS = ("cpp", "python")
+#: inductor options of the CPU step per wrapper: the C++ wrapper built apart from the kernels (kernels -O3, the
+#: wrapper at inductor's -O1 default for it), not as one -O3 file with them
+CPU_OPTIONS: dict[str, dict[str, object]] = {
+    "cpp": {"cpp_wrapper": True, "cpp_wrapper_build_separate": True},
+    "python": {"cpp_wrapper": False},
+}
 
 
 def inductor_cache_dir() -> Path:
@@ -73,11 +88,22 @@ def why_eager(model: torch.nn.Module, device: torch.device | str = "cpu") -> str
     return None
 
 
+def _step(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch.Tensor, ids: torch.Tensor,
+          pos: torch.Tensor, slot: torch.Tensor, fused: Fused | None) -> torch.Tensor:
+    """The compiled CPU step: everything it reads is an argument, so a saved compiled step holds no weights."""
+    return forward(model, arch, cache, valid, ids, pos, slot, fused=fused)
+
+
 class StaticDecoder:
     """A preallocated cache for `batch` sequences of up to `max_len` tokens and the step over it."""
 
     def __init__(self, model: torch.nn.Module, kv: KVFormat | str = "bf16", batch: int = 1, max_len: int = 256,
-                 compile: bool = True, cache_dir: Path | None = None, fuse: bool = True) -> None:
+                 compile: bool = True, cache_dir: Path | None = None, fuse: bool = True,
+                 wrapper: str | None = None) -> None:
+        wrapper = wrapper or os.environ.get("FEWBITS_WRAPPER") or "cpp"
+        if wrapper not in WRAPPERS:
+            raise ValueError(f"wrapper must be one of {', '.join(WRAPPERS)}, got {wrapper!r}")
+        self.wrapper = wrapper
         self.model = model
         self.arch = describe(model)
         p = next(model.parameters())
@@ -106,9 +132,10 @@ class StaticDecoder:
                     for t in layer.t.values():
                         torch._dynamo.mark_static_address(t)
                 torch._dynamo.mark_static_address(self.valid)
-            self._fn = torch.compile(self._decode, fullgraph=True, dynamic=False,
-                                     mode="reduce-overhead" if cuda else None)
-            self._warm(cache_dir)
+                self._fn = torch.compile(self._decode, fullgraph=True, dynamic=False, mode="reduce-overhead")
+                self._warm(cache_dir)
+            else:
+                self._compile_cpu(Path(cache_dir or inductor_cache_dir()))
 
     def _decode(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, fused=self.fused)
@@ -120,8 +147,51 @@ class StaticDecoder:
             return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.length + 1,
                            self.fused)
 
+    def _compile_cpu(self, cache_dir: Path) -> None:
+        """Load the saved step (`precompiled`) or trace, compile and save it; then run it once on the last slot
+        (loading the generated library) and forget that write."""
+        ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
+        slot = torch.tensor([self.max_len - 1], device=self.device)
+        args = (self.model, self.arch, self.cache, self.valid, ids, self.pos, slot, self.fused)
+        options = CPU_OPTIONS[self.wrapper]
+        key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
+                                                    "max_len": self.max_len, "options": options,
+                                                    "fused": self.fused is not None})
+        path = cache_dir / "fewbits-steps" / f"{key}.bin"
+        import torch._inductor.config as icfg
+
+        t0 = time.perf_counter()
+        with torch.no_grad(), compile_scope(cache_dir), icfg.patch(options):
+            with icfg.patch(precompiled.LOAD_OPTIONS):
+                fn = precompiled.load(path, globals())
+            if fn is not None:
+                try:
+                    fn(*args)
+                except RuntimeError as exc:  # its guards refused these inputs: compile afresh
+                    log.warning("fewbits.decode: the saved step %s does not fit (%s)", path.name,
+                                str(exc).splitlines()[0] if str(exc) else "")
+                    fn = None
+            if fn is None:
+                compiled = torch.compile(_step, fullgraph=True, dynamic=False)
+                if hasattr(compiled, "aot_compile"):
+                    fn = compiled.aot_compile((args, {}))
+                    precompiled.save(fn, path)
+                else:  # a torch without precompile: inductor's FX graph cache alone
+                    fn = compiled
+                fn(*args)
+        self.compile_s = time.perf_counter() - t0
+        self.valid.zero_()
+        self._ids = ids
+
+        def run(ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+            # the guards want the strides they were traced with: ids copied into one (B, 1) tensor
+            return fn(self.model, self.arch, self.cache, self.valid, self._ids.copy_(ids), pos, slot, self.fused)
+
+        self._fn = run
+
     def _warm(self, cache_dir: Path | None) -> None:
-        """Compile (or load) the step by running it once on the last slot, then forget that write."""
+        """CUDA: compile (or load) the step by running it once on the last slot (twice: CUDA graphs record on a
+        later call), then forget that write."""
         ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         slot = torch.tensor([self.max_len - 1], device=self.device)
         t0 = time.perf_counter()

@@ -1,0 +1,67 @@
+"""The CPU step saved on disk whole (`fewbits.decode.precompiled`): found again only for the same layout, loaded
+without dynamo tracing, and reading the weights it is called with (none baked in)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_models import build
+
+from fewbits.decode.precompiled import artifact_key
+from fewbits.decode.runner import StaticDecoder, why_eager
+
+PARTS = {"kv": "bf16", "batch": 1, "max_len": 64, "options": {"cpp_wrapper": True}}
+
+
+def test_key_follows_layout_not_values() -> None:
+    """Same shapes with other weight values: one key (the weights are inputs).  Another dtype, another family,
+    another KV format, batch or cache length: another key."""
+    a, b = build("llama"), build("llama")
+    with torch.no_grad():
+        for p in b.parameters():
+            p.add_(1.0)
+    assert artifact_key(a, PARTS) == artifact_key(b, PARTS)
+    others = [artifact_key(build("llama", torch.bfloat16), PARTS), artifact_key(build("qwen2"), PARTS)]
+    others += [artifact_key(a, {**PARTS, k: v}) for k, v in (("kv", "int8"), ("batch", 2), ("max_len", 128),
+                                                               ("options", {"cpp_wrapper": False}))]
+    assert len({artifact_key(a, PARTS), *others}) == len(others) + 1
+
+
+def test_key_follows_quantised_format() -> None:
+    from test_compiled import quantised
+
+    assert artifact_key(quantised(build("llama", torch.bfloat16), "int4-g32"), PARTS) != \
+        artifact_key(quantised(build("llama", torch.bfloat16), "int4-g64"), PARTS)
+
+
+def test_unknown_wrapper_is_refused() -> None:
+    with pytest.raises(ValueError, match="wrapper must be one of"):
+        StaticDecoder(build("llama"), "bf16", 1, 16, wrapper="java")
+
+
+def test_saved_step_loads_without_tracing_and_reads_the_given_weights(tmp_path) -> None:
+    """A second decoder (another model object, other weight values, same layout) loads the saved step: dynamo
+    traces no frame, and its logits are those of the uncompiled step on *its* weights."""
+    from torch._dynamo.utils import counters
+
+    first = build("llama", torch.bfloat16)
+    if why_eager(first) is not None:
+        pytest.skip(why_eager(first))
+    StaticDecoder(first, "bf16", 1, 20, cache_dir=tmp_path)
+    assert len(list((tmp_path / "fewbits-steps").glob("*.bin"))) == 1
+    other = build("llama", torch.bfloat16)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.5)
+    torch._dynamo.reset()
+    frames = counters["frames"]["total"]
+    dec = StaticDecoder(other, "bf16", 1, 20, cache_dir=tmp_path)
+    assert counters["frames"]["total"] == frames, "the saved step was traced again"
+    ref = StaticDecoder(other, "bf16", 1, 20, compile=False)
+    ids = torch.randint(4, 320, (1, 6), generator=torch.Generator().manual_seed(1))
+    got, want = [dec.prefill(ids)], [ref.prefill(ids)]
+    for t in (7, 9, 11):
+        got.append(dec.step(torch.tensor([t])))
+        want.append(ref.step(torch.tensor([t])))
+    got, want = torch.stack(got).float(), torch.stack(want).float()
+    torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
