@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Iterator
@@ -173,11 +174,16 @@ class StaticDecoder:
                     fn = None
             if fn is None:
                 compiled = torch.compile(_step, fullgraph=True, dynamic=False)
+                fn = compiled  # a torch without precompile, or a step it cannot save: inductor's FX graph cache alone
                 if hasattr(compiled, "aot_compile"):
-                    fn = compiled.aot_compile((args, {}))
-                    precompiled.save(fn, path)
-                else:  # a torch without precompile: inductor's FX graph cache alone
-                    fn = compiled
+                    try:
+                        fn = compiled.aot_compile((args, {}))
+                    except (TypeError, AttributeError, pickle.PicklingError) as exc:
+                        # e.g. the int8 kernels' guards do not pickle ("cannot pickle RootGuardManager")
+                        log.info("fewbits.decode: the step cannot be saved whole (%s); compiled without saving", exc)
+                        fn = compiled
+                    else:
+                        precompiled.save(fn, path)
                 fn(*args)
         self.compile_s = time.perf_counter() - t0
         self.valid.zero_()
