@@ -188,6 +188,22 @@ def truncate_gguf(src: str, dst: str, n_layers: int) -> None:
     os.replace(tmp, dst)
 
 
+def joined_gguf(parts: list[Any], workdir: str) -> str:
+    """The packaged GGUF as one file: itself, or its parts (a package ships a large file split) joined once
+    into `workdir`."""
+    if len(parts) == 1:
+        return str(parts[0])
+    dst = os.path.join(workdir, os.path.basename(str(parts[0])).split(".gguf")[0] + ".gguf")
+    if not os.path.exists(dst):
+        with open(dst + ".tmp", "wb") as out:
+            for p in parts:
+                with open(p, "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        out.write(chunk)
+        os.replace(dst + ".tmp", dst)
+    return dst
+
+
 def llama_models(worker: Worker, packaged: str, workdir: str, kinds: list[str]) -> dict[str, str]:
     """label -> GGUF path: the packaged file, and requantised ones made once into `workdir`."""
     os.makedirs(workdir, exist_ok=True)
@@ -335,8 +351,8 @@ def main() -> None:
     plens = [int(p) for p in args.prompts.split(",")]
     fb_formats = [f for f in args.fewbits.split(",") if f]
     kinds = [k for k in args.gguf.split(",") if k]
-    packaged = str(source_files(packaged_entry(args.model))[0])
     os.makedirs(args.workdir, exist_ok=True)
+    packaged = joined_gguf(source_files(packaged_entry(args.model)), args.workdir)
     worker = Worker(args.llama_python, os.path.join(args.workdir, "llama_worker.log"))
     info = worker(op="info")
     ggufs = llama_models(worker, packaged, args.workdir, kinds)
