@@ -79,9 +79,10 @@ def _attn_at(args: argparse.Namespace, T: int) -> None:
     from fewbits.decode import kvkernel
     from fewbits.decode.cache import make_cache
     from fewbits.decode.step import _attend_codes, _attend_dense
+    from fewbits.kernels import native
 
     torch._dynamo.config.recompile_limit = 64  # one graph per format and length, all of `step`
-    print(f"int8/KIVI attention kernel: {'built' if kvkernel.available() else kvkernel._STATE.get('why')}")
+    print(f"int8/KIVI attention kernel: {'built' if kvkernel.available() else native.why(kvkernel.NAME)}")
     B, Hq, Hkv, D = int(args.batch.split(",")[0]), 9, 3, 64
     fns = {}
     for kv in args.kv.split(","):

@@ -16,12 +16,9 @@ and `fewbits.decode.step` keeps the pure-torch reductions.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-from pathlib import Path
-
 import torch
+
+from fewbits.kernels import native
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -301,35 +298,12 @@ TORCH_LIBRARY(fewbits_kv, m) {
 """
 
 CHUNK = 256  # tokens per parallel unit
-_STATE: dict[str, object] = {}
-
-
-def _build_dir() -> Path:
-    """A directory per source and CPU (the code is built for this CPU's instruction set)."""
-    try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    key = hashlib.sha256((_SRC + flags + torch.__version__).encode()).hexdigest()[:16]
-    base = Path(os.environ.get("FEWBITS_CACHE") or Path.home() / ".cache" / "fewbits")
-    return base / "kernels" / f"attend_kv_{key}"
+NAME = "fewbits_attend_kv"
 
 
 def available() -> bool:
     """Whether `fewbits::attend_kv` is usable (built or loaded once per process; False if no compiler)."""
-    if "ok" not in _STATE:
-        try:
-            from torch.utils.cpp_extension import load_inline
-
-            d = _build_dir()
-            d.mkdir(parents=True, exist_ok=True)
-            load_inline("fewbits_attend_kv", _SRC, build_directory=str(d), is_python_module=False,
-                        extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"])
-            torch.library.register_fake("fewbits_kv::attend_kv")(_fake)
-            _STATE["ok"] = True
-        except Exception as e:  # noqa: BLE001 - any build failure means: use the pure-torch path
-            _STATE["ok"], _STATE["why"] = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    return bool(_STATE["ok"])
+    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake})
 
 
 def _fake(q: torch.Tensor, *args: object) -> torch.Tensor:

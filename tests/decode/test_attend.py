@@ -10,8 +10,9 @@ import torch
 from fewbits.decode import kvkernel
 from fewbits.decode.cache import make_cache
 from fewbits.decode.step import _attend_codes
+from fewbits.kernels import native
 
-needs_kernel = pytest.mark.skipif(not kvkernel.available(), reason=f"no kernel: {kvkernel._STATE.get('why')}")
+needs_kernel = pytest.mark.skipif(not kvkernel.available(), reason=f"no kernel: {native.why(kvkernel.NAME)}")
 
 
 def filled(kv: str, D: int, n: int, H: int = 2, B: int = 2, seed: int = 4):  # noqa: ANN201
@@ -97,7 +98,7 @@ def test_compiled_kernel_step_equals_reference(kv: str) -> None:
 
 
 def test_without_a_compiler_the_torch_path_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kvkernel, "_STATE", {"ok": False, "why": "no compiler"})
+    monkeypatch.setitem(native._BUILT, kvkernel.NAME, False)
     layer = filled("int4-g8-r8", 32, 30)
     assert not layer.kernel
     q = torch.randn(2, 4, 1, 32, generator=torch.Generator().manual_seed(9))

@@ -1,0 +1,69 @@
+"""Hand-written C++ operators, compiled once per machine and cached on disk.
+
+`build(name, src, fakes)` compiles `src` (a C++ file that registers torch operators with ``TORCH_LIBRARY``)
+with torch's `load_inline`, for this CPU's instruction set (``-march=native``), into
+``$FEWBITS_CACHE/kernels/<name>_<hash>`` (default ``~/.cache/fewbits``), the hash covering the source, the
+CPU's flags and torch's version, so a second process only loads the library.  `fakes` maps each operator
+("namespace::op") to its fake implementation (output shapes without computing), which lets a compiled
+graph keep the operator as one node.  Where compiling fails (no compiler, no OpenMP) the result is False
+and `why(name)` says why; callers keep a pure-torch path for that case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+
+_BUILT: dict[str, bool] = {}
+_WHY: dict[str, str] = {}
+
+
+def cpu_flags() -> str:
+    """This CPU's feature flags (the code is built for its instruction set)."""
+    try:
+        return next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def build_dir(name: str, src: str) -> Path:
+    """The directory `name`'s library is built into: one per source, CPU and torch version."""
+    key = hashlib.sha256((src + cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
+    base = Path(os.environ.get("FEWBITS_CACHE") or Path.home() / ".cache" / "fewbits")
+    return base / "kernels" / f"{name}_{key}"
+
+
+def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor]]) -> bool:
+    """Compile (or load) `src` once per process; True when its operators are registered."""
+    if name not in _BUILT:
+        try:
+            from torch.utils.cpp_extension import load_inline
+
+            d = build_dir(name, src)
+            d.mkdir(parents=True, exist_ok=True)
+            load_inline(name, src, build_directory=str(d), is_python_module=False, extra_cflags=CFLAGS)
+            for op, fake in fakes.items():
+                torch.library.register_fake(op)(fake)
+            _BUILT[name] = True
+        except Exception as e:  # noqa: BLE001 - any build failure means: use the caller's pure-torch path
+            _BUILT[name] = False
+            _WHY[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return _BUILT[name]
+
+
+def why(name: str) -> str | None:
+    """Why `name` could not be built (None when it was, or was not tried)."""
+    return _WHY.get(name)
+
+
+def disable(name: str, reason: str) -> None:
+    """Mark `name` as unavailable (tests of the fallback paths)."""
+    _BUILT[name] = False
+    _WHY[name] = reason
