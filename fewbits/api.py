@@ -83,6 +83,7 @@ from fewbits.saved import (  # noqa: F401  (names of the api)
     read_saved_meta,
 )
 from fewbits.tensor import QuantizedTensor, quantize_tensor
+from fewbits.tensorfile import owned
 
 log = logging.getLogger("fewbits.api")
 
@@ -280,7 +281,7 @@ def save_quantized_model(model: nn.Module, recipe: Recipe, out_dir: str | os.Pat
         model.config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE,
+        save_file({k: owned(v) for k, v in tensors.items()}, tmp / WEIGHTS_FILE,
                   metadata={"fewbits": json.dumps({"format": SAVED_FORMAT, "version": SAVED_VERSION})})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, default=str))
 

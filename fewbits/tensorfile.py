@@ -108,8 +108,17 @@ class TensorFileWriter:
             self._f.close()
 
 
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """`t` as safetensors can write it: contiguous and alone in its storage.  A view of a larger tensor (the
+    row views the fused decode leaves in a model's layers, `fewbits.decode.fuse`) is copied; safetensors
+    refuses tensors that share memory."""
+    t = t.contiguous()
+    whole = t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return t if whole else t.clone()
+
+
 def _round8(n: int) -> int:
     return -(-n // 8) * 8
 
 
-__all__ = ["TensorFileWriter", "ST_NAMES"]
+__all__ = ["TensorFileWriter", "ST_NAMES", "owned"]

@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from fewbits.models.loading import read_safetensors_header
-from fewbits.tensorfile import TensorFileWriter
+from fewbits.tensorfile import TensorFileWriter, owned
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -61,3 +61,17 @@ def test_wrong_pieces_and_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match="tensor a is written twice"):
         w.add("a", torch.zeros(2))
     w.abort()
+
+
+def test_owned_copies_views_and_passes_whole_tensors() -> None:
+    """Row views of one matrix (the fused decode's layers) come out alone in their storage; a whole
+    contiguous tensor is returned as is (no copy)."""
+    w = torch.arange(24.0).reshape(6, 4)
+    whole = owned(w)
+    assert whole is w
+    parts = [owned(w[:2]), owned(w[2:])]
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in parts)
+    assert parts[0].untyped_storage().data_ptr() != w.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat(parts), w)
+    t = owned(w.t())  # not contiguous: one contiguous copy
+    assert t.is_contiguous() and torch.equal(t, w.t())

@@ -44,6 +44,7 @@ from fewbits.formats.format import Format
 from fewbits.formats.packing import pack_bits
 from fewbits.models.qlinear import QuantLinear
 from fewbits.tensor import QuantizedTensor
+from fewbits.tensorfile import owned
 
 #: the compressed-tensors version whose layout this writes (the format field of its config groups)
 CT_VERSION = "0.20.1"
@@ -165,6 +166,6 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str],
         (tmp / "config.json").write_text(json.dumps(config_dict, indent=2, default=str))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        save_file({k: owned(v) for k, v in tensors.items()}, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
 
     return write_dir(Path(out_dir), write, overwrite, kind="compressed-tensors", extra=extra)

@@ -127,3 +127,27 @@ def test_compiled_fused_step_has_four_matmuls_a_layer_and_equal_logits(tmp_path)
     runs = [teacher_forced(m, ids, ref, bool(fuse), compile=True, cache_dir=tmp_path) for fuse, m in models.items()]
     assert torch.equal(runs[0], runs[1])
     assert torch.equal(runs[1].argmax(-1), ref)
+
+
+def test_a_model_decoded_with_fused_16bit_parts_still_saves(tmp_path) -> None:  # noqa: ANN001
+    """The fused 16-bit q/k/v leave row views of one tensor in the model's layers; fewbits' own save and the
+    compressed-tensors export copy them out (safetensors refuses tensors that share memory) and the saved
+    model loads back with the same weights."""
+    from safetensors import safe_open
+
+    from fewbits.api import load_quantized_model, quantize, save_quantized_model
+    from fewbits.export.compressed_tensors import export_compressed_tensors
+    from fewbits.models.recipe import DEFAULT_IGNORE, Recipe
+
+    model = build("llama", torch.bfloat16)
+    recipe = Recipe.from_format("int8", ignore=(*DEFAULT_IGNORE, r".*\.self_attn\.[qkv]_proj"))
+    quantize(model, recipe, progress=False, chooser=prepare_linear)
+    StaticDecoder(model, "bf16", 1, 16, compile=False)  # fuses q/k/v (16-bit) and gate/up (int8)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert q.untyped_storage().nbytes() > q.numel() * q.element_size()  # a view of the fused tensor
+    save_quantized_model(model, recipe, tmp_path / "fewbits")
+    export_compressed_tensors(model, tmp_path / "ct")
+    back = load_quantized_model(tmp_path / "fewbits")[0]
+    assert torch.equal(back.model.layers[0].self_attn.q_proj.weight, q)
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.weight"), q)
