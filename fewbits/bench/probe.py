@@ -7,7 +7,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model (LM head
    included, in bf16 as fewbits keeps it) once per pass, replicated beyond the cache, through the
-   kernel dispatcher, at 1 and at 8 rows ((rows, 1, in) inputs, as the model passes them; the fastest of
+   kernel dispatcher (on the compiled path as its step calls them: q/k/v and gate/up fused where
+   `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in) inputs, as the model passes them; the fastest of
    samples that each cover a whole step's linears), and the same calls on a tiny shape.  Bandwidth efficiency
    of a family = bytes / (time - time of the tiny calls) / beta (the 16-bit LM head every format keeps at
    its own: head bytes / head time / beta); where 8 rows take longer than 1 row
@@ -15,13 +16,19 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    per linear call is its tiny calls' time less the time the skeleton step (4.) spends in its own 16-bit
    linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
    pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;
-4. decode steps of a skeleton model (the model's depth, heads, head size and vocabulary, 16-wide
-   linears) per KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache
-   as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed
-   cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
-   format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which
-   the store copies every step, at its own rate) and the extra fixed cost of each
-   quantised cache per layer (a KIVI cache's dequantisation only once its window has overflowed);
+4. decode steps of a skeleton model (the model's heads, head size and vocabulary, 16-wide linears) per
+   KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache as `fewbits
+   bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed cost per step (a
+   of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per format (1 / (s
+   beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which the store copies
+   every step, at its own rate) and the extra fixed cost of each quantised cache per layer (a KIVI
+   cache's dequantisation only once its window has overflowed).  On the eager path the skeleton has
+   the model's depth.  On the compiled path (the default) every (KV format, batch, cache length) is a
+   graph to compile, minutes each at the model's depth: the skeletons there are 2 and 6 layers deep
+   (`COMPILED_DEPTHS`; the 16-bit cache at both, to split the fixed costs into a part per step and a
+   part per layer, which the fit scales to the model's depth), and a cache without a window runs only
+   the largest context at each batch: 18 shallow graphs instead of 20 at full depth, each saved on disk
+   (`fewbits.decode.precompiled`), so that a second probe loads them;
 5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them; measured
