@@ -9,6 +9,7 @@ chooses the kernels (Triton / `_scaled_mm` on a CUDA device).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -17,6 +18,11 @@ import torch
 from fewbits.formats.format import parse_format
 from fewbits.kernels import prepare_linear
 from fewbits.tensor import QuantizedTensor, quantize_tensor
+
+_FLOAT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+#: the projections of a decoder layer that read the same input, as `fewbits.decode.fuse.fuse_projections`
+#: groups them (each group one matmul in the compiled step where its parts fuse)
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 #: the linear shapes (out, in) of one SmolLM2-135M block, and its (tied) LM head
 SMOLLM2_BLOCK = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
@@ -107,6 +113,94 @@ def build_set(spec: str, shapes: tuple[tuple[int, int], ...], min_bytes: int = 0
         kernels += [prepare_linear(_copy(qt)) for qt in base]
     names = tuple(dict.fromkeys(k.name for k in kernels))
     return WeightSet(spec, shapes, kernels, nbytes, copies, names)
+
+
+class StepCall:
+    """One matmul call of a decode step: a layer's own forward, or a fused projection (its parts' outputs)."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], object], shape: tuple[int, int], name: str) -> None:
+        self.fn, self.shape, self.name = fn, shape, name
+
+    def __call__(self, x: torch.Tensor) -> object:
+        return self.fn(x)
+
+
+def _layer_module(spec: str, shape: tuple[int, int], seed: int, device: str | torch.device) -> torch.nn.Module:
+    """A linear layer of `shape` in `spec` as a quantised model holds it: `nn.Linear` for a 16-bit format, else a
+    `QuantLinear` whose kernel the dispatcher chooses (`prepare_linear`), as `fewbits bench` quantises."""
+    from fewbits.models.qlinear import QuantLinear
+
+    s = effective_spec(spec, shape[1])
+    w = _weight(shape, seed)
+    if not parse_format(s).is_quantized:
+        lin = torch.nn.Linear(shape[1], shape[0], bias=False, device=device, dtype=_FLOAT[s])
+        lin.weight.data.copy_(w.to(_FLOAT[s]))
+        return lin.requires_grad_(False)
+    qt = quantize_tensor(w, s, name=f"{spec}{shape}")
+    return QuantLinear(qt if torch.device(device).type == "cpu" else _copy(qt, device), None, chooser=prepare_linear)
+
+
+def _module_name(m: torch.nn.Module) -> str:
+    k = getattr(m, "kernel", None)
+    return "dense" if k is None else getattr(k, "name", type(k).__name__)
+
+
+def _module_bytes(m: torch.nn.Module) -> int:
+    return int(m.weight_nbytes) if hasattr(m, "weight_nbytes") else m.weight.numel() * m.weight.element_size()
+
+
+def _independent(m: torch.nn.Module) -> torch.nn.Module:
+    """A copy of layer `m` whose weights (the kernel's tensors, which the calls read) are its own."""
+    if not hasattr(m, "kernel"):
+        return copy.deepcopy(m)
+    c = copy.copy(m)  # the stored codes stay shared: only the kernel reads weights in a call
+    c.kernel = copy.deepcopy(m.kernel)
+    return c
+
+
+def build_step_set(spec: str, layer: tuple[tuple[str, tuple[int, int]], ...], min_bytes: int = 0, seed: int = 0,
+                   device: str | torch.device = "cpu", fuse: bool = True) -> WeightSet:
+    """The matmul calls of one decoder layer as the compiled decode step makes them: `layer` is (name, (out, in))
+    per linear; each layer is built as the model holds it (`_layer_module`, through the dispatcher) and, with
+    `fuse`, q/k/v and gate/up are fused by `fewbits.decode.fuse.fuse_group` (one call where its rule lets the
+    parts fuse, the parts' own calls where not).  Copies are whole layers, to at least `min_bytes`.  `shapes`
+    of the result are the calls' (out, in); `kernel_names` say which kernels ran and which groups fused."""
+    from fewbits.decode.fuse import fuse_group
+
+    base = {n: _layer_module(spec, shape, seed + i, device) for i, (n, shape) in enumerate(layer)}
+    nbytes = sum(_module_bytes(m) for m in base.values())
+    copies = max(1, -(-min_bytes // max(nbytes, 1)))
+
+    def one_layer(mods: dict[str, torch.nn.Module]) -> tuple[list[StepCall], list[str]]:
+        calls: list[StepCall] = []
+        names: list[str] = []
+        done: set[str] = set()
+        for n, _ in layer:
+            if n in done:
+                continue
+            group = next((g for g in FUSE_GROUPS if n == g[0] and all(p in mods for p in g)), None) if fuse else None
+            if group is not None:
+                fused, _why = fuse_group([mods[p] for p in group])
+                if fused is not None:
+                    rows = sum(mods[p].out_features for p in group)
+                    calls.append(StepCall(fused, (rows, mods[n].in_features), _module_name(mods[n])))
+                    names.append(f"{_module_name(mods[n])} ({'/'.join(group)} fused)")
+                    done.update(group)
+                    continue
+            m = mods[n]
+            calls.append(StepCall(m, (m.out_features, m.in_features), _module_name(m)))
+            names.append(_module_name(m))
+            done.add(n)
+        return calls, names
+
+    # independent copies (deep copies of the unfused layers, each fused on its own) so that no pass finds the
+    # weights in cache
+    others = [{n: _independent(m) for n, m in base.items()} for _ in range(1, copies)]
+    calls, names = one_layer(base)
+    kernels = list(calls)
+    for mods in others:
+        kernels += one_layer(mods)[0]
+    return WeightSet(spec, tuple(c.shape for c in calls), kernels, nbytes, copies, tuple(dict.fromkeys(names)))
 
 
 def _copy(qt: QuantizedTensor, device: str | torch.device | None = None) -> QuantizedTensor:

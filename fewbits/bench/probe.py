@@ -7,7 +7,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model (LM head
    included, in bf16 as fewbits keeps it) once per pass, replicated beyond the cache, through the
-   kernel dispatcher, at 1 and at 8 rows ((rows, 1, in) inputs, as the model passes them; the fastest of
+   kernel dispatcher (on the compiled path as its step calls them: q/k/v and gate/up fused where
+   `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in) inputs, as the model passes them; the fastest of
    samples that each cover a whole step's linears), and the same calls on a tiny shape.  Bandwidth efficiency
    of a family = bytes / (time - time of the tiny calls) / beta (the 16-bit LM head every format keeps at
    its own: head bytes / head time / beta); where 8 rows take longer than 1 row
@@ -15,13 +16,19 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    per linear call is its tiny calls' time less the time the skeleton step (4.) spends in its own 16-bit
    linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
    pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;
-4. decode steps of a skeleton model (the model's depth, heads, head size and vocabulary, 16-wide
-   linears) per KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache
-   as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed
-   cost per step (a of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per
-   format (1 / (s beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which
-   the store copies every step, at its own rate) and the extra fixed cost of each
-   quantised cache per layer (a KIVI cache's dequantisation only once its window has overflowed);
+4. decode steps of a skeleton model (the model's heads, head size and vocabulary, 16-wide linears) per
+   KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache as `fewbits
+   bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed cost per step (a
+   of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per format (1 / (s
+   beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which the store copies
+   every step, at its own rate) and the extra fixed cost of each quantised cache per layer (a KIVI
+   cache's dequantisation only once its window has overflowed).  On the eager path the skeleton has
+   the model's depth.  On the compiled path (the default) every (KV format, batch, cache length) is a
+   graph to compile, minutes each at the model's depth: the skeletons there are 2 and 6 layers deep
+   (`COMPILED_DEPTHS`; the 16-bit cache at both, to split the fixed costs into a part per step and a
+   part per layer, which the fit scales to the model's depth), and a cache without a window runs only
+   the largest context at each batch: 18 shallow graphs instead of 20 at full depth, each saved on disk
+   (`fewbits.decode.precompiled`), so that a second probe loads them;
 5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them; measured
@@ -89,27 +96,47 @@ def step_inputs(shapes: tuple[tuple[int, int], ...], rows: int, dtype: torch.dty
     return {k: x.reshape(rows, 1, k) for k, x in inputs_for(shapes, rows, dtype, device=device).items()}
 
 
+def named_layer_shapes(spec: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ...]:
+    """(name, (out, in)) of the linears of one decoder layer, as `layer_shapes`."""
+    out = []
+    for s in spec.linear_shapes():
+        if s.role in ("attention", "mlp"):
+            out += [(s.name, s.shape)] * (s.count // spec.n_layers)
+    return tuple(out)
+
+
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 30, device: str | torch.device = "cpu") -> dict[str, dict[str, Any]]:
-    """Per format: time of the linears of one decode step (n_layers x one layer's shapes) at 1 and 8 rows,
+                rounds: int = 30, device: str | torch.device = "cpu", fused: bool = False
+                ) -> dict[str, dict[str, Any]]:
+    """Per format: time of the linears of one decode step (n_layers x one layer's calls) at 1 and 8 rows,
     with the per-call cost (the same number of calls on a tiny shape) measured separately.
 
     Measured the way the step runs them, so that the figure is the one `fewbits bench` reports: each
     sample is a whole step's linears (the next copies, cold) and the fastest sample counts (the bench keeps
     its fastest step; the sum over layers of each layer's fastest sample is lower, by 8-20% here: a step
     never finds all its layers at their quietest), and the inputs are (rows, 1, in) as in the model (a 16-bit
-    linear on a 3-d input costs ~5-7 us more per call than on a 2-d one here)."""
+    linear on a 3-d input costs ~5-7 us more per call than on a 2-d one here).
+
+    `fused`: the calls of the compiled decode step (`gemv.build_step_set`): each layer built as the quantised
+    model holds it, through the dispatcher, with q/k/v and gate/up fused into one matmul each where
+    `fewbits.decode.fuse` fuses them (one 960 x 576 matmul reads its bytes at another rate than three
+    separate ones); else every linear on its own (`gemv.build_set`, the eager path's calls)."""
+    from fewbits.bench.gemv import build_step_set
+
     shapes = layer_shapes(spec)
     results: dict[str, dict[str, Any]] = {}
-    per_step = len(shapes) * spec.n_layers
     sync = synchronizer(device)
     on_gpu = torch.device(device).type != "cpu"
     for f in formats:
-        body = build_set(f, shapes, min_bytes, device=device)
-        tiny = build_set(f, (TINY,) * len(shapes), 0, device=device)
-        res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers}
+        body = build_step_set(f, named_layer_shapes(spec), min_bytes, device=device) if fused else \
+            build_set(f, shapes, min_bytes, device=device)
+        calls = body.shapes  # one layer's calls: fused groups count once
+        per_step = len(calls) * spec.n_layers
+        tiny = build_set(f, (TINY,) * len(calls), 0, device=device)
+        res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers,
+                               "calls": per_step}
         for m in rows:
-            xs = step_inputs(shapes + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16, device)
+            xs = step_inputs(tuple(calls) + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16, device)
             # one sample = the linears of one step (the next copies, cold), or the same calls on tiny shapes
             t = time_interleaved({"body": body.sampler(xs, per_step), "tiny": tiny.sampler(xs, per_step)},
                                  min_time=0.0, rounds=rounds, sync=sync)
@@ -192,64 +219,97 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
     return (best[True] - best[False]) / len(layers)
 
 
+#: skeleton depths of the compiled path's steps: every KV format at the last, the 16-bit cache at each (the fit
+#: splits the fixed cost into a part per step and a part per layer, and scales it to the model's depth)
+COMPILED_DEPTHS = (2, 6)
+
+
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
                refill_bytes: int | None = None, measure_refill: bool = True,
                refill_sizes: tuple[float, ...] = REFILL_SIZES, device: str | torch.device = "cpu",
-               compiled: bool = False) -> dict[str, dict[str, Any]]:
+               compiled: bool = False, depths: tuple[int, ...] | None = None,
+               log: Any = None) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
-        t = a_f + o_f [holds quantised tokens] + p (b - 1) + s_f q + w_f w + E L min(1, x / X)
+        t = a0 + a1 L + o_f L [holds quantised tokens] + x_f L + (p0 + p1 L) (b - 1) + s_f q + w_f w + E(x) L
 
-    q, w: the quantised and the 16-bit (window) cache bytes of the step as the cost model counts them
-    (`kv_step_bytes`, the store's true bytes; a 16-bit cache's bytes all count as q, at s_16); a_f: fixed
-    time per step of format f; o_f: more once a windowed (KIVI) cache holds quantised tokens and
-    dequantises them; p: time per sequence beyond the first; s_f, w_f: seconds per quantised and per
-    window byte (the store copies the window every step); E: the time per layer the step's small
-    operations lose when a layer's stream of x bytes of 16-bit keys and values (`attention_layer_bytes`)
-    evicts their working set from a core cache of X bytes (`l2_cache_bytes`; `refill_bytes` overrides it,
-    0 leaves E out).  E is measured directly (`refill_cost`: every layer streams 2 X bytes of its own)
-    and the fit is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest
-    (a fitted E < 0 is refitted as 0).  The refill is also measured at streams of `refill_sizes` x X
-    bytes (the refill curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead).
-    On a device other than the CPU the refill is a core-cache effect that does not apply: E is left out.
+    L: the skeleton's depth; q, w: the quantised and the 16-bit (window) cache bytes of the step at that
+    depth as the cost model counts them (`kv_step_bytes`, the store's true bytes; a 16-bit cache's bytes
+    all count as q, at s_16); a0 + a1 L: the 16-bit cache's fixed time per step; x_f: more per layer for
+    format f; o_f: more per layer once a windowed (KIVI) cache holds quantised tokens and dequantises them;
+    p0 + p1 L: time per sequence beyond the first; s_f, w_f: seconds per quantised and per window byte (the
+    store copies the window every step); E: the time per layer the step's small operations lose when a
+    layer's stream of x bytes of 16-bit keys and values (`attention_layer_bytes`) evicts their working set
+    from a core cache of X bytes (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out), E min(1,
+    x / X).  E is measured directly (`refill_cost`: every layer streams 2 X bytes of its own) and the fit
+    is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest (a fitted E < 0
+    is refitted as 0).  The refill is also measured at streams of `refill_sizes` x X bytes (the refill
+    curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead).  On a device other
+    than the CPU the refill is a core-cache effect that does not apply: E is left out.
+
+    `depths`: the skeleton depths measured (default: the model's own on the eager path, `COMPILED_DEPTHS`
+    on the compiled one): every KV format at the last, the first KV format (the 16-bit cache) at every one.
+    With one depth the fixed costs cannot be split and a1 = p1 = 0 (exact when that depth is the model's).
+    The figures returned are for the model's own depth (`spec.n_layers`).
 
     `compiled`: the steps run on the compiled static-cache path (`fewbits.decode`, what `fewbits bench` runs
-    by default), so a_f is that path's fixed cost per step (one graph, no Python per layer); each shape
-    compiles once, before its timed steps (the refill, which hooks into the layers, stays eager)."""
+    by default), so the fixed costs are that path's (one graph, no Python per layer).  Each (KV format,
+    batch, cache length, depth) is one graph, compiled once (or loaded from the on-disk cache, where the
+    same skeleton was compiled before) before its timed steps; a shallow skeleton compiles in a fraction of
+    the model's depth's time, the reason for the depths.  The refill, which hooks into the layers, stays
+    eager, at the model's depth."""
+    import dataclasses
+
     from fewbits.generate import generate
 
     decode = generate
     if compiled:
         from fewbits.decode.generate import generate_static as decode
-
-    model = skeleton_model(spec, device)
+    depths = tuple(depths or ((spec.n_layers,) if not compiled else COMPILED_DEPTHS))
+    say = log or (lambda _m: None)
+    specs = {d: dataclasses.replace(spec, n_layers=d) if d != spec.n_layers else spec for d in depths}
+    models = {d: skeleton_model(specs[d], device) for d in depths}
+    main = depths[-1]
+    refill_model = models.get(spec.n_layers) or skeleton_model(spec, device)
     g = torch.Generator().manual_seed(0)
-    fastest: dict[tuple[str, int, int], float] = {}
+    fastest: dict[tuple[str, int, int, int], float] = {}
     on_cpu = torch.device(device).type == "cpu"
     x_cache = 0 if not on_cpu else l2_cache_bytes() if refill_bytes is None else refill_bytes
     rests: dict[float, dict[bool, float]] = {f: {} for f in (2.0, *refill_sizes)}
     refill = None
     curve: list[tuple[float, float]] = []
-    for _ in range(rounds):
+    runs = [(s, d) for s in kv_specs for d in depths if d == main or s == kv_specs[0]]
+
+    def shapes(s: str, d: int) -> list[tuple[int, int]]:
+        """The (batch, context) points of format `s` at depth `d`: every one where the fit needs them (the 16-bit
+        cache at the main depth: the per-sequence and per-byte costs; a windowed cache: its window and its
+        dequantisation), else the largest context at each batch (a fixed and a per-byte cost to tell apart)."""
+        if not compiled or (d == main and (s == kv_specs[0] or parse_kv_format(s).residual > 0)):
+            return [(b, c) for b in batches for c in contexts]
+        return [(b, max(contexts)) for b in batches]
+    for r in range(rounds):
         # streams of twice the L2 size: past the knee, where a real model's layer weights (2-7 MB for SmolLM2)
         # and a large batch's cache lie (the loss keeps growing slowly beyond X: a stream of X alone undercounts)
         if measure_refill and x_cache > 0:
             for f in rests:  # E(x): the loss grows ~linearly to about 2 X here, then slowly (1.8 MB <-> 7 MB: 2x)
-                e = refill_cost(model, spec, int(f * x_cache), steps=steps, rounds=1, best=rests[f])
+                e = refill_cost(refill_model, spec, int(f * x_cache), steps=steps, rounds=1, best=rests[f])
                 if f == 2.0:
                     refill = max(e, 0.0)
             curve = refill_curve(x_cache, rests, spec.n_layers)
-        for s in kv_specs:
+        for s, d in runs:
             kvf = parse_kv_format(s)
+            model = models[d]
             if not compiled:  # (a compiled step is run once when it is compiled)
                 generate(model, torch.randint(0, spec.vocab_size, (1, 16), generator=g), 3, kv=kvf)  # warm up
-            for b in batches:
-                for c in contexts:
-                    ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
-                    t = min(decode(model, ids, steps + 1, kv=kvf).decode_step_s)
-                    fastest[(s, b, c)] = min(t, fastest.get((s, b, c), t))
+            t0 = time.perf_counter()
+            for b, c in shapes(s, d):  # (on the compiled path each is one graph: the fewer, the faster)
+                ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
+                t = min(decode(model, ids, steps + 1, kv=kvf).decode_step_s)
+                fastest[(s, b, c, d)] = min(t, fastest.get((s, b, c, d), t))
+            if r == 0:
+                say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
     return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill, curve if len(refill_sizes) else None)
 
 
@@ -267,49 +327,58 @@ def refill_curve(x_cache: int, rests: dict[float, dict[bool, float]], n_layers: 
     return out
 
 
-def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[str, int, int], float],
+def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[int | str, ...], float],
                    steps: int, x_cache: int, refill_s: float | None = None,
                    refill_curve: list[tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
-    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt): seconds};
-    `refill_s` (E, measured) is taken as given, None fits it; with `refill_curve` (measured E(x), seconds
-    per layer) the fit subtracts L E(x) instead of L E min(1, x / X).  A column the measurements cannot tell
-    apart (no quantised bytes, a window that never overflows or always has) is left out: its cost is 0."""
-    batches = sorted({b for _, b, _ in fastest})
-    contexts = sorted({c for _, _, c in fastest})
+    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt[, depth]):
+    seconds} (no depth: the model's own); `refill_s` (E, measured) is taken as given, None fits it; with
+    `refill_curve` (measured E(x), seconds per layer) the fit subtracts L E(x) instead of L E min(1, x / X).
+    A column the measurements cannot tell apart (no quantised bytes, a window that never overflows or always
+    has, a single depth) is left out: its cost is 0.  The figures are for `spec.n_layers` layers."""
+    import dataclasses
+
+    pts = {(k[0], k[1], k[2], k[3] if len(k) > 3 else spec.n_layers): t for k, t in fastest.items()}
+    base_kv = "bf16" if "bf16" in kv_specs else kv_specs[0]
     rows: list[dict[str, float]] = []
     ys: list[float] = []
-    stream: list[float] = []  # x of each row: a layer's 16-bit keys and values
-    points: dict[str, list[tuple[int, int, float, float]]] = {s: [] for s in kv_specs}
-    for s in kv_specs:
+    stream: list[tuple[float, int]] = []  # (x, L) of each row: a layer's 16-bit keys and values, the depth
+    points: dict[str, list[tuple[int, ...]]] = {s: [] for s in kv_specs}
+    for (s, b, c, depth), t in sorted(pts.items(), key=lambda kv: (kv_specs.index(kv[0][0]), *kv[0][1:])):
         kvf = parse_kv_format(s)
-        terms = kv_terms(spec, kvf.full_spec, DEFAULT)
-        for b in batches:
-            for c in contexts:
-                ctx = c + (steps + 1) // 2  # mean context of the timed steps
-                kb = {k: float(v) for k, v in kv_step_bytes(terms, b, ctx).items()}
-                q, w = kb["read_q"] + kb["write_q"], kb["read_w"] + kb["write_w"]
-                x = float(attention_layer_bytes(spec, b * (ctx + 1)))
-                row = {f"a:{s}": 1.0, "p": b - 1.0, "E": spec.n_layers * min(1.0, x / x_cache) if x_cache > 0 else 0.0}
-                if not kvf.is_quantized:  # a 16-bit cache: all of it streams at the 16-bit rate
-                    row["s16"] = (q + w) * 1e-9  # bytes in GB: a well-conditioned fit
-                else:
-                    row[f"s:{s}"] = q * 1e-9
-                    row[f"w:{s}"] = w * 1e-9  # the window: copied every step by the store, its own rate
-                    row[f"o:{s}"] = float(kvf.quantized_tokens(c + steps) > 0)  # dequantises only then
-                rows.append(row)
-                stream.append(x)
-                ys.append(fastest[(s, b, c)])
-                points[s].append((b, c, q + w, fastest[(s, b, c)]))  # batch, prompt, bytes, seconds
-    names = list(dict.fromkeys(k for r in rows for k in r))
+        sd = dataclasses.replace(spec, n_layers=depth) if depth != spec.n_layers else spec
+        terms = kv_terms(sd, kvf.full_spec, DEFAULT)
+        L = float(depth)
+        ctx = c + (steps + 1) // 2  # mean context of the timed steps
+        kb = {k: float(v) for k, v in kv_step_bytes(terms, b, ctx).items()}
+        q, w = kb["read_q"] + kb["write_q"], kb["read_w"] + kb["write_w"]
+        x = float(attention_layer_bytes(spec, b * (ctx + 1)))
+        row = {"a0": 1.0, "a1": L, "p0": b - 1.0, "p1": (b - 1.0) * L,
+               "E": L * min(1.0, x / x_cache) if x_cache > 0 else 0.0}
+        if s != base_kv:
+            row[f"x:{s}"] = L
+        if not kvf.is_quantized:  # a 16-bit cache: all of it streams at the 16-bit rate
+            row["s16"] = (q + w) * 1e-9  # bytes in GB: a well-conditioned fit
+        else:
+            row[f"s:{s}"] = q * 1e-9
+            row[f"w:{s}"] = w * 1e-9  # the window: copied every step by the store, its own rate
+            row[f"o:{s}"] = L * float(kvf.quantized_tokens(c + steps) > 0)  # dequantises only then
+        row["_fmt"] = kv_specs.index(s)
+        rows.append(row)
+        stream.append((x, depth))
+        ys.append(t)
+        points[s].append((b, c, q + w, t, depth))  # batch, prompt, bytes, seconds, depth
+    names = [n for n in dict.fromkeys(k for r in rows for k in r) if n != "_fmt"]
+    if len({d for _, d in stream}) < 2:  # one depth: the fixed costs are not split by layer
+        names = [n for n in names if n not in ("a1", "p1")]
     for n in list(names):  # columns the points cannot identify
         col = [r.get(n, 0.0) for r in rows]
-        own = [r.get(n, 0.0) for r in rows if f"a:{n[2:]}" in r] if n[:2] == "o:" else col
+        own = [r.get(n, 0.0) for r in rows if n[:2] == "o:" and kv_specs[int(r["_fmt"])] == n[2:]]
         if not any(col) or (n[:2] == "o:" and all(own)):
             names.remove(n)
 
     if refill_curve:  # the measured E(x) per row, all layers
         cx, cy = [0.0] + [p[0] for p in refill_curve], [0.0] + [p[1] for p in refill_curve]
-        known = [spec.n_layers * float(np.interp(x, cx, cy)) for x in stream]
+        known = [d * float(np.interp(x, cx, cy)) for x, d in stream]
     else:
         known = [r["E"] for r in rows]
 
@@ -332,11 +401,14 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         refill = sol.get("E", 0.0)
     out: dict[str, dict[str, Any]] = {}
     s16 = sol.get("s16", 0.0) * 1e-9
+    n = float(spec.n_layers)
+    fixed16 = sol["a0"] + n * sol.get("a1", 0.0)
     for s in kv_specs:
-        out[s] = {"fixed_s": sol[f"a:{s}"], "per_seq_s": sol["p"],
-                  "s_per_byte": sol.get(f"s:{s}", 0.0) * 1e-9 if f"s:{s}" in sol else s16,
+        out[s] = {"fixed_s": fixed16 + n * sol.get(f"x:{s}", 0.0),
+                  "per_seq_s": sol.get("p0", 0.0) + n * sol.get("p1", 0.0),
+                  "s_per_byte": sol[f"s:{s}"] * 1e-9 if f"s:{s}" in sol else s16,
                   "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,
-                  "quantized_s": sol.get(f"o:{s}", 0.0), "refill_s": refill, "refill_bytes": x_cache,
+                  "quantized_s": n * sol.get(f"o:{s}", 0.0), "refill_s": refill, "refill_bytes": x_cache,
                   "refill_curve": [list(p) for p in refill_curve or []],
                   "points": points[s]}
     return out
@@ -402,15 +474,28 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     log("matmul rates ...")
     rates = matmul_rates(matmul_n, device)
     log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
-    log(f"GEMV passes over {spec.name}'s linears ...")
-    passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes, device=device)
-    log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
-    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled)
-    skel_lin = skeleton_linear_cost(spec, device=device)
-    log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
+    log(f"GEMV passes over {spec.name}'s linears{' (as the compiled step calls them)' if compiled else ''} ...")
+    t_phase = time.perf_counter()
+    passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes, device=device,
+                         fused=compiled)
+    log(f"  ({time.perf_counter() - t_phase:.0f} s)")
+    t_phase = time.perf_counter()
+    if compiled:
+        depths = tuple(d for d in COMPILED_DEPTHS if d < spec.n_layers) or (spec.n_layers,)
+        log(f"compiled decode steps of {' and '.join(map(str, depths))}-layer skeletons (16-wide linears) per KV "
+            "format ...")
+    else:
+        depths = (spec.n_layers,)
+        log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
+    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths, log=log)
+    log(f"  ({time.perf_counter() - t_phase:.0f} s)")
+    # in a compiled step a quantised matmul is one call of its operator from the generated code, as the
+    # skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge (nor to measure)
+    skel_lin = None if compiled else skeleton_linear_cost(spec, device=device)
+    if skel_lin is not None:
+        log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
     bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(spec, passes, bw, rates["bf16"], log, skel_lin)
-    if compiled:  # in a compiled step a quantised matmul is one call of its operator from the generated code,
-        # as the skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge
+    if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     fields = step_profile_fields(spec, kv, bw, log)

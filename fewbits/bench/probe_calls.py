@@ -31,11 +31,11 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     comp_eff: dict[str, float] = {}
     h = passes["lm_head_bf16"]
     head_flops8 = 2 * 8 * head_shape(spec)[0] * head_shape(spec)[1]
-    calls = len(layer_shapes(spec)) * spec.n_layers  # linear calls per step
     call_extra: dict[str, float] = {}
     for f, r in passes.items():
         if f == "lm_head_bf16":
             continue
+        calls = r.get("calls", len(layer_shapes(spec)) * spec.n_layers)  # linear calls per step
         fam = format_family(parse_format(f))
         t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
         bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))

@@ -21,11 +21,25 @@ log = logging.getLogger("fewbits.decode")
 _LOGGED: set[str] = set()
 
 
+class Decoders(dict):
+    """A model's decoders by shape, held on the model, that pickle as an empty dict.
+
+    The compiled step of a second shape is traced over the same model, and its saved guards
+    (`fewbits.decode.precompiled`) pickle the model's attributes: this dict among them, with the first
+    decoder's compiled step in it, whose guard manager does not pickle ("cannot pickle RootGuardManager"),
+    so only a model's first step was ever saved and every other compiled anew in the next process."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (dict, ())
+
+
 def decoder_for(model: torch.nn.Module, kv: KVFormat | str, batch: int, max_len: int) -> StaticDecoder:
     """The model's compiled decoder for these shapes, built (compiled) on first use."""
     f = parse_kv_format(kv)
     key = (f.full_spec, batch, -(-max_len // SLOT_ROUND) * SLOT_ROUND)
-    per_model = model.__dict__.setdefault("_fewbits_decoders", {})
+    per_model = model.__dict__.get("_fewbits_decoders")
+    if not isinstance(per_model, Decoders):
+        per_model = model.__dict__["_fewbits_decoders"] = Decoders(per_model or {})
     dec = per_model.get(key)
     if dec is None:
         dec = per_model[key] = StaticDecoder(model, f, batch, max_len)

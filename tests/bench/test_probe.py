@@ -47,7 +47,7 @@ def _canned(monkeypatch):
     monkeypatch.setattr(probe, "matmul_rates", lambda n=0, device="cpu": saw(
         "matmul", device, {"fp32": 1e11, "bf16": 5e11, "int8": 1e12}))
 
-    def passes(spec, formats, min_bytes, device="cpu"):
+    def passes(spec, formats, min_bytes, device="cpu", fused=False):
         saw("gemv", device, None)
         out = {}
         for f, (nbytes, t1, t8, tc) in {"bf16": (8e6, 2e-3, 2e-3, 1e-4), "int8": (4e6, 1e-3, 4e-3, 2.4e-4),
@@ -63,7 +63,8 @@ def _canned(monkeypatch):
     # the skeleton step spends 0.15 ms in its own 16-bit linears
     monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec, device="cpu": saw("skeleton", device, 1.5e-4))
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
-    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu", compiled=True: saw("steps", device, {
+    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu", compiled=True, **_: saw(
+        "steps", device, {
         s: {"fixed_s": a, "per_seq_s": 1e-3, "s_per_byte": 1 / (e * bw), "points": [], "refill_s": 2e-5,
             "refill_bytes": 1 << 21}
         for s, a, e in (("bf16", 0.02, 0.5), ("int8", 0.021, 0.05)) if s in kvs}))
@@ -199,7 +200,7 @@ def test_step_costs_fit_recovers_the_cache_refill(monkeypatch):
     # a measured refill is taken as given: the fit of the rest recovers the same figures
     from fewbits.bench.probe import fit_step_costs
 
-    fastest = {(s, b, c): t for s, r in res.items() for b, c, _, t in r["points"]}
+    fastest = {(s, b, c): t for s, r in res.items() for b, c, _, t, *_ in r["points"]}
     again = fit_step_costs(TINY, ("bf16", "int8", kivi), fastest, 8, x_cache, refill_s=1e-4)
     assert again["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6) and again["bf16"]["refill_s"] == 1e-4
     assert again[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
@@ -309,7 +310,7 @@ def test_step_costs_fit_subtracts_the_measured_refill_curve(monkeypatch):
     curve = [(x_cache / 2, 0.3e-4), (x_cache, 0.5e-4), (2 * x_cache, 1e-4), (8 * x_cache, 1.2e-4)]
     _fake_steps(monkeypatch, {"bf16": 5e-3, "int8": 5.5e-3}, 2e-3, 1e-9, {"int8": 2e-9}, curve=curve)
     res = step_costs(TINY, ("bf16", "int8"), contexts=(32, 96), steps=8, refill_bytes=x_cache, measure_refill=False)
-    fastest = {(s, b, c): t for s, r in res.items() for b, c, _, t in r["points"]}
+    fastest = {(s, b, c): t for s, r in res.items() for b, c, _, t, *_ in r["points"]}
     fit = fit_step_costs(TINY, ("bf16", "int8"), fastest, 8, x_cache, refill_s=1e-4, refill_curve=curve)
     assert fit["bf16"]["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
     assert fit["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6)
@@ -364,3 +365,88 @@ def test_probe_on_cuda_measures_the_gpu():
                          device="cuda")
     assert torch.cuda.get_device_name() in prof.device.name and prof.measured["device"] == "cuda"
     assert prof.cache_refill_s == 0 and prof.device.memory_bytes > 1e9
+
+
+LAYER = (("q_proj", (64, 64)), ("k_proj", (64, 64)), ("v_proj", (64, 64)), ("o_proj", (64, 64)),
+         ("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128)))
+
+
+@pytest.mark.parametrize("spec,fused", [("bf16", True), ("int8", True), ("int4-g64", True), ("fp8-e4m3", False)])
+def test_step_set_makes_the_compiled_steps_calls(spec, fused):
+    """The probe's GEMV calls of a layer as the compiled step makes them: q/k/v and gate/up one matmul each where
+    `fewbits.decode.fuse` fuses the kernels the dispatcher chose (fp8 does not fuse), the same bytes and the
+    same outputs as the layers called one by one (same seeds: the same weights)."""
+    from fewbits.bench.gemv import build_step_set
+
+    ws = build_step_set(spec, LAYER, min_bytes=0)
+    apart = build_set(spec, tuple(s for _, s in LAYER))
+    assert ws.nbytes == apart.nbytes and ws.copies == 1
+    if fused:
+        assert ws.shapes == ((192, 64), (64, 64), (256, 64), (64, 128))
+    else:
+        assert ws.shapes == tuple(s for _, s in LAYER)
+    x = {k: torch.randn(2, 1, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16) for k in (64, 128)}
+    ref = [k(x[k.shape[1]]) for k in apart.kernels]
+    got: list[torch.Tensor] = []
+    for call in ws.kernels:
+        y = call(x[call.shape[1]])
+        got += list(y) if isinstance(y, tuple) else [y]
+    assert len(got) == len(ref)
+    for a, b in zip(got, ref, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+    more = build_step_set(spec, LAYER, min_bytes=3 * ws.nbytes)
+    assert more.copies == 3 and len(more.kernels) == 3 * len(ws.shapes)
+    assert more.kernels[0].fn is not more.kernels[len(ws.shapes)].fn  # copies hold their own weights
+
+
+DEEP = ModelSpec(name="deep", family="llama", n_layers=12, hidden_size=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                 intermediate_size=128, vocab_size=256, tie_embeddings=True, max_position_embeddings=4096)
+
+
+def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_depth(monkeypatch):
+    """Compiled steps of 1- and 3-layer skeletons of a 12-layer model: the fixed time per step and per layer,
+    per extra sequence and per layer, each cache's extra per layer and per byte are recovered and given for
+    12 layers; and only the graphs the fit needs are run (fewer for caches without a window)."""
+    import fewbits.decode.generate
+    from fewbits.bench.probe import step_costs
+    from fewbits.cost.profile import DEFAULT
+    from fewbits.cost.step import kv_step_bytes, kv_terms
+    from fewbits.generate import GenerationResult
+    from fewbits.kvcache.format import parse_kv_format
+
+    kivi = "int4-g16-r16"
+    ran: list[tuple[str, int, int, int]] = []
+
+    def fake_static(model, ids, n, kv="bf16"):
+        b, c = ids.shape
+        depth = len(model.model.layers)
+        kvf = parse_kv_format(kv)
+        ran.append((kvf.spec, b, c, depth))
+        spec = ModelSpec(**{**DEEP.__dict__, "n_layers": depth})
+        kb = kv_step_bytes(kv_terms(spec, kvf.full_spec, DEFAULT), b, c + n // 2)
+        q, w = float(kb["read_q"] + kb["write_q"]), float(kb["read_w"] + kb["write_w"])
+        t = 1e-3 + 2e-4 * depth + (1e-4 + 3e-5 * depth) * (b - 1)
+        if kvf.is_quantized:
+            extra = {"int8": 4e-5, kivi: 6e-5}[kvf.spec]
+            t += extra * depth + {"int8": 2e-9, kivi: 4e-9}[kvf.spec] * q + 3e-9 * w
+            t += 5e-5 * depth * (kvf.residual > 0 and kvf.quantized_tokens(c + n - 1) > 0)
+        else:
+            t += 1e-9 * (q + w)
+        return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-4, t])
+
+    monkeypatch.setattr(fewbits.decode.generate, "generate_static", fake_static)
+    res = step_costs(DEEP, ("bf16", "int8", kivi), contexts=(8, 96), steps=8, rounds=1, refill_bytes=0,
+                     measure_refill=False, compiled=True, depths=(1, 3))
+    assert res["bf16"]["fixed_s"] == pytest.approx(1e-3 + 2e-4 * 12, rel=1e-6)
+    assert res["int8"]["fixed_s"] == pytest.approx(1e-3 + (2e-4 + 4e-5) * 12, rel=1e-6)
+    assert res[kivi]["fixed_s"] == pytest.approx(1e-3 + (2e-4 + 6e-5) * 12, rel=1e-6)
+    assert res["bf16"]["per_seq_s"] == pytest.approx(1e-4 + 3e-5 * 12, rel=1e-6)
+    assert res["bf16"]["s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
+    assert res["int8"]["s_per_byte"] == pytest.approx(2e-9, rel=1e-6)
+    assert res[kivi]["s_per_byte"] == pytest.approx(4e-9, rel=1e-6)
+    assert res[kivi]["window_s_per_byte"] == pytest.approx(3e-9, rel=1e-6)
+    assert res[kivi]["quantized_s"] == pytest.approx(5e-5 * 12, rel=1e-6)
+    graphs = set(ran)
+    assert {(s, d) for s, _, _, d in graphs} == {("bf16", 1), ("bf16", 3), ("int8", 3), (kivi, 3)}
+    assert {(b, c) for s, b, c, d in graphs if s == "int8"} == {(1, 96), (8, 96)}  # no window: 2 graphs
+    assert len({g for g in graphs if g[0] == kivi}) == 4 and len({g for g in graphs if g[0] == "bf16"}) == 6

@@ -65,3 +65,36 @@ def test_saved_step_loads_without_tracing_and_reads_the_given_weights(tmp_path) 
         want.append(ref.step(torch.tensor([t])))
     got, want = torch.stack(got).float(), torch.stack(want).float()
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
+
+
+def test_decoders_on_the_model_pickle_empty() -> None:
+    """The decoders a model holds (each with its compiled step) pickle as an empty dict: a later step's saved
+    guards, which pickle the model's attributes, must not reach an earlier step's guard manager."""
+    import pickle
+
+    from fewbits.decode.generate import Decoders
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+
+    held = Decoders({("bf16", 1, 64): Unpicklable()})
+    assert pickle.loads(pickle.dumps(held)) == {} and len(held) == 1
+    with pytest.raises(TypeError):
+        pickle.dumps(dict(held))
+
+
+def test_every_shape_of_one_model_is_saved(tmp_path, monkeypatch) -> None:
+    """Two shapes decoded over one model in one process: both compiled steps are saved (the second used to fail
+    to pickle its guards, which reached the first decoder held on the model, and was compiled afresh in every
+    later process)."""
+    from fewbits.decode.generate import generate_static
+
+    model = build("llama", torch.bfloat16)
+    if why_eager(model) is not None:
+        pytest.skip(why_eager(model))
+    monkeypatch.setenv("FEWBITS_CACHE", str(tmp_path))
+    ids = torch.randint(4, 320, (1, 6), generator=torch.Generator().manual_seed(1))
+    for batch in (1, 2):
+        assert generate_static(model, ids.expand(batch, -1).contiguous(), 2).path == "compiled"
+    assert len(list((tmp_path / "inductor" / "fewbits-steps").glob("*.bin"))) == 2
