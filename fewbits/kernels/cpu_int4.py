@@ -435,6 +435,11 @@ class Q4Kernel:
         return None
 
     def __init__(self, qt: QuantizedTensor) -> None:
+        why = self.supports(qt.fmt, tuple(qt.shape)) if type(self).portable == 0 else None
+        if why is not None and not why.startswith("FEWBITS_CPU_INT4"):
+            raise ValueError(f"{self.name} cannot run {qt.fmt.spec} {tuple(qt.shape)}: {why}")
+        if not available():
+            raise RuntimeError(f"{self.name}: the operator could not be built ({native.why(NAME)})")
         rows, cols = qt.shape
         self.group = group_of(qt.fmt, cols)
         self.bits = qt.fmt.bits
