@@ -124,7 +124,7 @@ def main() -> None:
                     per = {s: max(1, min(len(ks), int(args.sample_mb * 2**20 // ks[0].nbytes))) for s, ks in
                            sets.items()}
 
-                    def sampler(ks: list, p: int):  # noqa: ANN202
+                    def sampler(ks: list, p: int, x: torch.Tensor = x):  # noqa: ANN202
                         state = [0]
 
                         def run() -> None:

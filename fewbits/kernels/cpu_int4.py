@@ -19,12 +19,14 @@ bf16, the class of numerics of torch's operator.
 Fast path (``__AVX512BF16__``): one 512-bit load is a chunk; the word shifted right by 4 j and looked up in a
 32-entry table (``vpermw``; the table repeats its 16 entries so the fifth index bit is ignored) gives 16 rows'
 bf16 pairs (w_{i,k}, w_{i,k+1}) for ``vdpbf16ps`` against the broadcast pair (x_k, x_{k+1}).  Up to 8 rows of
-x reuse each decoded register; more rows are cut into tiles of 8 over the same block (still in L1).  From
-`big_m` rows on (prefill) the operator instead dequantises tiles of the weight, transposed, to bf16 (the same
-bf16 values as the reference path's weight) and multiplies them with ``at::mm`` (AMX / oneDNN where there
-is one): no second copy is kept.  Elsewhere a portable path runs the same layout with plain loops.
+x reuse each decoded register; more rows are cut into tiles of 8 over the same block (still in L1).  With AMX
+(``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (3) rows on and for
+groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
+AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once;
+each group's C tile is scaled as above: batch 8 and prefill cost little more than one row.  Elsewhere a
+portable path runs the same layout with plain loops.
 
-`fewbits::q4_mm` is a torch operator with a fake implementation, so a compiled graph keeps it as one node.
+`fewbits_q4::q4_mm` is a torch operator with a fake implementation, so a compiled graph keeps it as one node.
 It is compiled once per machine (`fewbits.kernels.native`); where that fails `available()` is False and the
 dispatcher falls back to torch's operator.  ``FEWBITS_CPU_INT4=torch`` selects torch's operator instead.
 """
@@ -41,7 +43,6 @@ from fewbits.tensor import QuantizedTensor
 
 ROWS = 16  # output rows per block: fused parts need multiples of this
 COLS = 8  # input columns per 64-byte chunk: group sizes and in_features need multiples of this
-BIG_M = 32  # from this many rows of x on, dequantise tiles and multiply with at::mm
 
 _SRC = r"""
 #include <torch/extension.h>
@@ -54,9 +55,17 @@ _SRC = r"""
 #else
 #define FB_FAST 0
 #endif
+#if FB_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FB_AMX 1
+#include <ATen/cpu/Utils.h>
+#else
+#define FB_AMX 0
+#endif
 
 namespace {
-constexpr int64_t R = 16, KC = 8, MT = 8;
+constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
+// rows of x from which the AMX path runs (fewer: vdpbf16ps, which decodes less per call)
+constexpr int64_t AMX_MIN_ROWS = 3;
 
 struct Args {
   const uint16_t* codes;  // (NB, K/8, 32)
@@ -137,8 +146,11 @@ void dequant_portable(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64
 
 #if FB_FAST
 inline __m512 load16(const void* t, bool half, int64_t i) {
-  return half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const at::Half*>(t) + i)))
-              : _mm512_loadu_ps(static_cast<const float*>(t) + i);
+  if (half) {
+    const at::Half* h = static_cast<const at::Half*>(t) + i;
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(t) + i);
 }
 
 inline __m512i code_table(int64_t bits) {  // bf16 of (c - 2^(bits-1)) for c = 0..15, twice
@@ -201,6 +213,61 @@ void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i t
   }
 }
 
+#if FB_AMX
+struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
+
+// tiles: 0 = C (mt x 16 fp32), 1 = A (mt x 32 bf16 of x), 2 = B (16 pairs of k x 16 output rows)
+void tile_config(int64_t mt) {
+  alignas(64) TileConfig c{};
+  c.palette = 1;
+  c.rows[0] = uint8_t(mt); c.colsb[0] = 64;
+  c.rows[1] = uint8_t(mt); c.colsb[1] = 64;
+  c.rows[2] = 16; c.colsb[2] = 64;
+  _tile_loadconfig(&c);
+}
+
+// as block_fast, for mt <= 16 rows of x through AMX: per 32 columns the 4 chunks' decoded registers are
+// the B tile (pair rows 4 q + j), x's columns the A tile; each group's C tile is scaled like block_fast's sums.
+// group % 32 == 0.  bbuf: 2 x 512 words (two B tiles, so decoding the next overlaps the last's load), cbuf: 256
+void block_amx(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab, uint16_t* bbuf, float* cbuf) {
+  alignas(64) float yacc[AMX_MT * R];
+  for (int64_t i = 0; i < mt * R; ++i) yacc[i] = 0.f;
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const uint16_t* xb = a.x + m0 * a.K;
+  int64_t step = 0;
+  for (int64_t g = 0; g < a.G; ++g) {
+    _tile_zero(0);
+    for (int64_t k0 = g * a.group; k0 < (g + 1) * a.group; k0 += 32, ++step) {
+      uint16_t* B = bbuf + (step & 1) * 512;
+      for (int64_t q = 0; q < 4; ++q) {
+        const __m512i wd = _mm512_loadu_si512(cb + (k0 / KC + q) * 32);
+        _mm512_store_si512(B + (4 * q + 0) * 32, _mm512_permutexvar_epi16(wd, tab));
+        _mm512_store_si512(B + (4 * q + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab));
+        _mm512_store_si512(B + (4 * q + 2) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab));
+        _mm512_store_si512(B + (4 * q + 3) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab));
+      }
+      _tile_loadd(2, B, 64);
+      _tile_loadd(1, xb + k0, a.K * 2);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, cbuf, 64);
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < mt; ++t) {
+      __m512 sum = _mm512_load_ps(cbuf + t * R);
+      if (a.zeros) sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
+      _mm512_store_ps(yacc + t * R, _mm512_fmadd_ps(sum, s, _mm512_load_ps(yacc + t * R)));
+    }
+  }
+  for (int64_t t = 0; t < mt; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(yacc + t * R)));
+}
+#endif
+
 inline __m512 bf16_lo(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
 
 void dequant_fast(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64_t col0, __m512i tab) {
@@ -253,13 +320,19 @@ Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
 }
 }  // namespace
 
-// whether the AVX512-BF16 path was compiled in
-int64_t q4_isa() { return FB_FAST; }
+// 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process)
+int64_t q4_isa() {
+#if FB_AMX
+  if (amx_ready()) return 2;
+#endif
+  return FB_FAST;
+}
 
-// (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  portable: 1 forces the plain-loop path.  From
-// big_m rows on: dequantised tiles through at::mm.
+// (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
+// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only.
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
-                 int64_t group, int64_t bits, int64_t portable, int64_t big_m) {
+                 int64_t group, int64_t bits, int64_t path) {
+  const int64_t portable = path == 1;
   Args a = make_args(codes, scales, zeros, group, bits);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == a.K && x_in.scalar_type() == at::kBFloat16,
               "q4_mm: x must be bf16 (M, ", a.K, "), got ", x_in.sizes(), " ", x_in.scalar_type());
@@ -268,27 +341,6 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   auto y = at::empty({M, a.N}, x.options());
   if (M == 0 || a.N == 0) return y;
   const bool fast = FB_FAST && !portable;
-  if (big_m > 0 && M >= big_m) {
-    const int64_t tb = std::max<int64_t>(1, (int64_t(1) << 20) / (a.K * 2 * R));  // blocks per ~1 MB tile
-    for (int64_t b0 = 0; b0 < NB; b0 += tb) {
-      const int64_t nb = std::min(tb, NB - b0), ldw = nb * R;
-      auto wt = at::empty({a.K, ldw}, x.options());
-      uint16_t* W = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
-      at::parallel_for(0, nb, 1, [&](int64_t lo, int64_t hi) {
-#if FB_FAST
-        const __m512i tab = code_table(a.bits);
-#endif
-        for (int64_t i = lo; i < hi; ++i) {
-#if FB_FAST
-          if (fast) { dequant_fast(a, b0 + i, W, ldw, i * R, tab); continue; }
-#endif
-          dequant_portable(a, b0 + i, W, ldw, i * R);
-        }
-      });
-      y.narrow(1, b0 * R, ldw).copy_(at::mm(x, wt));
-    }
-    return y;
-  }
   std::vector<float> xs;
   if (a.zeros) {  // the group sums of x, for the zero term
     xs.resize(M * a.G);
@@ -303,9 +355,27 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   }
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if FB_AMX
+  const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
+#endif
   at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
 #if FB_FAST
     const __m512i tab = code_table(a.bits);
+#endif
+#if FB_AMX
+    if (amx) {
+      alignas(64) uint16_t bbuf[2 * 512];
+      alignas(64) float cbuf[AMX_MT * R];
+      int64_t configured = -1;
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_MT) {
+          const int64_t mt = std::min(AMX_MT, M - m0);
+          if (mt != configured) { tile_config(mt); configured = mt; }
+          block_amx(a, b, m0, mt, tab, bbuf, cbuf);
+        }
+      _tile_release();
+      return;
+    }
 #endif
     for (int64_t b = lo; b < hi; ++b)
       for (int64_t m0 = 0; m0 < M; m0 += MT) {
@@ -319,7 +389,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   return y;
 }
 
-// the packed weight as a dense bf16 (NB*16, K) matrix (tests and debugging)
+// the packed weight as a dense bf16 (NB*16, K) matrix, decoded as q4_mm decodes it (tests and debugging)
 at::Tensor q4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                       int64_t bits, int64_t portable) {
   Args a = make_args(codes, scales, zeros, group, bits);
@@ -342,8 +412,8 @@ at::Tensor q4_dequant(const at::Tensor& codes, const at::Tensor& scales, const a
 }
 
 TORCH_LIBRARY(fewbits_q4, m) {
-  m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int portable, "
-        "int big_m) -> Tensor");
+  m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int path) -> "
+        "Tensor");
   m.def("q4_dequant(Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int portable) -> Tensor");
   m.def("q4_isa() -> int");
   m.impl("q4_mm", c10::DispatchKey::CPU, &q4_mm);
@@ -356,7 +426,7 @@ NAME = "fewbits_q4"
 
 
 def _fake_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-             bits: int, portable: int, big_m: int) -> torch.Tensor:
+             bits: int, path: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0] * ROWS))
 
 
@@ -410,8 +480,7 @@ class Q4Kernel:
     """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations: `fewbits_q4::q4_mm`."""
 
     name = "cpu_q4"
-    big_m = BIG_M
-    portable = 0  # 1: the plain-loop path even where the AVX512-BF16 one was built (tests)
+    path = 0  # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX (tests)
 
     @staticmethod
     def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
@@ -435,7 +504,7 @@ class Q4Kernel:
         return None
 
     def __init__(self, qt: QuantizedTensor) -> None:
-        why = self.supports(qt.fmt, tuple(qt.shape)) if type(self).portable == 0 else None
+        why = self.supports(qt.fmt, tuple(qt.shape)) if type(self).path == 0 else None
         if why is not None and not why.startswith("FEWBITS_CPU_INT4"):
             raise ValueError(f"{self.name} cannot run {qt.fmt.spec} {tuple(qt.shape)}: {why}")
         if not available():
@@ -467,7 +536,7 @@ class Q4Kernel:
     def dequantized(self) -> torch.Tensor:
         """The weight as the operator sees it, (N, K) bf16."""
         return torch.ops.fewbits_q4.q4_dequant(self.codes, self.scales, self.zeros, self.group, self.bits,
-                                              self.portable)
+                                              int(self.path == 1))
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[-1] != self.shape[1]:
@@ -475,7 +544,7 @@ class Q4Kernel:
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
-        y = self._op(x2, self.codes, self.scales, self.zeros, self.group, self.bits, self.portable, self.big_m)
+        y = self._op(x2, self.codes, self.scales, self.zeros, self.group, self.bits, self.path)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if bias is not None:
