@@ -136,3 +136,21 @@ def test_compiled_fused_step_has_four_matmuls_a_layer_and_equal_logits(tmp_path)
     runs = [teacher_forced(m, ids, ref, bool(fuse), compile=True, cache_dir=tmp_path) for fuse, m in models.items()]
     assert torch.equal(runs[0], runs[1])
     assert torch.equal(runs[1].argmax(-1), ref)
+
+
+def test_q4_parts_with_and_without_zero_points_fuse_bitwise() -> None:
+    """fewbits' int4 operator: a symmetric part (no zero offsets) fuses with asymmetric ones (its offsets become
+    zeros) and the fused output is each part's own, bit for bit, at 1 and 8 rows."""
+    g = torch.Generator().manual_seed(4)
+    mods = [_qlinear(torch.randn(n, 128, generator=g), spec)
+            for n, spec in ((64, "int4-g32"), (32, "int4-g32-asym"), (48, "int4-g32"))]
+    if any(m.kernel.name != "cpu_q4" for m in mods):
+        pytest.skip("fewbits' int4 operator does not run here")
+    xs = [torch.randn(m, 128, generator=g).to(torch.bfloat16) for m in (1, 8)]
+    with torch.no_grad():
+        before = [[m(x) for m in mods] for x in xs]
+        f, why = fuse_group(mods)
+        assert why is None and f.kind == "q4" and f.kernel.zeros.shape == f.kernel.scales.shape
+        for x, want in zip(xs, before, strict=True):
+            for got, w, m in zip(f(x), want, mods, strict=True):
+                assert torch.equal(got, w) and torch.equal(m(x), w)
