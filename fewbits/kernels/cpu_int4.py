@@ -24,7 +24,8 @@ x reuse each decoded register; more rows are cut into tiles of 8 over the same b
 groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
 AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once;
 each group's C tile is scaled as above: batch 8 and prefill cost little more than one row.  Elsewhere a
-portable path runs the same layout with plain loops.
+portable path runs the same layout with plain loops; the dispatcher does not choose it, as torch's operator
+in its AVX2 build was 1.5-1.8x faster than these loops built for AVX2 (``-mno-avx512f``), at 1 and 8 rows.
 
 `fewbits_q4::q4_mm` is a torch operator with a fake implementation, so a compiled graph keeps it as one node.
 It is compiled once per machine (`fewbits.kernels.native`); where that fails `available()` is False and the
@@ -483,9 +484,8 @@ class Q4Kernel:
     path = 0  # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX (tests)
 
     @staticmethod
-    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
-        if os.environ.get("FEWBITS_CPU_INT4", "").lower() == "torch":
-            return "FEWBITS_CPU_INT4=torch selects torch's int4 operator"
+    def layout_reason(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        """None when the operator's layout holds `fmt` on a weight of `shape`, else why not."""
         if fmt.kind != "int" or fmt.bits > 4:
             return f"needs integer codes of at most 4 bits, format is {fmt.spec}"
         if len(shape) != 2:
@@ -497,6 +497,15 @@ class Q4Kernel:
         g = group_of(fmt, k)
         if g % COLS or k % g:
             return f"needs a group size that is a multiple of {COLS} and divides in_features {k}, {fmt.spec} has {g}"
+        return None
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        if os.environ.get("FEWBITS_CPU_INT4", "").lower() == "torch":
+            return "FEWBITS_CPU_INT4=torch selects torch's int4 operator"
+        why = Q4Kernel.layout_reason(fmt, shape)
+        if why is not None:
+            return why
         if not available():
             return f"the operator could not be built ({native.why(NAME)})"
         if not fast_path():
@@ -504,8 +513,10 @@ class Q4Kernel:
         return None
 
     def __init__(self, qt: QuantizedTensor) -> None:
-        why = self.supports(qt.fmt, tuple(qt.shape)) if type(self).path == 0 else None
-        if why is not None and not why.startswith("FEWBITS_CPU_INT4"):
+        """Repack `qt` (any CPU: without AVX512-BF16 the operator runs its portable loops, which the
+        dispatcher does not choose)."""
+        why = self.layout_reason(qt.fmt, tuple(qt.shape))
+        if why is not None:
             raise ValueError(f"{self.name} cannot run {qt.fmt.spec} {tuple(qt.shape)}: {why}")
         if not available():
             raise RuntimeError(f"{self.name}: the operator could not be built ({native.why(NAME)})")
