@@ -5,6 +5,7 @@ and its median.  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
                                                             [--lm-head same|none|FORMAT]
+                         (weights FORMAT:torch, e.g. int4-g32:torch: the <= 4-bit layers on torch's int4 operator)
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
     python benchmarks/bench_compiled.py compile [--weights int4-g32] [--wrapper cpp,python]  # cold, warm, warm
@@ -38,14 +39,29 @@ def _head(args: argparse.Namespace, weights: str) -> str | None:
     return weights if args.lm_head == "same" else args.lm_head
 
 
+def _load(args: argparse.Namespace, weights: str) -> torch.nn.Module:
+    """The model in `weights`; "FORMAT:torch" (e.g. int4-g32:torch) runs its <= 4-bit layers on torch's int4
+    operator instead of fewbits' own (``FEWBITS_CPU_INT4=torch`` while the kernels are prepared)."""
+    from fewbits.bench.decode import load_quantized
+
+    fmt, _, kernel = weights.partition(":")
+    old = os.environ.get("FEWBITS_CPU_INT4")
+    if kernel:
+        os.environ["FEWBITS_CPU_INT4"] = kernel
+    try:
+        return load_quantized(args.model, fmt, lm_head=_head(args, fmt))[0]
+    finally:
+        if kernel:
+            os.environ.pop("FEWBITS_CPU_INT4") if old is None else os.environ.__setitem__("FEWBITS_CPU_INT4", old)
+
+
 def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> None:
     """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s."""
-    from fewbits.bench.decode import load_quantized
     from fewbits.decode.generate import generate_static
     from fewbits.generate import generate
 
     run = generate if args.eager else generate_static
-    models = {w: load_quantized(args.model, w, lm_head=_head(args, w))[0] for w in dict.fromkeys(r[0] for r in rows)}
+    models = {w: _load(args, w) for w in dict.fromkeys(r[0] for r in rows)}
     vocab = int(next(iter(models.values())).config.get_text_config().vocab_size)
     times: dict[tuple, list[float]] = {r: [] for r in rows}
     compile_s: dict[tuple, float] = {}

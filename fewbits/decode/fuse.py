@@ -9,6 +9,11 @@ class, input width and dtype, and that kernel's tensors concatenate along the ou
 * 16-bit `nn.Linear`: weights (N, K) and biases (missing ones as zeros) concatenated;
 * `Int8PackKernel` (``aten._weight_int8pack_mm``): int8 codes (N, K), scales (N,) and the asymmetric
   formats' rank-1 correction (N,) (zeros for a part without one: adding 0 changes no value);
+* `Q4Kernel` (fewbits' own <= 4-bit operator, `fewbits.kernels.cpu_int4`): its codes, scales and zero offsets
+  are laid out in blocks of `cpu_int4.ROWS` output rows along their first dimension, so the parts concatenate
+  along it (every part has whole blocks: the kernel takes only such shapes) when they share group and code
+  width; scales stored in different float widths are widened to fp32 (exact), a symmetric part's missing
+  zero offsets become zeros.  The parts then read row slices of the fused tensors (views, no copy);
 * `Int4PackKernel` (``aten._weight_int4pack_mm_for_cpu``): the packed codes (N, K/2) and the (K/g, N, 2)
   scale table, with the same group.  The operator packs rows in blocks (64 rows with AVX-512), so parts
   concatenate only when each has a multiple of `INT4_ROW_BLOCK` rows; the fused matmul is then checked once
@@ -38,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
+from fewbits.kernels.cpu_int4 import ROWS as Q4_ROW_BLOCK
+from fewbits.kernels.cpu_int4 import Q4Kernel
 
 INT4_ROW_BLOCK = 64  # rows the CPU int4 packing keeps together (AVX-512: 64, AVX2: 32)
 
@@ -112,7 +119,7 @@ def _why_not(mods: list[nn.Module]) -> str | None:
             return "weight dtypes or devices differ"
         return None
     kernel = getattr(m0, "kernel", None)
-    if type(kernel) not in (Int8PackKernel, Int4PackKernel):
+    if type(kernel) not in (Int8PackKernel, Int4PackKernel, Q4Kernel):
         return f"kernel {getattr(kernel, 'name', type(kernel).__name__)} is not one that fuses"
     if len({type(m.kernel) for m in mods}) != 1:
         return "kernels differ (" + ", ".join(sorted({m.kernel.name for m in mods})) + ")"
@@ -121,6 +128,13 @@ def _why_not(mods: list[nn.Module]) -> str | None:
             return "int4 groups differ"
         if any(m.kernel.shape[0] % INT4_ROW_BLOCK for m in mods):
             return f"an int4 part's rows are not a multiple of {INT4_ROW_BLOCK} (the operator's packing block)"
+    if type(kernel) is Q4Kernel:
+        if len({m.kernel.group for m in mods}) != 1:
+            return "int4 groups differ"
+        if len({m.kernel.bits for m in mods}) != 1:
+            return "code widths differ"
+        if any(m.kernel.shape[0] % Q4_ROW_BLOCK for m in mods):
+            return f"a part's rows are not a multiple of {Q4_ROW_BLOCK} (the operator's row block)"
     return None
 
 
@@ -191,21 +205,44 @@ def _fuse_int4(mods: list[nn.Module], sizes: tuple[int, ...]) -> tuple[FusedLine
     return FusedLinear("int4", sizes, bias=bias, kernel=k), None
 
 
+def _fuse_q4(mods: list[nn.Module], sizes: tuple[int, ...]) -> FusedLinear:
+    ks = [m.kernel for m in mods]
+    k = copy.copy(ks[0])
+    dt = ks[0].scales.dtype if len({p.scales.dtype for p in ks}) == 1 else torch.float32
+    k.codes = torch.cat([p.codes for p in ks])
+    k.scales = torch.cat([p.scales.to(dt) for p in ks])
+    if all(p.zeros.numel() == 0 for p in ks):
+        k.zeros = torch.empty(0, dtype=dt)
+    else:
+        k.zeros = torch.cat([p.zeros.to(dt) if p.zeros.numel() else torch.zeros_like(p.scales, dtype=dt) for p in ks])
+    k.shape = (sum(sizes), ks[0].shape[1])
+    for p, (a, b) in zip(ks, _bounds(sizes), strict=True):
+        lo, hi = a // Q4_ROW_BLOCK, b // Q4_ROW_BLOCK
+        p.codes, p.scales = k.codes[lo:hi], k.scales[lo:hi]
+        p.zeros = k.zeros[lo:hi] if k.zeros.numel() else k.zeros
+    bias = _cat_bias(mods, k.codes)
+    _give_views(mods, sizes, bias)
+    return FusedLinear("q4", sizes, bias=bias, kernel=k)
+
+
 #: first part -> its group's fused projection, so that decoders over one model share one fused copy
 _DONE: weakref.WeakKeyDictionary[nn.Module, FusedLinear] = weakref.WeakKeyDictionary()
 
 
 def _part_tensor(m: nn.Module, kind: str) -> torch.Tensor:
-    return {"dense": lambda: m.weight, "int8": lambda: m.kernel.q, "int4": lambda: m.kernel.packed}[kind]()
+    return {"dense": lambda: m.weight, "int8": lambda: m.kernel.q, "int4": lambda: m.kernel.packed,
+            "q4": lambda: m.kernel.codes}[kind]()
 
 
 def _still_views(f: FusedLinear, mods: list[nn.Module]) -> bool:
     """Whether every part still reads its rows of `f` (not so once a part's kernel was rebuilt)."""
-    whole = f.weight if f.kind == "dense" else (f.kernel.q if f.kind == "int8" else f.kernel.packed)
+    whole = {"dense": lambda: f.weight, "int8": lambda: f.kernel.q, "int4": lambda: f.kernel.packed,
+             "q4": lambda: f.kernel.codes}[f.kind]()
+    per = Q4_ROW_BLOCK if f.kind == "q4" else 1  # the q4 codes' first dimension counts blocks of rows
     try:
         return len(mods) == len(f.sizes) and all(
-            _part_tensor(m, f.kind).data_ptr() == whole[a:b].data_ptr() for m, (a, b) in zip(mods, _bounds(f.sizes),
-                                                                                             strict=True))
+            _part_tensor(m, f.kind).data_ptr() == whole[a // per:b // per].data_ptr()
+            for m, (a, b) in zip(mods, _bounds(f.sizes), strict=True))
     except AttributeError:
         return False
 
@@ -231,6 +268,8 @@ def _fuse(mods: list[nn.Module]) -> tuple[FusedLinear | None, str | None]:
         return _fuse_dense(mods, sizes), None
     if type(mods[0].kernel) is Int8PackKernel:
         return _fuse_int8(mods, sizes), None
+    if type(mods[0].kernel) is Q4Kernel:
+        return _fuse_q4(mods, sizes), None
     return _fuse_int4(mods, sizes)
 
 

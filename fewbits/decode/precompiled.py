@@ -76,6 +76,10 @@ def artifact_key(model: torch.nn.Module, parts: Mapping[str, Any]) -> str:
     config = getattr(model, "config", None)
     add(config.to_json_string(use_diff=False) if config is not None else None)
     add(repr(model))  # the module tree, each quantised linear's format included
+    for name, m in model.named_modules():  # and the kernel each one runs (two int4 operators take one format)
+        k = getattr(m, "kernel", None)
+        if k is not None:
+            add((name, getattr(k, "name", type(k).__name__)))
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         add((name, tuple(t.shape), t.stride(), str(t.dtype), t.device.type))
     return h.hexdigest()[:40]

@@ -36,7 +36,7 @@ def test_step_is_one_graph_with_quantised_ops(int4_llama: torch.nn.Module) -> No
     assert ex.graph_break_count == 0, ex.break_reasons
     assert ex.graph_count == 1
     targets = {str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"}
-    assert any("fewbits.int4pack_mm" in t for t in targets), sorted(targets)[:20]
+    assert any("fewbits.int4pack_mm" in t or "fewbits_q4.q4_mm" in t for t in targets), sorted(targets)[:20]
     assert any("fewbits.int8pack_mm" in t for t in targets)
 
 

@@ -17,6 +17,7 @@ from fewbits.models.qlinear import QuantLinear
 from fewbits.tensor import quantize_tensor
 
 WEIGHTS = ["bf16", "int8", "int8-asym", "int4-g32"]
+INT4_OPS = ("fewbits.int4pack_mm", "fewbits_q4.q4_mm")  # torch's int4 operator, fewbits' own
 
 
 def model_in(family: str, weights: str) -> torch.nn.Module:
@@ -75,10 +76,14 @@ def test_parts_read_views_of_the_fused_tensors(weights: str) -> None:
             torch.testing.assert_close(o, b, rtol=0.01, atol=0.01)
         else:
             assert torch.equal(o, b)
-    whole = f.weight if f.kind == "dense" else (f.kernel.q if f.kind == "int8" else f.kernel.packed)
+    held = {"dense": lambda o: o.weight, "int8": lambda o: o.kernel.q, "int4": lambda o: o.kernel.packed,
+            "q4": lambda o: o.kernel.codes}[f.kind]
+    whole = held(f)
     for p in parts:
-        t = p.weight if f.kind == "dense" else (p.kernel.q if f.kind == "int8" else p.kernel.packed)
+        t = held(p)
         assert t.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        if f.kind == "q4":  # scales too
+            assert p.kernel.scales.untyped_storage().data_ptr() == f.kernel.scales.untyped_storage().data_ptr()
         assert p.bias.untyped_storage().data_ptr() == f.bias.untyped_storage().data_ptr()
     assert fuse_projections(model, 2).layers[0].qkv is f
     if f.kind == "int4":  # the scale table too: each part reads its columns of the fused one
@@ -103,8 +108,12 @@ def test_what_does_not_fit_the_rule_stays_apart() -> None:
         f, why = fuse_group(mods)
         assert f is None and want in why, why
         assert [m.kernel if hasattr(m, "kernel") else m.weight for m in mods] == before  # left untouched
-    f, why = fuse_group([_qlinear(torch.randn(48, 128, generator=g), "int4-g32"), _qlinear(w[1], "int4-g32")])
-    assert f is None and "multiple of 64" in why
+    mods = [_qlinear(torch.randn(48, 128, generator=g), "int4-g32"), _qlinear(w[1], "int4-g32")]
+    f, why = fuse_group(mods)
+    if mods[0].kernel.name == "cpu_q4":  # blocks of 16 rows: 48 and 64 rows fuse
+        assert why is None and f.kind == "q4" and f.kernel.codes.shape[0] == (48 + 64) // 16
+    else:  # torch's operator packs 64 rows together
+        assert f is None and "multiple of 64" in why
 
 
 def test_compiled_fused_step_has_four_matmuls_a_layer_and_equal_logits(tmp_path) -> None:  # noqa: ANN001
@@ -121,7 +130,7 @@ def test_compiled_fused_step_has_four_matmuls_a_layer_and_equal_logits(tmp_path)
         dec.prefill(ids)
         with torch.no_grad():
             ex = torch._dynamo.explain(dec._decode)(ids[:, :1], dec.pos + 1, torch.tensor([10]))
-        counts[fuse] = sum(str(n.target).startswith("fewbits.int4pack_mm") for gr in ex.graphs
+        counts[fuse] = sum(str(n.target).startswith(INT4_OPS) for gr in ex.graphs
                            for n in gr.graph.nodes if n.op == "call_function")
     assert counts == {0: 7 * 2 + 1, 1: 4 * 2 + 1}
     runs = [teacher_forced(m, ids, ref, bool(fuse), compile=True, cache_dir=tmp_path) for fuse, m in models.items()]
@@ -151,3 +160,21 @@ def test_a_model_decoded_with_fused_16bit_parts_still_saves(tmp_path) -> None:  
     assert torch.equal(back.model.layers[0].self_attn.q_proj.weight, q)
     with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
         assert torch.equal(f.get_tensor("model.layers.0.self_attn.q_proj.weight"), q)
+
+
+def test_q4_parts_with_and_without_zero_points_fuse_bitwise() -> None:
+    """fewbits' int4 operator: a symmetric part (no zero offsets) fuses with asymmetric ones (its offsets become
+    zeros) and the fused output is each part's own, bit for bit, at 1 and 8 rows."""
+    g = torch.Generator().manual_seed(4)
+    mods = [_qlinear(torch.randn(n, 128, generator=g), spec)
+            for n, spec in ((64, "int4-g32"), (32, "int4-g32-asym"), (48, "int4-g32"))]
+    if any(m.kernel.name != "cpu_q4" for m in mods):
+        pytest.skip("fewbits' int4 operator does not run here")
+    xs = [torch.randn(m, 128, generator=g).to(torch.bfloat16) for m in (1, 8)]
+    with torch.no_grad():
+        before = [[m(x) for m in mods] for x in xs]
+        f, why = fuse_group(mods)
+        assert why is None and f.kind == "q4" and f.kernel.zeros.shape == f.kernel.scales.shape
+        for x, want in zip(xs, before, strict=True):
+            for got, w, m in zip(f(x), want, mods, strict=True):
+                assert torch.equal(got, w) and torch.equal(m(x), w)

@@ -12,6 +12,7 @@ import torch
 
 from fewbits.kernels import prepare_linear, reference_linear
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
+from fewbits.kernels.cpu_int4 import Q4Kernel
 from fewbits.tensor import quantize_tensor
 
 BOUND = 1e-2  # as for the integer-zero formats (bf16 activations, scales and output)
@@ -34,5 +35,9 @@ def test_float_zero_fast_path_matches_reference(spec: str, kernel: type) -> None
     qt = quantize_tensor(w, spec)
     assert qt.zeros is not None and not torch.equal(qt.zero_values(), qt.zero_values().round())
     kern = prepare_linear(qt)
-    assert kern.name == kernel.name, kern.reason
+    if kernel is Int4PackKernel:  # fewbits' own operator where it can run, and torch's as well
+        assert kern.name in (Q4Kernel.name, Int4PackKernel.name), kern.reason
+        assert _rel(Int4PackKernel(qt)(x), reference_linear(x, qt)) < BOUND
+    else:
+        assert kern.name == kernel.name, kern.reason
     assert _rel(kern(x), reference_linear(x, qt)) < BOUND

@@ -1,0 +1,566 @@
+"""A hand-written CPU operator for integer weights of <= 4 bits in groups (or per channel) x bf16 activations.
+
+torch's ``aten._weight_int4pack_mm_for_cpu`` reads ~20-27 GB/s of packed weights at one row of activations
+on a machine that streams ~2x that, and its cost grows with the rows of x.  This operator is written for
+decode (1 to 8 rows) and prefill.  Measured on a busy 2-core Xeon (one thread, CPU time,
+`benchmarks/bench_cpu_int4.py --threads 1 --clock cpu`, SmolLM2 and Gemma-3-270M shapes): with the weights
+in cache 1.3-1.5x torch's speed at one row; streamed from memory 0.75-1.06x at one row (both then wait on
+memory), 1.3-2.5x at 8 rows and 3.5-5x at 128 rows (about a bf16 F.linear's time there).
+
+Layout (chosen at load time, the only copy of the weights).  The output rows are cut into blocks of 16; a
+block's codes are stored as 64-byte chunks of 16 rows x 8 input columns: 32 little-endian 16-bit words, word
+p = 2 i + h of chunk c holding in its nibble j the code of row i, column 8 c + 2 j + h.  Scales are (blocks,
+groups, 16) and, for asymmetric codes, the zero offsets likewise (fp16 when every value is exact in fp16,
+else fp32).  Blocks concatenate along the rows: fused projections are the parts' tensors concatenated.
+
+Numerics.  With w = s (c - o) (the numeric core's codes: o = 2^(b-1) for symmetric codes, else the zero
+point), a group's contribution to y_n is  s * (sum_k (c_k - 2^(b-1)) x_k - (o - 2^(b-1)) * sum_k x_k):  the
+centred codes are exact in bf16, the products and sums are fp32, and the zero term uses the per-call group
+sums of x (only asymmetric formats).  Activations stay bf16 (no activation quantisation) and the output is
+bf16, the class of numerics of torch's operator.
+
+Fast path (``__AVX512BF16__``): one 512-bit load is a chunk; the word shifted right by 4 j and looked up in a
+32-entry table (``vpermw``; the table repeats its 16 entries so the fifth index bit is ignored) gives 16 rows'
+bf16 pairs (w_{i,k}, w_{i,k+1}) for ``vdpbf16ps`` against the broadcast pair (x_k, x_{k+1}).  Up to 8 rows of
+x reuse each decoded register; more rows are cut into tiles of 8 over the same block (still in L1).  With AMX
+(``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (3) rows on and for
+groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
+AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once;
+each group's C tile is scaled as above: batch 8 and prefill cost little more than one row.  Elsewhere a
+portable path runs the same layout with plain loops; the dispatcher does not choose it, as torch's operator
+in its AVX2 build was 1.5-1.8x faster than these loops built for AVX2 (``-mno-avx512f``), at 1 and 8 rows.
+
+`fewbits_q4::q4_mm` is a torch operator with a fake implementation, so a compiled graph keeps it as one node.
+It is compiled once per machine (`fewbits.kernels.native`); where that fails `available()` is False and the
+dispatcher falls back to torch's operator.  ``FEWBITS_CPU_INT4=torch`` selects torch's operator instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fewbits.formats.format import Format
+from fewbits.kernels import native
+from fewbits.tensor import QuantizedTensor
+
+ROWS = 16  # output rows per block: fused parts need multiples of this
+COLS = 8  # input columns per 64-byte chunk: group sizes and in_features need multiples of this
+
+_SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define FB_FAST 1
+#include <immintrin.h>
+#else
+#define FB_FAST 0
+#endif
+#if FB_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FB_AMX 1
+#include <ATen/cpu/Utils.h>
+#else
+#define FB_AMX 0
+#endif
+
+namespace {
+constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
+// rows of x from which the AMX path runs (fewer: vdpbf16ps, which decodes less per call)
+constexpr int64_t AMX_MIN_ROWS = 3;
+
+struct Args {
+  const uint16_t* codes;  // (NB, K/8, 32)
+  const void* scales;     // (NB, G, 16) fp16 or fp32
+  const void* zeros;      // like scales, or nullptr (symmetric)
+  bool half;
+  int64_t K, group, G, bits, N;
+  const uint16_t* x;      // (M, K) bf16 bits
+  const float* xsum;      // (M, G) group sums of x, or nullptr
+  uint16_t* y;            // (M, N) bf16 bits
+};
+
+inline float bf2f(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline uint16_t f2bf(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float table_value(const void* t, bool half, int64_t i) {
+  return half ? float(static_cast<const at::Half*>(t)[i]) : static_cast<const float*>(t)[i];
+}
+
+// ---------------------------------------------------------------- portable path: plain loops, same layout
+void block_portable(const Args& a, int64_t b, int64_t m0, int64_t mt) {
+  float y[MT][R] = {};
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const float off = float(1 << (a.bits - 1));
+  const int64_t cpg = a.group / KC;
+  for (int64_t g = 0; g < a.G; ++g) {
+    float acc[MT][2 * R] = {};  // lane p = 2 i + h
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      const uint16_t* w = cb + c * 32;
+      for (int j = 0; j < 4; ++j) {
+        float v[2 * R];
+        for (int p = 0; p < 2 * R; ++p) v[p] = float((w[p] >> (4 * j)) & 15) - off;
+        for (int64_t m = 0; m < mt; ++m) {
+          const uint16_t* xr = a.x + (m0 + m) * a.K + c * KC + 2 * j;
+          const float x0 = bf2f(xr[0]), x1 = bf2f(xr[1]);
+          for (int p = 0; p < 2 * R; p += 2) { acc[m][p] += v[p] * x0; acc[m][p + 1] += v[p + 1] * x1; }
+        }
+      }
+    }
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t t = (b * a.G + g) * R + i;
+      const float s = table_value(a.scales, a.half, t), z = a.zeros ? table_value(a.zeros, a.half, t) : 0.f;
+      for (int64_t m = 0; m < mt; ++m) {
+        float sum = acc[m][2 * i] + acc[m][2 * i + 1];
+        if (a.zeros) sum -= z * a.xsum[(m0 + m) * a.G + g];
+        y[m][i] += sum * s;
+      }
+    }
+  }
+  for (int64_t m = 0; m < mt; ++m)
+    for (int64_t i = 0; i < R; ++i) a.y[(m0 + m) * a.N + b * R + i] = f2bf(y[m][i]);
+}
+
+// block b's rows, dequantised to bf16 and transposed: wt[k * ldw + col0 + i] = bf16(s * (c - o))
+void dequant_portable(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64_t col0) {
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const float off = float(1 << (a.bits - 1));
+  const int64_t cpg = a.group / KC;
+  for (int64_t g = 0; g < a.G; ++g) {
+    float s[R], z[R];
+    for (int64_t i = 0; i < R; ++i) {
+      s[i] = table_value(a.scales, a.half, (b * a.G + g) * R + i);
+      z[i] = a.zeros ? table_value(a.zeros, a.half, (b * a.G + g) * R + i) : 0.f;
+    }
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c)
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < 2; ++h) {
+          uint16_t* dst = wt + (c * KC + 2 * j + h) * ldw + col0;
+          for (int64_t i = 0; i < R; ++i)
+            dst[i] = f2bf(((float((cb[c * 32 + 2 * i + h] >> (4 * j)) & 15) - off) - z[i]) * s[i]);
+        }
+  }
+}
+
+#if FB_FAST
+inline __m512 load16(const void* t, bool half, int64_t i) {
+  if (half) {
+    const at::Half* h = static_cast<const at::Half*>(t) + i;
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(t) + i);
+}
+
+inline __m512i code_table(int64_t bits) {  // bf16 of (c - 2^(bits-1)) for c = 0..15, twice
+  alignas(64) uint16_t t[32];
+  for (int c = 0; c < 32; ++c) t[c] = f2bf(float(c & 15) - float(1 << (bits - 1)));
+  return _mm512_load_si512(t);
+}
+
+inline __m512i bcast_pair(const uint16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+template <int T>
+void block_fast(const Args& a, int64_t b, int64_t m0, __m512i tab) {
+  constexpr int NA = T == 1 ? 4 : (T == 2 ? 2 : 1);  // accumulators per row: independent dpbf16 chains
+  __m512 y[T];
+  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t cpg = a.group / KC;
+  const uint16_t* xr[T];
+  for (int t = 0; t < T; ++t) xr[t] = a.x + (m0 + t) * a.K;
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 acc[T][NA];
+    for (int t = 0; t < T; ++t)
+      for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_ps();
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      const __m512i wd = _mm512_loadu_si512(cb + c * 32);
+      __m512i w[4];
+      w[0] = _mm512_permutexvar_epi16(wd, tab);
+      w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab);
+      w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab);
+      w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab);
+      const int64_t k = c * KC;
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < 4; ++j)
+          acc[t][j % NA] = _mm512_dpbf16_ps(acc[t][j % NA], (__m512bh)w[j], (__m512bh)bcast_pair(xr[t] + k + 2 * j));
+    }
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    for (int t = 0; t < T; ++t) {
+      __m512 sum = acc[t][0];
+      for (int n = 1; n < NA; ++n) sum = _mm512_add_ps(sum, acc[t][n]);
+      if (a.zeros)
+        sum = _mm512_fnmadd_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
+      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
+void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab) {
+  switch (mt) {
+    case 1: block_fast<1>(a, b, m0, tab); break;
+    case 2: block_fast<2>(a, b, m0, tab); break;
+    case 3: block_fast<3>(a, b, m0, tab); break;
+    case 4: block_fast<4>(a, b, m0, tab); break;
+    case 5: block_fast<5>(a, b, m0, tab); break;
+    case 6: block_fast<6>(a, b, m0, tab); break;
+    case 7: block_fast<7>(a, b, m0, tab); break;
+    default: block_fast<8>(a, b, m0, tab); break;
+  }
+}
+
+#if FB_AMX
+struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
+
+// tiles: 0 = C (mt x 16 fp32), 1 = A (mt x 32 bf16 of x), 2 = B (16 pairs of k x 16 output rows)
+void tile_config(int64_t mt) {
+  alignas(64) TileConfig c{};
+  c.palette = 1;
+  c.rows[0] = uint8_t(mt); c.colsb[0] = 64;
+  c.rows[1] = uint8_t(mt); c.colsb[1] = 64;
+  c.rows[2] = 16; c.colsb[2] = 64;
+  _tile_loadconfig(&c);
+}
+
+// as block_fast, for mt <= 16 rows of x through AMX: per 32 columns the 4 chunks' decoded registers are
+// the B tile (pair rows 4 q + j), x's columns the A tile; each group's C tile is scaled like block_fast's sums.
+// group % 32 == 0.  bbuf: 2 x 512 words (two B tiles, so decoding the next overlaps the last's load), cbuf: 256
+void block_amx(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab, uint16_t* bbuf, float* cbuf) {
+  alignas(64) float yacc[AMX_MT * R];
+  for (int64_t i = 0; i < mt * R; ++i) yacc[i] = 0.f;
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const uint16_t* xb = a.x + m0 * a.K;
+  int64_t step = 0;
+  for (int64_t g = 0; g < a.G; ++g) {
+    _tile_zero(0);
+    for (int64_t k0 = g * a.group; k0 < (g + 1) * a.group; k0 += 32, ++step) {
+      uint16_t* B = bbuf + (step & 1) * 512;
+      for (int64_t q = 0; q < 4; ++q) {
+        const __m512i wd = _mm512_loadu_si512(cb + (k0 / KC + q) * 32);
+        _mm512_store_si512(B + (4 * q + 0) * 32, _mm512_permutexvar_epi16(wd, tab));
+        _mm512_store_si512(B + (4 * q + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab));
+        _mm512_store_si512(B + (4 * q + 2) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab));
+        _mm512_store_si512(B + (4 * q + 3) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab));
+      }
+      _tile_loadd(2, B, 64);
+      _tile_loadd(1, xb + k0, a.K * 2);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, cbuf, 64);
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < mt; ++t) {
+      __m512 sum = _mm512_load_ps(cbuf + t * R);
+      if (a.zeros) sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
+      _mm512_store_ps(yacc + t * R, _mm512_fmadd_ps(sum, s, _mm512_load_ps(yacc + t * R)));
+    }
+  }
+  for (int64_t t = 0; t < mt; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(yacc + t * R)));
+}
+#endif
+
+inline __m512 bf16_lo(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+void dequant_fast(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64_t col0, __m512i tab) {
+  alignas(64) uint16_t sp[32];
+  for (int p = 0; p < 32; ++p) sp[p] = uint16_t(p < 16 ? 2 * p : 2 * (p - 16) + 1);  // even words, then odd
+  const __m512i split = _mm512_load_si512(sp);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t cpg = a.group / KC;
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      const __m512i wd = _mm512_permutexvar_epi16(split, _mm512_loadu_si512(cb + c * 32));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4 * j), tab);
+        const __m512 lo = _mm512_mul_ps(_mm512_sub_ps(bf16_lo(_mm512_castsi512_si256(v)), z), s);
+        const __m512 hi = _mm512_mul_ps(_mm512_sub_ps(bf16_lo(_mm512_extracti64x4_epi64(v, 1)), z), s);
+        uint16_t* dst = wt + (c * KC + 2 * j) * ldw + col0;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ldw), (__m256i)_mm512_cvtneps_pbh(hi));
+      }
+    }
+  }
+}
+#endif
+
+Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+               int64_t bits) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 32 && codes.scalar_type() == at::kShort && codes.is_contiguous(),
+              "q4: codes must be a contiguous int16 tensor (blocks, in_features/8, 32)");
+  TORCH_CHECK(bits >= 1 && bits <= 4, "q4: bits must be 1..4, got ", bits);
+  const int64_t NB = codes.size(0), K = codes.size(1) * KC;
+  TORCH_CHECK(group > 0 && group % KC == 0 && K % group == 0, "q4: group ", group,
+              " must be a multiple of 8 that divides in_features ", K);
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == R &&
+              scales.is_contiguous() && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+              "q4: scales must be contiguous fp16/fp32 (blocks, groups, 16)");
+  const bool has_z = zeros.numel() > 0;
+  TORCH_CHECK(!has_z || (zeros.sizes() == scales.sizes() && zeros.scalar_type() == scales.scalar_type() &&
+                         zeros.is_contiguous()), "q4: zeros must be empty or shaped and typed like scales");
+  Args a{};
+  a.codes = reinterpret_cast<const uint16_t*>(codes.data_ptr<int16_t>());
+  a.scales = scales.data_ptr();
+  a.zeros = has_z ? zeros.data_ptr() : nullptr;
+  a.half = scales.scalar_type() == at::kHalf;
+  a.K = K; a.group = group; a.G = G; a.bits = bits; a.N = NB * R;
+  return a;
+}
+}  // namespace
+
+// 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process)
+int64_t q4_isa() {
+#if FB_AMX
+  if (amx_ready()) return 2;
+#endif
+  return FB_FAST;
+}
+
+// (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
+// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only.
+at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                 int64_t group, int64_t bits, int64_t path) {
+  const int64_t portable = path == 1;
+  Args a = make_args(codes, scales, zeros, group, bits);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == a.K && x_in.scalar_type() == at::kBFloat16,
+              "q4_mm: x must be bf16 (M, ", a.K, "), got ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), NB = codes.size(0);
+  auto y = at::empty({M, a.N}, x.options());
+  if (M == 0 || a.N == 0) return y;
+  const bool fast = FB_FAST && !portable;
+  std::vector<float> xs;
+  if (a.zeros) {  // the group sums of x, for the zero term
+    xs.resize(M * a.G);
+    const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < a.G; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) s += bf2f(X[m * a.K + k]);
+        xs[m * a.G + g] = s;
+      }
+    a.xsum = xs.data();
+  }
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if FB_AMX
+  const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
+#endif
+  at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+#if FB_FAST
+    const __m512i tab = code_table(a.bits);
+#endif
+#if FB_AMX
+    if (amx) {
+      alignas(64) uint16_t bbuf[2 * 512];
+      alignas(64) float cbuf[AMX_MT * R];
+      int64_t configured = -1;
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_MT) {
+          const int64_t mt = std::min(AMX_MT, M - m0);
+          if (mt != configured) { tile_config(mt); configured = mt; }
+          block_amx(a, b, m0, mt, tab, bbuf, cbuf);
+        }
+      _tile_release();
+      return;
+    }
+#endif
+    for (int64_t b = lo; b < hi; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min(MT, M - m0);
+#if FB_FAST
+        if (fast) { block_fast_rows(a, b, m0, mt, tab); continue; }
+#endif
+        block_portable(a, b, m0, mt);
+      }
+  });
+  return y;
+}
+
+// the packed weight as a dense bf16 (NB*16, K) matrix, decoded as q4_mm decodes it (tests and debugging)
+at::Tensor q4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                      int64_t bits, int64_t portable) {
+  Args a = make_args(codes, scales, zeros, group, bits);
+  const int64_t NB = codes.size(0);
+  auto wt = at::empty({a.K, a.N}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* W = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
+  const bool fast = FB_FAST && !portable;
+  at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+#if FB_FAST
+    const __m512i tab = code_table(a.bits);
+#endif
+    for (int64_t b = lo; b < hi; ++b) {
+#if FB_FAST
+      if (fast) { dequant_fast(a, b, W, a.N, b * R, tab); continue; }
+#endif
+      dequant_portable(a, b, W, a.N, b * R);
+    }
+  });
+  return wt.t().contiguous();
+}
+
+TORCH_LIBRARY(fewbits_q4, m) {
+  m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int path) -> "
+        "Tensor");
+  m.def("q4_dequant(Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int portable) -> Tensor");
+  m.def("q4_isa() -> int");
+  m.impl("q4_mm", c10::DispatchKey::CPU, &q4_mm);
+  m.impl("q4_dequant", c10::DispatchKey::CPU, &q4_dequant);
+  m.impl("q4_isa", c10::DispatchKey::CatchAll, &q4_isa);
+}
+"""
+
+NAME = "fewbits_q4"
+
+
+def _fake_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+             bits: int, path: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0] * ROWS))
+
+
+def _fake_dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, bits: int,
+                  portable: int) -> torch.Tensor:
+    return codes.new_empty((codes.shape[0] * ROWS, codes.shape[1] * COLS), dtype=torch.bfloat16)
+
+
+def available(src: str = _SRC, name: str = NAME, cflags: list[str] | None = None) -> bool:
+    """Whether `fewbits_q4::q4_mm` is usable (built or loaded once per process; False if no compiler)."""
+    return native.build(name, src, {"fewbits_q4::q4_mm": _fake_mm, "fewbits_q4::q4_dequant": _fake_dequant},
+                        cflags=cflags)
+
+
+def fast_path() -> bool:
+    """Whether the built operator has the AVX512-BF16 path (else it runs the portable loops)."""
+    return available() and bool(torch.ops.fewbits_q4.q4_isa())
+
+
+def _offset(qt: QuantizedTensor) -> torch.Tensor:
+    z = qt.zero_values()
+    if z is None:
+        return torch.full((qt.rows, 1), float(2 ** (qt.fmt.bits - 1)))
+    return z.float()
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """(N, G) per-row values -> contiguous (N/16, G, 16)."""
+    n, g = t.shape
+    return t.reshape(n // ROWS, ROWS, g).transpose(1, 2).contiguous()
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (N, K) in [0, 16) -> the operator's int16 chunks (N/16, K/8, 32) (module docstring)."""
+    n, k = codes.shape
+    c = codes.to(torch.int32).reshape(n // ROWS, ROWS, k // COLS, 4, 2).permute(0, 2, 1, 4, 3)  # (NB, C, i, h, j)
+    words = (c << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1).reshape(n // ROWS, k // COLS, 2 * ROWS)
+    return torch.where(words >= 32768, words - 65536, words).to(torch.int16).contiguous()
+
+
+def _exact_half(*ts: torch.Tensor) -> bool:
+    return all(bool(torch.equal(t.half().float(), t)) for t in ts)
+
+
+def group_of(fmt: Format, in_features: int) -> int:
+    """Input columns per scale: the format's group size, or in_features per channel/tensor."""
+    return fmt.group_size if fmt.granularity == "group" else in_features
+
+
+class Q4Kernel:
+    """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations: `fewbits_q4::q4_mm`."""
+
+    name = "cpu_q4"
+    path = 0  # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX (tests)
+
+    @staticmethod
+    def layout_reason(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        """None when the operator's layout holds `fmt` on a weight of `shape`, else why not."""
+        if fmt.kind != "int" or fmt.bits > 4:
+            return f"needs integer codes of at most 4 bits, format is {fmt.spec}"
+        if len(shape) != 2:
+            return f"needs a 2-D weight, shape is {tuple(shape)}"
+        n, k = shape
+        if n % ROWS or k % COLS:
+            return (f"needs out_features divisible by {ROWS} and in_features by {COLS}, weight shape is "
+                    f"{tuple(shape)}")
+        g = group_of(fmt, k)
+        if g % COLS or k % g:
+            return f"needs a group size that is a multiple of {COLS} and divides in_features {k}, {fmt.spec} has {g}"
+        return None
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        if os.environ.get("FEWBITS_CPU_INT4", "").lower() == "torch":
+            return "FEWBITS_CPU_INT4=torch selects torch's int4 operator"
+        why = Q4Kernel.layout_reason(fmt, shape)
+        if why is not None:
+            return why
+        if not available():
+            return f"the operator could not be built ({native.why(NAME)})"
+        if not fast_path():
+            return "this CPU has no AVX512-BF16: torch's int4 operator is faster than the portable loops"
+        return None
+
+    def __init__(self, qt: QuantizedTensor) -> None:
+        """Repack `qt` (any CPU: without AVX512-BF16 the operator runs its portable loops, which the
+        dispatcher does not choose)."""
+        why = self.layout_reason(qt.fmt, tuple(qt.shape))
+        if why is not None:
+            raise ValueError(f"{self.name} cannot run {qt.fmt.spec} {tuple(qt.shape)}: {why}")
+        if not available():
+            raise RuntimeError(f"{self.name}: the operator could not be built ({native.why(NAME)})")
+        rows, cols = qt.shape
+        self.group = group_of(qt.fmt, cols)
+        self.bits = qt.fmt.bits
+        s = qt.scale_values().float()  # (N, n_groups) or (1, 1)
+        o = _offset(qt)
+        if s.numel() == 1:
+            s, o = s.expand(rows, 1), o.expand(rows, 1)
+        ng = cols // self.group
+        if s.shape[1] != ng:  # a per-tensor offset over per-channel scales and the like
+            s, o = s.expand(rows, ng), o.expand(rows, ng)
+        z = (o - 2 ** (self.bits - 1)).expand(rows, ng)  # the offset from the centred codes
+        symmetric = not bool(z.any())
+        half = _exact_half(s) and (symmetric or _exact_half(z))
+        dt = torch.float16 if half else torch.float32
+        self.codes = pack_codes(qt.unpacked_codes())
+        self.scales = _blocked(s).to(dt)
+        self.zeros = torch.empty(0, dtype=dt) if symmetric else _blocked(z).to(dt)
+        self.shape = qt.shape
+        self._op = torch.ops.fewbits_q4.q4_mm.default
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight as the operator sees it, (N, K) bf16."""
+        return torch.ops.fewbits_q4.q4_dequant(self.codes, self.scales, self.zeros, self.group, self.bits,
+                                              int(self.path == 1))
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != self.shape[1]:
+            raise ValueError(f"input last dimension {x.shape[-1]} does not match weight shape {tuple(self.shape)}")
+        x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        y = self._op(x2, self.codes, self.scales, self.zeros, self.group, self.bits, self.path)
+        if y.dtype != x.dtype:
+            y = y.to(x.dtype)
+        if bias is not None:
+            y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

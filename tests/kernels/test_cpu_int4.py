@@ -1,0 +1,152 @@
+"""fewbits' own <= 4-bit CPU operator (`fewbits.kernels.cpu_int4`) against dequantise-then-matmul.
+
+The operator multiplies the exact centred codes by bf16 activations in fp32 and rounds the output once to bf16,
+so against an fp32 product of the same dequantised weight each output is within a bf16 rounding (2^-8
+relative) plus fp32 accumulation-order error (bounded here by 1e-4 x sum_k |x_k w_k|): a wrong code, scale,
+zero point or layout is off by orders of magnitude more.  Every path is checked: the fastest built (AMX from 3
+rows, where the CPU has it), vdpbf16ps alone, and the portable loops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fewbits.kernels import cpu_int4, native, prepare_linear
+from fewbits.kernels.cpu import Int4PackKernel
+from fewbits.kernels.cpu_int4 import Q4Kernel
+from fewbits.tensor import quantize_tensor
+
+pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason=f"q4 operator not built: {native.why(cpu_int4.NAME)}")
+
+SPECS = ["int4-g32", "int4-g64", "int4-g128", "int4", "int4-t", "int4-g32-asym", "int4-g64-asym", "int3-g64",
+         "int3-g32-asym", "int2-g32", "int2-g64-asym", "int4-g128-asym-zfp16", "int3-asym-zbf16", "int4-g64-narrow",
+         "int4-g96"]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 128]
+PATHS = {"fastest": 0, "portable": 1, "dpbf16": 2}
+
+
+def _case(spec: str, n: int, k: int, seed: int = 0) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * (0.5 + torch.rand(n, 1, generator=g)) * 0.02
+    w += torch.rand(n, 1, generator=g) * 0.01  # rows off centre: zero points away from the middle code
+    return quantize_tensor(w, spec), g
+
+
+def _kernel(qt, path: str) -> Q4Kernel:  # noqa: ANN001
+    k = Q4Kernel(qt)
+    k.path = PATHS[path]
+    return k
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y (bf16) against the fp32 product x @ w.T (module docstring's bound)."""
+    ref = x.float() @ w.T
+    bound = 2.0**-8 * ref.abs() + 1e-4 * (x.float().abs() @ w.abs().T) + 1e-30
+    excess = ((y.float() - ref).abs() - bound).max()
+    assert excess <= 0, f"error exceeds the bound by {float(excess):.3g} (max |ref| {float(ref.abs().max()):.3g})"
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("spec", SPECS)
+def test_matches_dequantise_then_matmul(spec: str, path: str) -> None:
+    k_in = 192 if spec == "int4-g96" else 256
+    qt, g = _case(spec, 48, k_in, seed=len(spec))
+    kern = _kernel(qt, path)
+    w = qt.dequantize(torch.float32)
+    for m in ROWS:
+        x = torch.randn(m, k_in, generator=g).to(torch.bfloat16)
+        y = kern(x)
+        assert y.shape == (m, 48) and y.dtype == torch.bfloat16
+        _check(y, x, w)
+
+
+@pytest.mark.parametrize("spec", ["int4-g32", "int3-g64-asym", "int4-g128-asym-zfp16", "int2-g32"])
+def test_decode_is_the_reference_weight_bit_for_bit(spec: str) -> None:
+    """The operator's own decode (table lookup, scale, zero offset) as a bf16 weight equals the numeric core's
+    fp32 dequantisation rounded to bf16, on both paths: the packing and the layout are exact."""
+    qt, _ = _case(spec, 64, 256)
+    want = qt.dequantize(torch.float32).to(torch.bfloat16)
+    for path in ("fastest", "portable"):
+        assert torch.equal(_kernel(qt, path).dequantized(), want)
+
+
+def test_paths_agree_and_fp32_input_and_bias() -> None:
+    """The portable loops give the fast path's result to accumulation order; fp32 inputs come back fp32,
+    leading dimensions and the bias as F.linear has them."""
+    qt, g = _case("int4-g32-asym", 64, 320)
+    fast, port = _kernel(qt, "fastest"), _kernel(qt, "portable")
+    x = torch.randn(2, 3, 320, generator=g)
+    b = torch.randn(64, generator=g)
+    y = fast(x, b)
+    assert y.shape == (2, 3, 64) and y.dtype == torch.float32
+    torch.testing.assert_close(y, port(x, b), rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, qt.dequantize(torch.float32), b), rtol=1e-2,
+                               atol=1e-2)
+
+
+def test_storage_is_one_packed_copy() -> None:
+    qt, _ = _case("int4-g32", 96, 256)
+    kern = Q4Kernel(qt)
+    assert kern.codes.shape == (6, 32, 32) and kern.scales.dtype == torch.float16 and kern.zeros.numel() == 0
+    assert kern.nbytes == 96 * 256 // 2 + 96 * 8 * 2
+    asym = Q4Kernel(quantize_tensor(torch.randn(96, 256), "int4-g64-asym"))
+    assert asym.nbytes == 96 * 256 // 2 + 2 * 96 * 4 * 2
+
+
+@pytest.mark.parametrize(("spec", "shape", "why"), [
+    ("int4-g32", (40, 128), "out_features divisible by 16"),
+    ("int4", (64, 132), "in_features by 8"),
+    ("int4-g12", (64, 96), "multiple of 8"),
+    ("int4-g64", (64, 96), "divides in_features 96"),
+    ("int6-g64", (64, 128), "at most 4 bits"),
+    ("int8", (64, 128), "at most 4 bits"),
+    ("fp8-e4m3", (64, 128), "integer codes"),
+])
+def test_unsupported_shapes_and_formats_are_declined_with_a_reason(spec: str, shape: tuple, why: str) -> None:
+    from fewbits.formats.format import parse_format
+
+    reason = Q4Kernel.supports(parse_format(spec), shape)
+    assert reason is not None and why in reason, reason
+    if spec in ("int4-g32", "int4"):  # building one anyway is a clear error, not a crash
+        with pytest.raises(ValueError, match=why):
+            Q4Kernel(quantize_tensor(torch.randn(*shape), spec))
+
+
+def test_bad_inputs_raise() -> None:
+    qt, _ = _case("int4-g32", 32, 128)
+    kern = Q4Kernel(qt)
+    with pytest.raises(ValueError, match="does not match"):
+        kern(torch.randn(1, 96))
+    with pytest.raises(RuntimeError, match="x must be bf16"):
+        kern._op(torch.randn(1, 128), kern.codes, kern.scales, kern.zeros, kern.group, kern.bits, 0)
+    with pytest.raises(RuntimeError, match="group"):
+        kern._op(torch.randn(1, 128).bfloat16(), kern.codes, kern.scales, kern.zeros, 12, kern.bits, 0)
+
+
+def test_dispatch_prefers_it_and_falls_back_to_torchs_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    qt, g = _case("int4-g64", 64, 256)
+    x = torch.randn(3, 256, generator=g)
+    expected = Q4Kernel.name if cpu_int4.fast_path() else Int4PackKernel.name
+    assert prepare_linear(qt).name == expected
+    monkeypatch.setenv("FEWBITS_CPU_INT4", "torch")
+    kern = prepare_linear(qt)
+    assert kern.name == Int4PackKernel.name
+    monkeypatch.delenv("FEWBITS_CPU_INT4")
+    monkeypatch.setitem(native._BUILT, cpu_int4.NAME, False)  # as if there were no compiler
+    monkeypatch.setitem(native._WHY, cpu_int4.NAME, "no compiler")
+    assert "could not be built (no compiler)" in Q4Kernel.supports(qt.fmt, qt.shape)
+    kern = prepare_linear(qt)
+    assert kern.name == Int4PackKernel.name
+    ref = x @ qt.dequantize(torch.float32).T
+    assert float((kern(x) - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_compiled_graph_keeps_one_operator_node() -> None:
+    qt, g = _case("int4-g32", 64, 128)
+    kern = Q4Kernel(qt)
+    x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
+    ex = torch._dynamo.explain(lambda t: kern(t) * 2)(x)
+    assert ex.graph_break_count == 0 and ex.graph_count == 1
+    targets = [str(n.target) for gr in ex.graphs for n in gr.graph.nodes if n.op == "call_function"]
+    assert sum("fewbits_q4.q4_mm" in t for t in targets) == 1, targets
