@@ -33,22 +33,24 @@ def cpu_flags() -> str:
         return platform.processor()
 
 
-def build_dir(name: str, src: str) -> Path:
-    """The directory `name`'s library is built into: one per source, CPU and torch version."""
-    key = hashlib.sha256((src + cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
+def build_dir(name: str, src: str, cflags: list[str] | None = None) -> Path:
+    """The directory `name`'s library is built into: one per source, extra flags, CPU and torch version."""
+    key = hashlib.sha256((src + " ".join(cflags or []) + cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
     base = Path(os.environ.get("FEWBITS_CACHE") or Path.home() / ".cache" / "fewbits")
     return base / "kernels" / f"{name}_{key}"
 
 
-def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor]]) -> bool:
-    """Compile (or load) `src` once per process; True when its operators are registered."""
+def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor]], cflags: list[str] | None = None) -> bool:
+    """Compile (or load) `src` once per process; True when its operators are registered.  `cflags`: flags after
+    `CFLAGS` (e.g. ``-mno-avx512f`` to build a portable variant on this machine)."""
     if name not in _BUILT:
         try:
             from torch.utils.cpp_extension import load_inline
 
-            d = build_dir(name, src)
+            d = build_dir(name, src, cflags)
             d.mkdir(parents=True, exist_ok=True)
-            load_inline(name, src, build_directory=str(d), is_python_module=False, extra_cflags=CFLAGS)
+            load_inline(name, src, build_directory=str(d), is_python_module=False,
+                        extra_cflags=CFLAGS + list(cflags or []))
             for op, fake in fakes.items():
                 torch.library.register_fake(op)(fake)
             _BUILT[name] = True

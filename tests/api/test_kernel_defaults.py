@@ -11,12 +11,13 @@ import torch
 from click.testing import CliRunner
 
 from fewbits import api
-from fewbits.kernels import cpu
+from fewbits.kernels import cpu, cpu_rows, rows
 from fewbits.models.qlinear import QuantLinear, kernel_name
 from fewbits.models.recipe import Recipe
 from fewbits.tensor import quantize_tensor
 
-FAST = {"int4-g32": cpu.Int4PackKernel.name, "int8": cpu.Int8PackKernel.name}
+FAST = {"int4-g32": cpu.Int4PackKernel.name,
+        "int8": (cpu_rows.Int8RowsKernel if rows.enabled() else cpu.Int8PackKernel).name}
 
 
 def _kernels(model: torch.nn.Module) -> list[str]:
