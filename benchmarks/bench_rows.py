@@ -8,8 +8,8 @@ as GB/s of weight bytes read, beside the machine's read bandwidth (`fewbits.benc
 Shapes (out x in): the LM heads of SmolLM2-135M (tied embedding 49152 x 576) and Gemma-3-270M (262144 x 640),
 and SmolLM2's layers (fused q/k/v 960 x 576, o 576 x 576, fused gate/up 3072 x 576, down 576 x 1536).  A
 layer's weight is small enough to stay in cache, so it is timed over copies of it totalling --pool MB (a
-decode step reads each layer's weight once, not from the core's own caches).  Per weight dtype: torch's `F.linear` (bf16 /
-fp16) or `aten._weight_int8pack_mm` (int8, asymmetric: plus its rank-1 correction, as
+decode step reads each layer's weight once, not from the core's own caches).  Per weight dtype: torch's
+`F.linear` (bf16 / fp16) or `aten._weight_int8pack_mm` (int8, asymmetric: plus its rank-1 correction, as
 `fewbits.kernels.cpu.Int8PackKernel` runs it) against the fewbits operator on the same tensors.  Rounds
 alternate between every (shape, rows, op) cell; a round times each cell's calls one by one for ~--ms
 milliseconds and keeps the fastest call (on a shared host most calls lose time slices to other processes),
@@ -119,7 +119,7 @@ def main() -> None:
         seen.append(k0)
         name, M, op = k0
         t = statistics.median(times[(*k0, "torch")])
-        line = f"{name:>13} {'%dx%d' % SHAPES[name]:>12} {M:>4} {op:>9} {t * 1e6:9.1f} {per / t / 1e9:6.1f}"
+        line = f"{name:>13} {'x'.join(map(str, SHAPES[name])):>12} {M:>4} {op:>9} {t * 1e6:9.1f} {per / t / 1e9:6.1f}"
         best = per / t
         for lab in labs:
             tl = statistics.median(times[(*k0, lab)])

@@ -50,8 +50,6 @@ namespace {
 constexpr int64_t MAXM = 8;     // rows of x per pass over the weight
 constexpr int64_t BLOCK = 32;   // output channels per parallel unit
 
-inline float bf2f(uint16_t b) { uint32_t u = static_cast<uint32_t>(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-
 enum Kind { BF16 = 0, F16 = 1, I8 = 2 };
 
 // ---------------------------------------------------------------- portable: loops the compiler vectorises
@@ -80,6 +78,7 @@ void rows_portable(const float* __restrict x, const char* w, int64_t ld_bytes, K
   for (int64_t n = n0; n < n1; ++n) {
     widen_row(w + n * ld_bytes, kind, K, buf);
     float acc[M];
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const float* xm = x + m * K;
       float s = 0.f;
@@ -92,6 +91,10 @@ void rows_portable(const float* __restrict x, const char* w, int64_t ld_bytes, K
 
 #ifdef ROWS_AVX512
 // ---------------------------------------------------------------- AVX-512
+inline __m512 widen_bf16(const uint16_t* p, __mmask16 mk) {  // up to 16 bf16 -> fp32 (a 16-bit shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
 // R output channels at once, M rows of x: M * R accumulators, each loaded weight vector used M times.
 // bf16 x bf16 (x as bf16, M x K): 32 columns a step through dpbf16 (exact products, fp32 sums).
 template <int M, int R>
@@ -102,18 +105,24 @@ inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512i wv[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * ld + k);
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512i xv = _mm512_loadu_si512(x + m * K + k);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
     }
   }
   if (k < K) {
     const __mmask32 mk = static_cast<__mmask32>((1ull << (K - k)) - 1);
     __m512i wv[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mk, w + r * ld + k);
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
     }
   }
@@ -125,10 +134,12 @@ inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mk = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[R];
-    for (int r = 0; r < R; ++r)
-      wv[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, w + r * ld + k)), 16));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * ld + k, mk);
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const __m512 xv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, x + m * K + k)), 16));
+      const __m512 xv = widen_bf16(x + m * K + k, mk);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
@@ -156,18 +167,24 @@ inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     __m512 wv[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
   if (k < K) {
     const __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[R];
+#pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = widen16<KIND>(w + r * ld_bytes, k, mk, false);
+#pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_maskz_loadu_ps(mk, x + m * K + k);
+#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
     }
   }
@@ -254,7 +271,8 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
-at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales, const c10::optional<at::Tensor>& corr) {
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& corr) {
   check_w(x, q, "int8_mm");
   TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm: q must be int8, got ", q.scalar_type());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
@@ -280,7 +298,8 @@ TORCH_LIBRARY(ROWS_NS, m) {
 """
 
 NAME = "fewbits_rows"
-MAX_ROWS = 8  # rows of x up to which the operators beat torch's (set by benchmarks/bench_lm_head.py rows)
+MAX_ROWS = 8  # rows of x up to which int8_mm beats torch's int8 operator (benchmarks/bench_rows.py)
+DENSE_MAX_ROWS = 4  # rows of x up to which dense_mm beats torch's bf16 matmul (oneDNN) on this CPU
 
 
 def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fewbits.kernels import choose_kernel, linear, prepare_linear, reference_linear
-from fewbits.kernels import rows
+from fewbits.kernels import choose_kernel, linear, prepare_linear, reference_linear, rows
 from fewbits.kernels.cpu import Fp8DequantKernel, Int4PackKernel, Int8PackKernel, W8A8IntMMKernel
 from fewbits.kernels.cpu_rows import Int8RowsKernel
 from fewbits.tensor import quantize_tensor
