@@ -92,13 +92,13 @@ def rows_on() -> bool:
 
 
 def linear16(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`mod(x)`; a 16-bit `nn.Linear` on a CPU with at most `rows.DENSE_MAX_ROWS` rows of x runs as
+    """`mod(x)`; a 16-bit `nn.Linear` on a CPU with at most `rows.DENSE_MAX_ROWS[dtype]` rows of x runs as
     ``fewbits_rows::dense_mm`` (the weight read in place: the LM head is often the tied embedding).  More
     rows, other modules, a forward that records gradients (the operator has no backward), or without the
     operators (`rows_on`): the module itself."""
     w = getattr(mod, "weight", None)
     if (type(mod) is not nn.Linear or w is None or x.device.type != "cpu" or x.dtype != w.dtype
-            or w.dtype not in (torch.bfloat16, torch.float16) or x.numel() // x.shape[-1] > rows.DENSE_MAX_ROWS
+            or x.numel() // x.shape[-1] > rows.DENSE_MAX_ROWS.get(w.dtype, 0)
             or (w.requires_grad and torch.is_grad_enabled()) or not rows_on()):
         return mod(x)
     y = torch.ops.fewbits_rows.dense_mm(x.reshape(-1, x.shape[-1]), w)

@@ -299,7 +299,8 @@ TORCH_LIBRARY(ROWS_NS, m) {
 
 NAME = "fewbits_rows"
 MAX_ROWS = 8  # rows of x up to which int8_mm beats torch's int8 operator (benchmarks/bench_rows.py)
-DENSE_MAX_ROWS = 4  # rows of x up to which dense_mm beats torch's bf16 matmul (oneDNN) on this CPU
+#: weight dtype -> rows of x up to which dense_mm beats torch's matmul (bf16: oneDNN is faster from 4 rows)
+DENSE_MAX_ROWS = {torch.bfloat16: 2, torch.float16: 8}
 
 
 def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ def _lin(dtype: torch.dtype, bias: bool = False) -> nn.Linear:
 @pytest.mark.parametrize("bias", [False, True])
 def test_few_rows_run_the_operator(dtype: torch.dtype, bias: bool) -> None:
     lin = _lin(dtype, bias)
-    for m in range(1, rows.DENSE_MAX_ROWS + 1):
+    for m in range(1, rows.DENSE_MAX_ROWS[dtype] + 1):
         x = torch.randn(1, m, 77).to(dtype)
         y = step.linear16(lin, x)
         direct = torch.ops.fewbits_rows.dense_mm(x[0], lin.weight)
@@ -38,7 +38,7 @@ def test_few_rows_run_the_operator(dtype: torch.dtype, bias: bool) -> None:
 @needs_ops
 def test_many_rows_and_other_dtypes_run_the_module() -> None:
     lin = _lin(torch.bfloat16)
-    x = torch.randn(rows.DENSE_MAX_ROWS + 1, 77).to(torch.bfloat16)
+    x = torch.randn(rows.DENSE_MAX_ROWS[torch.bfloat16] + 1, 77).to(torch.bfloat16)
     assert torch.equal(step.linear16(lin, x), lin(x))
     lin32 = _lin(torch.float32)
     x32 = torch.randn(2, 77)
