@@ -5,6 +5,7 @@ and its median.  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
                                                             [--lm-head same|none|FORMAT]
+                                                            [--cpu-rows torch,fewbits]
                          (weights FORMAT:torch, e.g. int4-g32:torch: the <= 4-bit layers on torch's int4 operator)
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
@@ -21,12 +22,14 @@ own Q4_0 export).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -55,32 +58,57 @@ def _load(args: argparse.Namespace, weights: str) -> torch.nn.Module:
             os.environ.pop("FEWBITS_CPU_INT4") if old is None else os.environ.__setitem__("FEWBITS_CPU_INT4", old)
 
 
+@contextlib.contextmanager
+def _cpu_rows(variant: str) -> Iterator[None]:
+    """FEWBITS_CPU_ROWS for one variant of a row: "torch" (torch's operators only) or "fewbits" (the few-row
+    operators of `fewbits.kernels.rows` where they apply); "" leaves the environment as it is."""
+    old = os.environ.get("FEWBITS_CPU_ROWS")
+    if variant:
+        os.environ["FEWBITS_CPU_ROWS"] = "torch" if variant == "torch" else "fewbits"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FEWBITS_CPU_ROWS", None)
+        else:
+            os.environ["FEWBITS_CPU_ROWS"] = old
+
+
 def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> None:
-    """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s."""
+    """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s.  With
+    --cpu-rows each row runs once per variant, on a model of its own loaded (kernels chosen) and compiled
+    under that variant's FEWBITS_CPU_ROWS."""
     from fewbits.decode.generate import generate_static
     from fewbits.generate import generate
 
     run = generate if args.eager else generate_static
-    models = {w: _load(args, w) for w in dict.fromkeys(r[0] for r in rows)}
+    variants = [v for v in args.cpu_rows.split(",")] if args.cpu_rows else [""]
+    rows = [(*r, v) for r in rows for v in variants]
+    models = {}
+    for w, v in dict.fromkeys((r[0], r[4]) for r in rows):
+        with _cpu_rows(v):
+            models[(w, v)] = _load(args, w)
     vocab = int(next(iter(models.values())).config.get_text_config().vocab_size)
     times: dict[tuple, list[float]] = {r: [] for r in rows}
     compile_s: dict[tuple, float] = {}
     for rnd in range(args.rounds):
         for r in rows if rnd % 2 == 0 else rows[::-1]:
-            w, kv, b, p = r
+            w, kv, b, p, v = r
             ids = torch.randint(0, vocab, (b, p), generator=torch.Generator().manual_seed(p + b))
-            res = run(models[w], ids, args.steps + 1, kv=kv)
+            with _cpu_rows(v):
+                res = run(models[(w, v)], ids, args.steps + 1, kv=kv)
             times[r] += res.decode_step_s
             compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
     base = {}
-    print(f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'best ms':>8} {'median ms':>9} {'tok/s':>8} "
+    print(f"{'weights':>16} {'kv':>9} {'batch':>5} {'prompt':>6} {'best ms':>8} {'median ms':>9} {'tok/s':>8} "
           f"{'vs first':>8} {'compile s':>9}")
     for r in rows:
-        w, kv, b, p = r
+        w, kv, b, p, v = r
         med = statistics.median(times[r])
         key = (b, p) if args.cmd == "speed" else (w, b, p)
         base.setdefault(key, med)
-        print(f"{w:>10} {kv:>9} {b:>5} {p:>6} {min(times[r]) * 1e3:8.2f} {med * 1e3:9.2f} {b / med:8.1f} "
+        label = f"{w}/{v}" if v else w
+        print(f"{label:>16} {kv:>9} {b:>5} {p:>6} {min(times[r]) * 1e3:8.2f} {med * 1e3:9.2f} {b / med:8.1f} "
               f"{base[key] / med:7.2f}x {compile_s[r]:9.1f}")
 
 
@@ -245,6 +273,9 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="speed/kv on the eager path instead")
     ap.add_argument("--lm-head", default="same",
                     help="LM head of the quantised rows: same (the weights' format), none (16-bit) or a format")
+    ap.add_argument("--cpu-rows", default="",
+                    help="speed/kv: run each row per variant, e.g. torch,fewbits (FEWBITS_CPU_ROWS: torch's operators "
+                         "only, or the few-row operators of fewbits.kernels.rows); default: the environment's")
     ap.add_argument("--cache-dir", default="", help=argparse.SUPPRESS)
     ap.add_argument("--wrapper", default="cpp,python", help="compile: inductor's wrapper(s) of the CPU step")
     args = ap.parse_args()

@@ -7,7 +7,8 @@ One rule decides.  The parts of a group fuse when they are the same kind of laye
 class, input width and dtype, and that kernel's tensors concatenate along the output rows:
 
 * 16-bit `nn.Linear`: weights (N, K) and biases (missing ones as zeros) concatenated;
-* `Int8PackKernel` (``aten._weight_int8pack_mm``): int8 codes (N, K), scales (N,) and the asymmetric
+* `Int8PackKernel` (``aten._weight_int8pack_mm``) and `Int8RowsKernel` (the same tensors, a few-row
+  operator for decode sizes): int8 codes (N, K), scales (N,) and the asymmetric
   formats' rank-1 correction (N,) (zeros for a part without one: adding 0 changes no value);
 * `Q4Kernel` (fewbits' own <= 4-bit operator, `fewbits.kernels.cpu_int4`): its codes, scales and zero offsets
   are laid out in blocks of `cpu_int4.ROWS` output rows along their first dimension, so the parts concatenate
@@ -45,7 +46,9 @@ from torch import nn
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
 from fewbits.kernels.cpu_int4 import ROWS as Q4_ROW_BLOCK
 from fewbits.kernels.cpu_int4 import Q4Kernel
+from fewbits.kernels.cpu_rows import Int8RowsKernel
 
+INT8_KERNELS = (Int8PackKernel, Int8RowsKernel)  # int8 kernel classes over the same tensors (q, scales, corr)
 INT4_ROW_BLOCK = 64  # rows the CPU int4 packing keeps together (AVX-512: 64, AVX2: 32)
 
 
@@ -119,7 +122,7 @@ def _why_not(mods: list[nn.Module]) -> str | None:
             return "weight dtypes or devices differ"
         return None
     kernel = getattr(m0, "kernel", None)
-    if type(kernel) not in (Int8PackKernel, Int4PackKernel, Q4Kernel):
+    if type(kernel) not in (*INT8_KERNELS, Int4PackKernel, Q4Kernel):
         return f"kernel {getattr(kernel, 'name', type(kernel).__name__)} is not one that fuses"
     if len({type(m.kernel) for m in mods}) != 1:
         return "kernels differ (" + ", ".join(sorted({m.kernel.name for m in mods})) + ")"
@@ -266,7 +269,7 @@ def _fuse(mods: list[nn.Module]) -> tuple[FusedLinear | None, str | None]:
     sizes = tuple(int(m.out_features) for m in mods)
     if type(mods[0]) is nn.Linear:
         return _fuse_dense(mods, sizes), None
-    if type(mods[0].kernel) is Int8PackKernel:
+    if type(mods[0].kernel) in INT8_KERNELS:
         return _fuse_int8(mods, sizes), None
     if type(mods[0].kernel) is Q4Kernel:
         return _fuse_q4(mods, sizes), None

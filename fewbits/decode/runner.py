@@ -36,7 +36,7 @@ from fewbits.decode import precompiled
 from fewbits.decode.arch import Arch, describe, unsupported
 from fewbits.decode.cache import LayerKV, make_cache
 from fewbits.decode.fuse import Fused, fuse_projections
-from fewbits.decode.step import forward
+from fewbits.decode.step import forward, rows_on
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 log = logging.getLogger("fewbits.decode")
@@ -157,7 +157,8 @@ class StaticDecoder:
         options = CPU_OPTIONS[self.wrapper]
         key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
                                                     "max_len": self.max_len, "options": options,
-                                                    "fused": self.fused is not None})
+                                                    "fused": self.fused is not None,
+                                                    "rows": rows_on()})
         path = cache_dir / "fewbits-steps" / f"{key}.bin"
         import torch._inductor.config as icfg
 

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fewbits.decode import kvkernel
 from fewbits.decode.arch import Arch
 from fewbits.decode.cache import NEG, LayerKV
 from fewbits.decode.fuse import Fused, LayerFusion
+from fewbits.kernels import rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +83,28 @@ def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: tor
     p = torch.softmax(torch.cat([s_q, s_r], -1), -1)
     out = kv.weighted_values(p[..., :T]) + (p[..., T:, None] * rv[:, :, None, :, :]).sum(-2)
     return out.reshape(B, Hq, 1, D).to(q.dtype)
+
+
+@torch.compiler.assume_constant_result
+def rows_on() -> bool:
+    """Whether 16-bit linears of few rows on a CPU go through `fewbits.kernels.rows` (decided once per trace)."""
+    return rows.enabled()
+
+
+def linear16(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`mod(x)`; a 16-bit `nn.Linear` on a CPU with at most `rows.DENSE_MAX_ROWS[dtype]` rows of x runs as
+    ``fewbits_rows::dense_mm`` (the weight read in place: the LM head is often the tied embedding).  More
+    rows, other modules, a forward that records gradients (the operator has no backward), or without the
+    operators (`rows_on`): the module itself."""
+    w = getattr(mod, "weight", None)
+    if (type(mod) is not nn.Linear or w is None or x.device.type != "cpu" or x.dtype != w.dtype
+            or x.numel() // x.shape[-1] > rows.DENSE_MAX_ROWS.get(w.dtype, 0)
+            or (w.requires_grad and torch.is_grad_enabled()) or not rows_on()):
+        return mod(x)
+    y = torch.ops.fewbits_rows.dense_mm(x.reshape(-1, x.shape[-1]), w)
+    if mod.bias is not None:
+        y = y + mod.bias
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _qkv(attn: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -160,7 +184,7 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
         else:
             h = res + o
             h = h + _mlp(layer.mlp, f, layer.post_attention_layernorm(h))
-    logits = model.lm_head(inner.norm(h[:, -1:]))[:, -1]
+    logits = linear16(model.lm_head, inner.norm(h[:, -1:]))[:, -1]
     if arch.final_softcap:
         logits = torch.tanh(logits / arch.final_softcap) * arch.final_softcap
     return logits

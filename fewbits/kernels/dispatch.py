@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from fewbits.formats.format import Format, parse_format
-from fewbits.kernels import cpu, cpu_int4, gpu
+from fewbits.kernels import cpu, cpu_int4, cpu_rows, gpu
 from fewbits.kernels.reference import ReferenceKernel
 from fewbits.tensor import QuantizedTensor
 
@@ -32,10 +32,12 @@ ACTIVATIONS = ("16", "int8", "fp8")
 #: device type -> activation mode -> candidate kernel classes, fastest first
 CANDIDATES: dict[str, dict[str, tuple[Any, ...]]] = {
     "cpu": {
-        "16": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
+        "16": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
+               cpu.Fp8DequantKernel),
         "int8": (cpu.W8A8IntMMKernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu.Int8PackKernel,
                  cpu.Fp8DequantKernel),
-        "fp8": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
+        "fp8": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
+                cpu.Fp8DequantKernel),
     },
     "cuda": {
         "16": (gpu.TritonWeightOnlyKernel,),

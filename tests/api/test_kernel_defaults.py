@@ -11,13 +11,14 @@ import torch
 from click.testing import CliRunner
 
 from fewbits import api
-from fewbits.kernels import choose_kernel, cpu
+from fewbits.kernels import choose_kernel, cpu, cpu_rows, rows
 from fewbits.models.qlinear import QuantLinear, kernel_name
 from fewbits.models.recipe import Recipe
 from fewbits.tensor import quantize_tensor
 
 # the dispatcher's first int4 kernel on this CPU: fewbits' own operator, or torch's where it declines
-FAST = {"int4-g32": choose_kernel("int4-g32", (64, 128))[0].name, "int8": cpu.Int8PackKernel.name}
+FAST = {"int4-g32": choose_kernel("int4-g32", (64, 128))[0].name,
+        "int8": (cpu_rows.Int8RowsKernel if rows.enabled() else cpu.Int8PackKernel).name}
 
 
 def _kernels(model: torch.nn.Module) -> list[str]:

@@ -14,11 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fewbits.kernels import choose_kernel, linear, prepare_linear, reference_linear
+from fewbits.kernels import choose_kernel, linear, prepare_linear, reference_linear, rows
 from fewbits.kernels.cpu import Fp8DequantKernel, Int4PackKernel, Int8PackKernel, W8A8IntMMKernel
 from fewbits.kernels.cpu_int4 import Q4Kernel
+from fewbits.kernels.cpu_rows import Int8RowsKernel
 from fewbits.tensor import quantize_tensor
 
+INT8_FAST = Int8RowsKernel if rows.enabled() else Int8PackKernel  # the int8 class the dispatcher picks first
 W16_BOUND = 1e-2
 W8A8_BOUND = 3e-2
 
@@ -41,7 +43,7 @@ INT4_SPECS = ["int4-g128", "int4-g64", "int4-g32-asym", "int4", "int4-t", "int3-
               "int3-g64-narrow"]
 
 
-@pytest.mark.parametrize("spec,kernel", [("int8", Int8PackKernel), ("int8-t", Int8PackKernel),
+@pytest.mark.parametrize("spec,kernel", [("int8", INT8_FAST), ("int8-t", INT8_FAST),
                                          ("int4-g64", Int4PackKernel), ("int4", Int4PackKernel),
                                          ("int3-g32", Int4PackKernel), ("int2-g64", Int4PackKernel)])
 def test_full_grid_end_codes_and_negative_scales_reach_the_kernels(spec, kernel):
@@ -66,7 +68,7 @@ def test_full_grid_end_codes_and_negative_scales_reach_the_kernels(spec, kernel)
 def test_int8pack_matches_reference(spec, n, k, m, seed):
     qt, x, b = _case(spec, n, k, m, seed)
     kern = prepare_linear(qt)
-    assert kern.name == Int8PackKernel.name
+    assert kern.name == INT8_FAST.name
     assert rel_err(kern(x, b), reference_linear(x, qt, b)) < W16_BOUND
 
 

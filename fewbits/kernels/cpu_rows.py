@@ -1,0 +1,36 @@
+"""int8 per-channel weights at decode sizes on a CPU: `fewbits_rows::int8_mm` (`fewbits.kernels.rows`) for up to
+`rows.MAX_ROWS` rows of activations, torch's ``aten._weight_int8pack_mm`` for more.
+
+`Int8RowsKernel` is `fewbits.kernels.cpu.Int8PackKernel` with another operator for few rows: the same
+tensors (int8 codes shifted by 128, bf16 scales, the asymmetric formats' fp32 correction), held once and
+read by both operators, so `fewbits.decode.fuse` concatenates it as it does `Int8PackKernel`.  The few-row
+operator sums in fp32 and rounds once to the activations' dtype (the correction included); torch's rounds
+the product to bf16 before the correction is added.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fewbits.formats.format import Format
+from fewbits.kernels import rows
+from fewbits.kernels.cpu import Int8PackKernel, _finish
+
+
+class Int8RowsKernel(Int8PackKernel):
+    """int8 weights (per channel or per tensor, symmetric or asymmetric) x up to `max_rows` rows of
+    activations through the few-row operator, more rows through ``aten._weight_int8pack_mm``."""
+
+    name = "cpu_int8_rows"
+    max_rows = rows.MAX_ROWS
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        why = Int8PackKernel.supports(fmt, shape)  # the many-row operator's conditions: it runs prefill
+        return why if why is not None else rows.why_not()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > self.max_rows:
+            return super().__call__(x, bias)
+        return _finish(torch.ops.fewbits_rows.int8_mm(x2, self.q, self.scales, self.corr), x, bias)

@@ -1,0 +1,349 @@
+"""Matmuls of a few rows of activations (a decode step: 1 to 8 tokens) by 16-bit or int8 weights on a CPU.
+
+At one to eight rows a matmul is a read of the weight: its speed is the bytes of the weight over the
+memory bandwidth.  torch's bf16 matmul read ~15-20 GB/s at one row here, its int8 operator (W8A16) less;
+these operators aim at the bandwidth instead:
+
+* `fewbits_rows::dense_mm(x, w)`: x (M, K) and w (N, K) both bf16 or both fp16 -> x @ w.T (M, N).  The
+  weight is read where it is (row-major, any row stride: the tied embedding of an LM head, or row views of a
+  fused projection), never repacked.  bf16 weights go through ``_mm512_dpbf16_ps`` (bf16 pairs multiplied
+  exactly, summed in fp32); fp16 weights are widened (``_mm512_cvtph_ps``) and multiplied in fp32.
+* `fewbits_rows::int8_mm(x, q, scales, corr)`: x (M, K) any float dtype, q (N, K) int8, scales (N,) ->
+  (x @ q.T) * scales [+ sum_k(x) * corr], the layout of `fewbits.kernels.cpu.Int8PackKernel` (codes shifted
+  to int8, one scale per output channel, `corr` the asymmetric formats' rank-1 correction or None).  The
+  codes are widened to fp32 and multiplied in fp32.
+
+Every loaded weight vector is used for all M rows, several output channels are read at once (independent
+accumulators), and the output channels are split between threads (``at::parallel_for``).  Sums are fp32;
+the result is rounded once to x's dtype.  Without AVX-512 (``__AVX512F__``, or the source compiled with
+``FEWBITS_ROWS_PORTABLE``) plain loops run that the compiler vectorises for the machine.
+
+The operators are built once per machine through `fewbits.kernels.native` (`available()`); where that
+fails callers keep torch's operators.  ``FEWBITS_CPU_ROWS=torch`` turns them off (`enabled()`), for
+before/after measurements.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fewbits.kernels import native
+
+SRC = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(FEWBITS_ROWS_PORTABLE)
+#define ROWS_AVX512 1
+#include <immintrin.h>
+#elif defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE_NOF16C)
+#include <immintrin.h>
+#endif
+#ifndef ROWS_NS
+#define ROWS_NS fewbits_rows
+#endif
+
+namespace {
+constexpr int64_t MAXM = 8;     // rows of x per pass over the weight
+constexpr int64_t BLOCK = 32;   // output channels per parallel unit
+
+enum Kind { BF16 = 0, F16 = 1, I8 = 2 };
+
+// ---------------------------------------------------------------- portable: loops the compiler vectorises
+// One weight row widened to fp32 (K floats), then M dot products with x (fp32, M x K).
+inline void widen_row(const void* w, Kind kind, int64_t K, float* dst) {
+  if (kind == BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(w);
+    for (int64_t k = 0; k < K; ++k) { uint32_t u = static_cast<uint32_t>(s[k]) << 16; std::memcpy(dst + k, &u, 4); }
+  } else if (kind == I8) {
+    const int8_t* s = static_cast<const int8_t*>(w);
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(s[k]);
+  } else {
+    const at::Half* s = static_cast<const at::Half*>(w);
+    int64_t k = 0;
+#if defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE_NOF16C)
+    for (; k + 8 <= K; k += 8)
+      _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k))));
+#endif
+    for (; k < K; ++k) dst[k] = static_cast<float>(s[k]);
+  }
+}
+
+template <int M>
+void rows_portable(const float* __restrict x, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0,
+                   int64_t n1, float* __restrict out, int64_t N, float* __restrict buf) {
+  for (int64_t n = n0; n < n1; ++n) {
+    widen_row(w + n * ld_bytes, kind, K, buf);
+    float acc[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += xm[k] * buf[k];
+      acc[m] = s;
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = acc[m];
+  }
+}
+
+#ifdef ROWS_AVX512
+// ---------------------------------------------------------------- AVX-512
+inline __m512 widen_bf16(const uint16_t* p, __mmask16 mk) {  // up to 16 bf16 -> fp32 (a 16-bit shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
+// R output channels at once, M rows of x: M * R accumulators, each loaded weight vector used M times.
+// bf16 x bf16 (x as bf16, M x K): 32 columns a step through dpbf16 (exact products, fp32 sums).
+template <int M, int R>
+inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* w, int64_t ld, float* acc_out) {
+#ifdef __AVX512BF16__
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * ld + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_loadu_si512(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mk = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512i wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mk, w + r * ld + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+#else
+  // AVX-512 without BF16: widen both (x as fp32 would be faster, but this CPU class is rare)
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mk = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * ld + k, mk);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = widen_bf16(x + m * K + k, mk);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+#endif
+}
+
+// fp16 or int8 weights widened to fp32, x fp32 (M x K): 16 columns a step.
+template <Kind KIND>
+inline __m512 widen16(const void* w, int64_t k, __mmask16 mk, bool full) {
+  if (KIND == F16) {
+    const at::Half* p = static_cast<const at::Half*>(w) + k;
+    const __m256i h = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(mk, p);
+    return _mm512_cvtph_ps(h);
+  }
+  const int8_t* p = static_cast<const int8_t*>(w) + k;
+  const __m128i b = full ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(mk, p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+template <Kind KIND, int M, int R>
+inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes, float* acc_out) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = widen16<KIND>(w + r * ld_bytes, k, mk, false);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// channels per block for M rows: as many accumulators as the 32 vector registers allow
+template <int M> constexpr int chans() { return M == 1 ? 8 : (M == 2 ? 6 : (M <= 4 ? 4 : 3)); }
+
+template <int M>
+void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
+                 float* __restrict out, int64_t N) {
+  constexpr int R = chans<M>();
+  float acc[M * R];
+  const int64_t esz = kind == I8 ? 1 : 2;
+  int64_t n = n0;
+  auto one = [&](auto rtag, int64_t n) {
+    constexpr int RR = decltype(rtag)::value;
+    const char* wn = w + n * ld_bytes;
+    if (kind == BF16) block_bf16<M, RR>(static_cast<const uint16_t*>(xv), K, reinterpret_cast<const uint16_t*>(wn),
+                                        ld_bytes / esz, acc);
+    else if (kind == F16) block_f32<F16, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+    else block_f32<I8, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
+  };
+  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+}
+#endif
+
+// out (M x N, fp32) = x (M x K) . w (N x K, row stride ld_bytes)^T for M <= MAXM
+template <int M>
+void run_rows(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t N, float* out) {
+  at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
+#ifdef ROWS_AVX512
+    rows_avx512<M>(xv, w, ld_bytes, kind, K, n0, n1, out, N);
+#else
+    std::vector<float> buf(K);
+    rows_portable<M>(static_cast<const float*>(xv), w, ld_bytes, kind, K, n0, n1, out, N, buf.data());
+#endif
+  });
+}
+
+using RowsFn = void (*)(const void*, const char*, int64_t, Kind, int64_t, int64_t, float*);
+constexpr RowsFn ROWS[MAXM] = {run_rows<1>, run_rows<2>, run_rows<3>, run_rows<4>,
+                               run_rows<5>, run_rows<6>, run_rows<7>, run_rows<8>};
+
+// out (M x N fp32) for any M: passes of up to MAXM rows over the weight
+void matmul_rows(const at::Tensor& x, const char* w, int64_t ld_bytes, Kind kind, int64_t N, float* out) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t xrow = K * x.element_size();
+  for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+    const int64_t mm = std::min(MAXM, M - m0);
+    ROWS[mm - 1](xp + m0 * xrow, w, ld_bytes, kind, K, N, out + m0 * N);
+  }
+}
+
+void check_w(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x has ", x.size(1), " columns, w has ", w.size(1));
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) == 1, op, ": w's rows must be contiguous");
+  TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), op, ": CPU tensors only");
+}
+}  // namespace
+
+// x (M, K), w (N, K): both bf16 or both fp16 -> (M, N) in their dtype
+at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
+  check_w(x, w, "dense_mm");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              "dense_mm: x and w must both be bf16 or both fp16, got ", x.scalar_type(), " and ", w.scalar_type());
+  const int64_t M = x.size(0), N = w.size(0);
+  const Kind kind = w.scalar_type() == at::kBFloat16 ? BF16 : F16;
+  at::Tensor xc;
+#ifdef ROWS_AVX512
+  xc = kind == BF16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+#else
+  xc = x.to(at::kFloat).contiguous();
+#endif
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M && N) matmul_rows(xc, static_cast<const char*>(w.data_ptr()), w.stride(0) * 2, kind, N, out.data_ptr<float>());
+  return out.to(x.scalar_type());
+}
+
+// x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& corr) {
+  check_w(x, q, "int8_mm");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm: q must be int8, got ", q.scalar_type());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
+  const int64_t M = x.size(0), N = q.size(0);
+  TORCH_CHECK(scales.numel() == N, "int8_mm: ", N, " output channels but ", scales.numel(), " scales");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M && N) matmul_rows(xf, static_cast<const char*>(q.data_ptr()), q.stride(0), I8, N, out.data_ptr<float>());
+  out.mul_(scales.to(at::kFloat).reshape({1, N}));
+  if (corr.has_value() && corr->defined()) {
+    TORCH_CHECK(corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
+    out.add_(xf.sum(1, true) * corr->to(at::kFloat).reshape({1, N}));
+  }
+  return out.to(x.scalar_type());
+}
+
+TORCH_LIBRARY(ROWS_NS, m) {
+  m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
+  m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
+}
+"""
+
+NAME = "fewbits_rows"
+MAX_ROWS = 8  # rows of x up to which int8_mm beats torch's int8 operator (benchmarks/bench_rows.py)
+#: weight dtype -> rows of x up to which dense_mm beats torch's matmul (bf16: oneDNN is faster from 4 rows)
+DENSE_MAX_ROWS = {torch.bfloat16: 2, torch.float16: 8}
+
+
+def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _fake_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, corr: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], q.shape[0]))
+
+
+def fakes(ns: str = NAME) -> dict:
+    """The fake implementations of the operators under namespace `ns`."""
+    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8}
+
+
+def available() -> bool:
+    """Whether `torch.ops.fewbits_rows` is usable (built or loaded once per process; False if no compiler)."""
+    return native.build(NAME, SRC, fakes())
+
+
+def enabled() -> bool:
+    """Whether callers should use these operators: built, and not turned off by ``FEWBITS_CPU_ROWS=torch``."""
+    return os.environ.get("FEWBITS_CPU_ROWS", "") != "torch" and available()
+
+
+def why_not() -> str | None:
+    """None when `enabled()`, else why not."""
+    if os.environ.get("FEWBITS_CPU_ROWS", "") == "torch":
+        return "FEWBITS_CPU_ROWS=torch"
+    return None if available() else f"the operators did not build ({native.why(NAME)})"
+
+
+PORTABLE_NS = "fewbits_rows_portable"
+
+
+def build_portable() -> bool:
+    """Build the plain-C++ path (no AVX-512 intrinsics, compiled with ``-mno-avx512f`` as for an AVX2 CPU) under
+    `torch.ops.fewbits_rows_portable`: tests and benchmarks of the path other CPUs run."""
+    return build_variant(PORTABLE_NS, ("FEWBITS_ROWS_PORTABLE",), ("-mno-avx512f",))
+
+
+def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...] = ()) -> bool:
+    """Build the same source under operator namespace `ns` with extra macros / compiler flags (tests and
+    benchmarks of the portable path: ``defines=("FEWBITS_ROWS_PORTABLE",)``, ``cflags=("-mno-avx512f",)``)."""
+    src = "".join(f"#define {d}\n" for d in (f"ROWS_NS {ns}", *defines)) + SRC
+    return native.build(ns, src, fakes(ns), list(cflags))

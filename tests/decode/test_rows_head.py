@@ -1,0 +1,73 @@
+"""The 16-bit LM head (and any 16-bit `nn.Linear` through `fewbits.decode.step.linear16`) of a CPU decode step
+runs as `fewbits_rows::dense_mm` for a few rows, the module itself otherwise; compiled, the operator stays one
+node of the graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fewbits.decode import step
+from fewbits.kernels import native, rows
+
+needs_ops = pytest.mark.skipif(not rows.available(), reason=f"no operators: {native.why(rows.NAME)}")
+
+
+def _lin(dtype: torch.dtype, bias: bool = False) -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(77, 150, bias=bias).to(dtype).requires_grad_(False)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_run_the_operator(dtype: torch.dtype, bias: bool) -> None:
+    lin = _lin(dtype, bias)
+    for m in range(1, rows.DENSE_MAX_ROWS[dtype] + 1):
+        x = torch.randn(1, m, 77).to(dtype)
+        y = step.linear16(lin, x)
+        direct = torch.ops.fewbits_rows.dense_mm(x[0], lin.weight)
+        if bias:
+            direct = direct + lin.bias
+        assert torch.equal(y[0], direct)
+        ref = x.float() @ lin.weight.float().T + (lin.bias.float() if bias else 0)
+        assert float((y.float() - ref).abs().max()) <= float(ref.abs().max()) * 2 * torch.finfo(dtype).eps + 1e-3
+
+
+@needs_ops
+def test_many_rows_and_other_dtypes_run_the_module() -> None:
+    lin = _lin(torch.bfloat16)
+    x = torch.randn(rows.DENSE_MAX_ROWS[torch.bfloat16] + 1, 77).to(torch.bfloat16)
+    assert torch.equal(step.linear16(lin, x), lin(x))
+    lin32 = _lin(torch.float32)
+    x32 = torch.randn(2, 77)
+    assert torch.equal(step.linear16(lin32, x32), lin32(x32))
+
+
+def test_training_runs_the_module() -> None:
+    lin = _lin(torch.bfloat16).requires_grad_(True)
+    x = torch.randn(1, 77).to(torch.bfloat16)
+    y = step.linear16(lin, x)
+    assert y.grad_fn is not None and torch.equal(y, lin(x))
+
+
+def test_without_the_operators_the_module_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(native._BUILT, rows.NAME, False)
+    lin = _lin(torch.bfloat16)
+    x = torch.randn(1, 77).to(torch.bfloat16)
+    assert torch.equal(step.linear16(lin, x), lin(x))
+    monkeypatch.setitem(native._BUILT, rows.NAME, True)
+    monkeypatch.setenv("FEWBITS_CPU_ROWS", "torch")
+    assert torch.equal(step.linear16(lin, x), lin(x))
+
+
+@needs_ops
+def test_compiled_keeps_one_operator_node() -> None:
+    lin = _lin(torch.bfloat16)
+    x = torch.randn(3, 77).to(torch.bfloat16)
+    explain = torch._dynamo.explain(lambda t: step.linear16(lin, t))(x)
+    assert explain.graph_break_count == 0
+    assert "fewbits_rows.dense_mm" in str(explain.graphs[0].code)
+    compiled = torch.compile(lambda t: step.linear16(lin, t), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x), step.linear16(lin, x))

@@ -1,0 +1,62 @@
+"""fewbits.kernels.cpu_rows: the int8 kernel class for decode sizes, as the dispatcher builds it, against the
+reference dequantise-then-matmul path; torch's operator for more rows and when the operators are unavailable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fewbits.kernels import choose_kernel, native, prepare_linear, reference_linear, rows
+from fewbits.kernels.cpu import Int8PackKernel
+from fewbits.kernels.cpu_rows import Int8RowsKernel
+from fewbits.tensor import quantize_tensor
+
+needs_ops = pytest.mark.skipif(not rows.available(), reason=f"no operators: {native.why(rows.NAME)}")
+
+
+def _qt(spec: str, n: int = 96, k: int = 208, seed: int = 0):  # noqa: ANN202
+    g = torch.Generator().manual_seed(seed)
+    return quantize_tensor(torch.randn(n, k, generator=g) * (0.5 + torch.rand(n, 1, generator=g)), spec)
+
+
+@needs_ops
+@pytest.mark.parametrize("spec", ["int8", "int8-asym", "int8-t"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_kernel_equals_reference(spec: str, dtype: torch.dtype) -> None:
+    qt = _qt(spec)
+    kern = prepare_linear(qt)
+    assert isinstance(kern, Int8RowsKernel)
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(qt.shape[0], generator=g)
+    for m in range(1, 10):  # 9 rows: torch's operator on the same tensors
+        x = torch.randn(2, m, qt.shape[1], generator=g).to(dtype)
+        y, ref = kern(x, b), reference_linear(x.float(), qt, b)
+        assert y.shape == (2, m, qt.shape[0]) and y.dtype == dtype
+        # one bf16 rounding of x (torch's path) and of the output
+        assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+        if 2 * m <= Int8RowsKernel.max_rows:  # the few-row operator, then the bias as the kernel classes add it
+            direct = torch.ops.fewbits_rows.int8_mm(x.reshape(-1, qt.shape[1]), kern.q, kern.scales, kern.corr)
+            assert torch.equal(y.reshape(-1, qt.shape[0]), direct + b.to(dtype))
+
+
+@needs_ops
+def test_more_rows_run_torch_operator_on_the_same_codes() -> None:
+    qt = _qt("int8-asym")
+    kern, pack = prepare_linear(qt), Int8PackKernel(qt)
+    x = torch.randn(Int8RowsKernel.max_rows + 1, qt.shape[1]).to(torch.bfloat16)
+    assert torch.equal(kern(x), pack(x))
+
+
+def test_without_the_operators_the_dispatcher_picks_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(native._BUILT, rows.NAME, False)
+    monkeypatch.setitem(native._WHY, rows.NAME, "no compiler (test)")
+    builder, reason = choose_kernel("int8", (96, 208))
+    assert builder is Int8PackKernel, reason
+    assert "no compiler (test)" in Int8RowsKernel.supports(_qt("int8").fmt, (96, 208))
+
+
+def test_switch_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FEWBITS_CPU_ROWS", "torch")
+    assert not rows.enabled()
+    builder, _ = choose_kernel("int8", (96, 208))
+    assert builder is Int8PackKernel

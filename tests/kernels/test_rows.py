@@ -1,0 +1,83 @@
+"""fewbits.kernels.rows: the few-row matmuls against an fp32 matmul of the same (dequantised) weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fewbits.kernels import native, rows
+
+needs_ops = pytest.mark.skipif(not rows.available(), reason=f"no operators: {native.why(rows.NAME)}")
+
+
+def _tol(ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One rounding of the output to `dtype` (half an ulp, with room for fp32 summation order)."""
+    eps = torch.finfo(dtype).eps
+    return ref.abs() * eps + 1e-3
+
+
+def _close(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert y.dtype == dtype and y.shape == ref.shape
+    err = (y.float() - ref).abs()
+    bad = err > _tol(ref, dtype)
+    assert not bad.any(), f"{int(bad.sum())} outputs off, worst {float(err.max())}"
+
+
+def _ops(impl: str):  # noqa: ANN202
+    if impl == "portable":
+        if not rows.build_portable():
+            pytest.skip(f"portable variant did not build: {native.why(rows.PORTABLE_NS)}")
+        return getattr(torch.ops, rows.PORTABLE_NS)
+    return torch.ops.fewbits_rows
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", ["native", "portable"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("K", [576, 77])
+def test_dense_equals_fp32_matmul(impl: str, dtype: torch.dtype, K: int) -> None:
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(203, K, generator=g).to(dtype)  # 203: not a multiple of the channel blocks
+    for M in range(1, 10):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        _close(ops.dense_mm(x, w), x.float() @ w.float().T, dtype)
+
+
+@needs_ops
+def test_dense_reads_row_views_in_place() -> None:
+    g = torch.Generator().manual_seed(1)
+    whole = torch.randn(96, 80, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 40, generator=g).to(torch.bfloat16)
+    part = whole[10:50, 20:60]  # rows of stride 80: a view, not a copy
+    _close(torch.ops.fewbits_rows.dense_mm(x, part), x.float() @ part.float().T, torch.bfloat16)
+
+
+@needs_ops
+def test_dense_rejects_mixed_dtypes() -> None:
+    x, w = torch.randn(1, 32), torch.randn(4, 32).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="bf16 or both fp16"):
+        torch.ops.fewbits_rows.dense_mm(x, w)
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.fewbits_rows.dense_mm(x.to(torch.bfloat16), torch.randn(4, 16).to(torch.bfloat16))
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", ["native", "portable"])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("K", [576, 77])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: torch.dtype) -> None:
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(K + asym)
+    N = 133
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    corr = torch.randn(N, generator=g) * 0.01 if asym else None
+    w = q.float() * s.float()[:, None]  # the dequantised weight
+    for M in range(1, 10):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        ref = x.float() @ w.T
+        if corr is not None:
+            ref = ref + x.float().sum(-1, keepdim=True) * corr
+        _close(ops.int8_mm(x, q, s, corr), ref, dtype)
