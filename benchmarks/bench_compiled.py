@@ -7,7 +7,8 @@ and its median.  Threads pinned (default 2).
                                                             [--lm-head same|none|FORMAT]
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
-    python benchmarks/bench_compiled.py compile [--weights int4-g32] [--wrapper cpp,python]  # cold, warm, warm
+    python benchmarks/bench_compiled.py compile [--weights int4-g32] [--kv bf16,int8,int4-r16] [--wrapper cpp,python]
+                                                                                # cold, warm, warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64]
                                                [--kv bf16,int8,fp8-e4m3,int4-r16,int2-r16] [-n 64]
 
@@ -131,9 +132,14 @@ def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: s
     from pathlib import Path
 
     from fewbits.bench.decode import load_quantized
-    from fewbits.decode import StaticDecoder
+    from fewbits.decode import StaticDecoder, kvkernel
+    from fewbits.kvcache.format import parse_kv_format
 
     m = load_quantized(model, weights)[0]
+    t0 = time.perf_counter()
+    if parse_kv_format(kv).kind in ("int8", "kivi"):  # its C++ attention operator: built here when the cache is cold
+        kvkernel.available()
+    t_kernels = time.perf_counter() - t0
 
     def cpu() -> tuple[float, float]:
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -148,23 +154,31 @@ def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: s
         t0 = time.perf_counter()
         dec.step(torch.zeros(1, dtype=torch.long))
         steps.append(time.perf_counter() - t0)
-    print(f"COMPILE {dec.compile_s:.2f} {c1[0] - c0[0]:.2f} {c1[1] - c0[1]:.2f} {statistics.median(steps) * 1e3:.2f}")
+    code = sum(p.stat().st_size for p in Path(cache_dir).rglob("*") if p.suffix in (".cpp", ".py") and p.is_file())
+    print(f"COMPILE {dec.compile_s:.2f} {c1[0] - c0[0]:.2f} {c1[1] - c0[1]:.2f} {statistics.median(steps) * 1e3:.2f} "
+          f"{t_kernels:.2f} {code}")
 
 
 def _compile(args: argparse.Namespace) -> None:
-    """Cold (an empty inductor cache directory), then twice warm, each in a fresh process, per wrapper."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    w, kv = args.weights.split(",")[0], args.kv.split(",")[0]
-    for wrapper in args.wrapper.split(","):
-        with tempfile.TemporaryDirectory() as d:
-            for label in ("cold", "warm", "warm"):
-                out = subprocess.run([sys.executable, __file__, "_compile_child", "--model", args.model, "--weights", w,
-                                      "--kv", kv, "--cache-dir", d, "--wrapper", wrapper, "--threads",
-                                      str(args.threads)], env=env, capture_output=True, text=True, check=True).stdout
-                wall, cpu, gxx, step = next(line.split()[1:] for line in out.splitlines() if line.startswith("COMPILE"))
-                print(f"{wrapper:>6} wrapper {label}: compile {float(wall):6.1f} s wall, {float(cpu):6.1f} s CPU + "
-                      f"{float(gxx):5.1f} s CPU in g++; then {float(step):.2f} ms a step ({args.model}, {w}, kv {kv}; "
-                      f"load average {os.getloadavg()[0]:.2f})")
+    """Cold (an empty inductor cache directory and an empty $FEWBITS_CACHE, so fewbits' C++ operators are built
+    too), then twice warm, each in a fresh process, per KV format and wrapper."""
+    w = args.weights.split(",")[0]
+    for kv in args.kv.split(","):
+        for wrapper in args.wrapper.split(","):
+            with tempfile.TemporaryDirectory() as d:
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "FEWBITS_CACHE": os.path.join(d, "fb")}
+                for label in ("cold", "warm", "warm"):
+                    cmd = [sys.executable, __file__, "_compile_child", "--model", args.model, "--weights", w, "--kv",
+                           kv, "--cache-dir", os.path.join(d, "inductor"), "--wrapper", wrapper, "--threads",
+                           str(args.threads)]
+                    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+                    wall, cpu, gxx, step, kern, code = next(line.split()[1:] for line in out.splitlines()
+                                                            if line.startswith("COMPILE"))
+                    print(f"kv {kv:>9} {wrapper:>6} wrapper {label}: compile {float(wall):6.1f} s wall, "
+                          f"{float(cpu):6.1f} s CPU + {float(gxx):5.1f} s CPU in g++ "
+                          f"(before it: C++ KV operator {float(kern):5.1f} s); "
+                          f"generated code {int(code) / 1e6:.2f} MB; then {float(step):.2f} ms a step ({args.model}, "
+                          f"{w}; load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 def _tokens(args: argparse.Namespace) -> None:
