@@ -4,9 +4,11 @@ rows alternating round by round (a shared host's drift hits all rows alike); eac
 and its median.  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
-                                                            [--lm-head same|none|FORMAT]
+                                                            [--lm-head same|none|FORMAT] [--kv bf16,int4-r16:where]
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
-    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
+    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4-r16,int4-r16:where] [--prompt 2048,512]
+                                               # one layer's attention and cache write (:where: the write in
+                                               # tensor operations, FEWBITS_KV_APPEND=torch; :torch: no C++ at all)
     python benchmarks/bench_compiled.py compile [--weights int4-g32] [--kv bf16,int8,int4-r16] [--wrapper cpp,python]
                                                                                 # cold, warm, warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64]
@@ -42,10 +44,12 @@ def _head(args: argparse.Namespace, weights: str) -> str | None:
 def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> None:
     """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s."""
     from fewbits.bench.decode import load_quantized
+    from fewbits.decode import cache
     from fewbits.decode.generate import generate_static
     from fewbits.generate import generate
 
     run = generate if args.eager else generate_static
+    native_append = cache.NATIVE_APPEND
     models = {w: load_quantized(args.model, w, lm_head=_head(args, w))[0] for w in dict.fromkeys(r[0] for r in rows)}
     vocab = int(next(iter(models.values())).config.get_text_config().vocab_size)
     times: dict[tuple, list[float]] = {r: [] for r in rows}
@@ -54,7 +58,11 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
         for r in rows if rnd % 2 == 0 else rows[::-1]:
             w, kv, b, p = r
             ids = torch.randint(0, vocab, (b, p), generator=torch.Generator().manual_seed(p + b))
-            res = run(models[w], ids, args.steps + 1, kv=kv)
+            cache.NATIVE_APPEND = not kv.endswith(":where")  # int4-r16:where: FEWBITS_KV_APPEND=torch's cache write
+            try:
+                res = run(models[w], ids, args.steps + 1, kv=kv.removesuffix(":where"))
+            finally:
+                cache.NATIVE_APPEND = native_append
             times[r] += res.decode_step_s
             compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
     base = {}
@@ -89,9 +97,11 @@ def _attn_at(args: argparse.Namespace, T: int) -> None:
     for kv in args.kv.split(","):
         dense = kv.endswith(":sdpa")  # bf16:sdpa: the 16-bit cache through scaled_dot_product_attention instead
         plain = kv.endswith(":torch")  # int4:torch: inductor's fused reductions instead of `kvkernel`'s operator
-        kv = kv.removesuffix(":sdpa").removesuffix(":torch")
+        where = kv.endswith(":where")  # int4:where: the cache write in tensor operations, its flush under torch.where
+        kv = kv.removesuffix(":sdpa").removesuffix(":torch").removesuffix(":where")
         (layer,) = make_cache(kv, 1, B, Hkv, D, T + 64, torch.bfloat16, "cpu")
         layer.kernel = layer.kernel and not plain
+        layer.native_append = layer.native_append and not (plain or where)
         layer.prefill(torch.randn(B, Hkv, T, D).to(torch.bfloat16), torch.randn(B, Hkv, T, D).to(torch.bfloat16), 0)
         allowed = torch.zeros(B, 1, layer.t[next(iter(layer.t))].shape[2], dtype=torch.bool)
         allowed[:, :, :T + 1] = True
@@ -102,8 +112,8 @@ def _attn_at(args: argparse.Namespace, T: int) -> None:
                 return _attend_dense(q, layer.t["k"], layer.t["v"], allowed, 0.125)
             return _attend_codes(q, layer, allowed, slot, 0.125)
 
-        fns[kv + (":sdpa" if dense else ":torch" if plain else "")] = torch.compile(step, fullgraph=True,
-                                                                                     dynamic=False)
+        label = kv + (":sdpa" if dense else ":torch" if plain else ":where" if where else "")
+        fns[label] = torch.compile(step, fullgraph=True, dynamic=False)
     q, k = torch.randn(B, Hq, 1, D).to(torch.bfloat16), torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
     slot = torch.tensor([T])
     t_compile = {}

@@ -1,4 +1,5 @@
-"""Decode attention over an int8 or KIVI (4/2-bit) KV cache as one hand-written CPU operator.
+"""Decode attention over an int8 or KIVI (4/2-bit) KV cache, and the step's write into it, as hand-written CPU
+operators.
 
 Inductor turns the folded reductions of `LayerKV.scores` / `weighted_values` into loops that unpack 4- and
 2-bit codes with index arithmetic inside the reduction, one query head at a time; at 2048 tokens that was
@@ -8,10 +9,17 @@ with the scales and minima folded out of the loops exactly as in `LayerKV`.  Tok
 (whole KIVI groups) that run in parallel with a per-chunk softmax (maximum, sum, weighted values) merged at
 the end, so one KV head still uses every thread; the 16-bit residual window is one more chunk.
 
-`fewbits::attend_kv` is a torch operator with a fake implementation, so a compiled step keeps it as one
-node.  It is compiled once per machine with the C++ compiler the compiled path already needs and cached
-under ``$FEWBITS_CACHE/kernels`` (default ``~/.cache/fewbits``); where that fails `available()` is False
-and `fewbits.decode.step` keeps the pure-torch reductions.
+`fewbits_kv::append_kv` is a decode step's write into such a cache (`LayerKV.step`): the token into the 16-bit
+window and, at the step that completes a group leaving the window, that group quantised into its codes,
+scales and minima with `fewbits.kvcache.quant`'s arithmetic (IEEE fp32, round half to even, fp16 scales; the
+file is built without ``-ffast-math`` for it), bit for bit.  Its schema marks the cache tensors it writes
+(``Tensor(a!)``), so a compiled step keeps it as one node that writes in place, and the quantisation runs only
+when a group is full, not under a `torch.where` at every step.
+
+Both are torch operators with fake implementations, so a compiled step keeps each as one node.  They are
+compiled once per machine (`fewbits.kernels.native`) with the C++ compiler the compiled path already needs and
+cached under ``$FEWBITS_CACHE/kernels`` (default ``~/.cache/fewbits``); where that fails `available()` is False
+and `fewbits.decode.cache` / `fewbits.decode.step` keep the pure-torch write and reductions.
 """
 
 from __future__ import annotations
@@ -21,9 +29,13 @@ import torch
 from fewbits.kernels import native
 
 _SRC = r"""
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 #ifdef __AVX512F__
@@ -58,13 +70,16 @@ inline void unpack_planes(const uint8_t* row, int64_t nb, int64_t bits, float* c
                                 : static_cast<float>((row[j] >> (k * bits)) & ((1 << bits) - 1));
 }
 
+// (built without -ffast-math, so the quantiser below rounds as IEEE does: `omp simd` lets the sums vectorise)
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
   float s = 0.f;
+#pragma omp simd reduction(+ : s)
   for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
   return s;
 }
 
 inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
   for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
 }
 
@@ -224,6 +239,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       for (int64_t r = 0; r < R; ++r) {
         float* sr = s.data() + r * n;
         float mx = NEG_INF;
+#pragma omp simd reduction(max : mx)
         for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
         m[r] = mx;
         l[r] = mx == NEG_INF ? 0.f : exp_sub_sum(sr, n, mx);
@@ -290,10 +306,161 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   return out.to(q_in.scalar_type());
 }
 
+namespace {
+// fewbits.kvcache.quant's arithmetic in IEEE single precision (this file is built without -ffast-math, so
+// divisions stay divisions), rounding half to even as torch.round does.
+inline at::Half fp16_scale(float s) {  // _fp16_scale: the scale as fp16, never zero (an all-zero block: 1)
+  const at::Half h(s);
+  return static_cast<float>(h) > 0.f ? h : at::Half(1.f);
+}
+
+// quant_int8_per_token on one token: amax / 127 as an fp16 scale, codes round(x / s) in [-127, 127]
+inline void quant_int8_row(const float* x, int64_t D, int8_t* codes, at::Half* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const at::Half s = fp16_scale(amax / 127.f);
+  const float sf = static_cast<float>(s);
+  for (int64_t d = 0; d < D; ++d)
+    codes[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / sf))));
+  *scale = s;
+}
+
+// _minmax_codes over n values x[i * stride]: scale (max - min) / qmax and minimum as fp16, codes
+// round((x - m) / s) in [0, qmax] into c[i * stride]
+inline void minmax_codes(const float* x, int64_t n, int64_t stride, int64_t qmax, uint8_t* c, at::Half* scale,
+                         at::Half* minv) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const at::Half s = fp16_scale((hi - lo) / static_cast<float>(qmax)), m(lo);
+  const float sf = static_cast<float>(s), mf = static_cast<float>(m);
+  for (int64_t i = 0; i < n; ++i)
+    c[i * stride] = static_cast<uint8_t>(
+        std::min(static_cast<float>(qmax), std::max(0.f, std::nearbyint((x[i * stride] - mf) / sf))));
+  *scale = s;
+  *minv = m;
+}
+
+// formats/packing.py's layout: code k of byte j is channel j * per + k, at bits k * bits
+inline void pack_row(const uint8_t* c, int64_t D, int64_t bits, uint8_t* out) {
+  const int64_t per = 8 / bits;
+  for (int64_t j = 0; j < D / per; ++j) {
+    uint8_t byte = 0;
+    for (int64_t k = 0; k < per; ++k) byte |= static_cast<uint8_t>(c[j * per + k] << (k * bits));
+    out[j] = byte;
+  }
+}
+
+void check_buffer(const at::Tensor& t, at::ScalarType dt, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dt, "append_kv: ", name, " must be ", dt, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 4, "append_kv: ", name, " must be a contiguous (B, H, n, m) tensor");
+}
+}  // namespace
+
+// One decode step's write into an int8 or KIVI cache, `LayerKV.step`'s semantics: k, v (B, H, 1, D) in the
+// window's dtype go to window slot `slot` % W (W = rk.size(2); W = 0, rk/rv empty: no window, int8 only, the
+// token is quantised at once); when a whole group of G tokens (int8: one) has just left the window of the
+// `residual` most recent tokens (slot + 1 - residual a positive multiple of G), that group is quantised from
+// the window into its slots of codes and scales.  Buffers as in attend_kv; km/vm unused (empty) for int8.
+void append_kv(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slot_t, int64_t bits, int64_t G,
+               int64_t gv, int64_t residual, const at::Tensor& rk, const at::Tensor& rv, const at::Tensor& kc,
+               const at::Tensor& ks, const at::Tensor& km, const at::Tensor& vc, const at::Tensor& vs,
+               const at::Tensor& vm) {
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "append_kv: bits must be 8, 4 or 2, got ", bits);
+  TORCH_CHECK(k_in.dim() == 4 && k_in.size(2) == 1 && v_in.sizes() == k_in.sizes(),
+              "append_kv: k and v must be (B, H, 1, D), got ", k_in.sizes(), " and ", v_in.sizes());
+  TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "append_kv: k and v differ in dtype");
+  const bool kivi = bits != 8;
+  const int64_t B = k_in.size(0), H = k_in.size(1), D = k_in.size(3), BH = B * H;
+  const int64_t per = 8 / bits, nb = D / per, grp = kivi ? G : 1, qmax = (1 << bits) - 1;
+  const int64_t W = rk.numel() ? rk.size(2) : 0;
+  TORCH_CHECK(D <= MAXD && D % per == 0, "append_kv: head dim ", D, " unsupported");
+  TORCH_CHECK(grp >= 1 && (!kivi || (gv >= 1 && D % gv == 0)), "append_kv: bad group sizes G=", G, " gv=", gv);
+  check_buffer(kc, kivi ? at::kByte : at::kChar, "kc");
+  check_buffer(vc, kivi ? at::kByte : at::kChar, "vc");
+  check_buffer(ks, at::kHalf, "ks");
+  check_buffer(vs, at::kHalf, "vs");
+  const int64_t T = kc.size(2);
+  TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && kc.size(3) == nb && vc.sizes() == kc.sizes(),
+              "append_kv: codes of shape ", kc.sizes(), " do not fit k of shape ", k_in.sizes());
+  if (kivi) {
+    check_buffer(km, at::kHalf, "km");
+    check_buffer(vm, at::kHalf, "vm");
+    TORCH_CHECK(T % G == 0 && ks.size(2) == T / G && ks.size(3) == D && km.sizes() == ks.sizes() &&
+                vs.size(2) == T && vs.size(3) == D / gv && vm.sizes() == vs.sizes(),
+                "append_kv: KIVI scales do not fit the codes");
+  } else {
+    TORCH_CHECK(ks.size(2) == T && ks.size(3) == 1 && vs.sizes() == ks.sizes(), "append_kv: int8 scales do not fit");
+  }
+  TORCH_CHECK(W || !kivi, "append_kv: a KIVI cache needs its 16-bit window");
+  if (W) {
+    TORCH_CHECK(rk.scalar_type() == k_in.scalar_type() && rv.scalar_type() == k_in.scalar_type(),
+                "append_kv: k and v must be in the window's dtype ", rk.scalar_type(), ", got ", k_in.scalar_type());
+    TORCH_CHECK(rk.is_contiguous() && rv.is_contiguous() && rk.dim() == 4 && rk.size(0) == B && rk.size(1) == H &&
+                rk.size(3) == D && rv.sizes() == rk.sizes(), "append_kv: the window does not fit k");
+  }
+  const int64_t slot = slot_t.item<int64_t>();
+  TORCH_CHECK(slot >= 0 && slot < T, "append_kv: slot ", slot, " outside the cache's ", T, " slots");
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  const at::ScalarType dt = k.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "append_kv: k must be a float tensor");
+  const int64_t es = k.element_size();
+  int64_t g0 = slot;  // the first token quantised by this step
+  if (W) {
+    const int64_t j = slot % W;
+    auto* RK = static_cast<char*>(rk.data_ptr());
+    auto* RV = static_cast<char*>(rv.data_ptr());
+    const auto *K = static_cast<const char*>(k.data_ptr()), *V = static_cast<const char*>(v.data_ptr());
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      std::memcpy(RK + (bh * W + j) * D * es, K + bh * D * es, D * es);
+      std::memcpy(RV + (bh * W + j) * D * es, V + bh * D * es, D * es);
+    }
+    const int64_t left = slot + 1 - residual;  // tokens that have left the window
+    if (left < grp || left % grp != 0) return;  // no group completed by this step
+    g0 = left - grp;
+  }
+  std::vector<float> xk(grp * D), xv(grp * D);
+  std::vector<uint8_t> ck(grp * D), cv(grp * D);
+  const void *SK = W ? rk.data_ptr() : k.data_ptr(), *SV = W ? rv.data_ptr() : v.data_ptr();
+  uint8_t *KC = static_cast<uint8_t*>(kc.data_ptr()), *VC = static_cast<uint8_t*>(vc.data_ptr());
+  at::Half *KS = ks.data_ptr<at::Half>(), *VS = vs.data_ptr<at::Half>();
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    for (int64_t i = 0; i < grp; ++i) {
+      const int64_t row = W ? bh * W + (g0 + i) % W : bh;
+      row_f32(SK, dt, row, D, xk.data() + i * D);
+      row_f32(SV, dt, row, D, xv.data() + i * D);
+    }
+    if (!kivi) {
+      const int64_t t = bh * T + g0;
+      quant_int8_row(xk.data(), D, reinterpret_cast<int8_t*>(KC) + t * D, KS + t);
+      quant_int8_row(xv.data(), D, reinterpret_cast<int8_t*>(VC) + t * D, VS + t);
+      continue;
+    }
+    at::Half *KM = km.data_ptr<at::Half>(), *VM = vm.data_ptr<at::Half>();
+    const int64_t sg = (bh * (T / G) + g0 / G) * D;  // keys: one scale and minimum per channel of the group
+    for (int64_t d = 0; d < D; ++d) minmax_codes(xk.data() + d, grp, D, qmax, ck.data() + d, KS + sg + d, KM + sg + d);
+    const int64_t ng = D / gv;  // values: per token, per group of gv channels
+    for (int64_t i = 0; i < grp; ++i) {
+      const int64_t t = bh * T + g0 + i;
+      for (int64_t g = 0; g < ng; ++g)
+        minmax_codes(xv.data() + i * D + g * gv, gv, 1, qmax, cv.data() + i * D + g * gv, VS + t * ng + g,
+                     VM + t * ng + g);
+      pack_row(ck.data() + i * D, D, bits, KC + t * nb);
+      pack_row(cv.data() + i * D, D, bits, VC + t * nb);
+    }
+  }
+}
+
 TORCH_LIBRARY(fewbits_kv, m) {
   m.def("attend_kv(Tensor q, float scale, int bits, int G, int gv, Tensor kc, Tensor ks, Tensor km, Tensor vc, "
         "Tensor vs, Tensor vm, Tensor allowed, Tensor slot, int residual, Tensor rk, Tensor rv, int chunk) -> Tensor");
   m.impl("attend_kv", c10::DispatchKey::CPU, &attend_kv);
+  m.def("append_kv(Tensor k, Tensor v, Tensor slot, int bits, int G, int gv, int residual, Tensor(a!) rk, "
+        "Tensor(b!) rv, Tensor(c!) kc, Tensor(d!) ks, Tensor(e!) km, Tensor(f!) vc, Tensor(g!) vs, "
+        "Tensor(h!) vm) -> ()");
+  m.impl("append_kv", c10::DispatchKey::CPU, &append_kv);
 }
 """
 
@@ -301,10 +468,19 @@ CHUNK = 256  # tokens per parallel unit
 NAME = "fewbits_attend_kv"
 
 
+#: built without -ffast-math: `append_kv` must round as `fewbits.kvcache.quant` does (a division stays a
+#: division); the attention's sums vectorise through `omp simd` instead
+CFLAGS = [f for f in native.CFLAGS if f != "-ffast-math"]
+
+
 def available() -> bool:
-    """Whether `fewbits::attend_kv` is usable (built or loaded once per process; False if no compiler)."""
-    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake})
+    """Whether the `fewbits_kv` operators are usable (built or loaded once per process; False if no compiler)."""
+    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake, "fewbits_kv::append_kv": _fake_append}, CFLAGS)
 
 
 def _fake(q: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+def _fake_append(*args: object) -> None:
+    return None

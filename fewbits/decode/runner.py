@@ -157,7 +157,8 @@ class StaticDecoder:
         options = CPU_OPTIONS[self.wrapper]
         key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
                                                     "max_len": self.max_len, "options": options,
-                                                    "fused": self.fused is not None})
+                                                    "fused": self.fused is not None,
+                                                    "kv_ops": (self.cache[0].kernel, self.cache[0].native_append)})
         path = cache_dir / "fewbits-steps" / f"{key}.bin"
         import torch._inductor.config as icfg
 
