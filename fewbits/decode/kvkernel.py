@@ -114,6 +114,19 @@ inline void row_f32(const void* base, at::ScalarType dt, int64_t i, int64_t D, f
   else for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const float*>(base)[i * D + d];
 }
 
+// the largest of y[0 .. n-1] (NEG_INF for none)
+inline float row_max(const float* y, int64_t n) {
+  float mx = NEG_INF;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 v = _mm512_set1_ps(NEG_INF);
+  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(y + i));
+  mx = _mm512_reduce_max_ps(v);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, y[i]);
+  return mx;
+}
+
 // y[i] = exp(y[i] - mx) for i < n, returning their sum.  Scalar expf was a fifth of the kernel's time;
 // this is the usual range reduction exp(x) = 2^k exp(f), |f| <= ln2/2, with a degree-6 polynomial
 // (relative error ~2e-7, like expf's rounding) and 2^k applied by scalef.
@@ -143,6 +156,105 @@ inline float exp_sub_sum(float* y, int64_t n, float mx) {
   for (; i < n; ++i) { y[i] = std::exp(y[i] - mx); sum += y[i]; }
   return sum;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FEWBITS_KV_AVX512 1
+// 16 codes of a row as floats: bytes jb*16 .. jb*16+15, code k of each (plane k of the plane order)
+template <int BITS>
+inline __m512 code_block(const uint8_t* row, int64_t k, int64_t jb) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb * 16));
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    const __m512i v = _mm512_srl_epi32(_mm512_cvtepu8_epi32(raw), _mm_cvtsi64_si128(k * BITS));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32((1 << BITS) - 1)));
+  }
+}
+
+const __m512i LANES = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+// a . b for D a multiple of 16
+inline float dot16(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out[r * stride + i] = qp_r . codes_i (plane order) for the n rows of codes with ok[i], r < R; the codes are
+// unpacked in registers and the dot products of four query heads run together
+template <int BITS>
+void scores_fast(const uint8_t* rows, int64_t nb, const uint8_t* ok, int64_t n, const float* qp, int64_t R,
+                 int64_t D, float* out, int64_t stride) {
+  constexpr int64_t PER = 8 / BITS;
+  const int64_t nbb = nb / 16;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) continue;
+    const uint8_t* row = rows + i * nb;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const float* q0 = qp + r0 * D;
+      for (int64_t k = 0; k < PER; ++k)
+        for (int64_t jb = 0; jb < nbb; ++jb) {
+          const __m512 c = code_block<BITS>(row, k, jb);
+          const int64_t o = k * nb + jb * 16;
+          a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + o), c, a0);
+          a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + D + o), c, a1);
+          a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * D + o), c, a2);
+          a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * D + o), c, a3);
+        }
+      // the four sums at once: 256-bit halves added, then 128-bit quarters, then within each quarter
+      const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+      const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, t);
+      for (int64_t j = 0; j < 4 && r0 + j < R; ++j) out[(r0 + j) * stride + i] = sums[4 * j];
+    }
+  }
+}
+
+// acc[r * D + plane-order index] = sum_i w[r * stride + i] * value_i over the n rows with ok[i], r < R, one
+// block of 16 channels at a time for four query heads, the accumulators in registers.  fold: the values are
+// the codes, their scales folded into the weights: int8 (gv = D), or KIVI where each block lies in one value
+// group g (gv a multiple of 16 * 8 / BITS; w + g * gstride holds group g's weights, the minima are added by the
+// caller).  Otherwise (KIVI) the values are codes * scale + minimum of the token's group of gv channels (sv,
+// mv: ng fp16 per row), the group of each lane picked by a permute.
+template <int BITS>
+void values_fast(const uint8_t* rows, int64_t nb, bool fold, const at::Half* sv, const at::Half* mv, int64_t ng,
+                 int64_t gv, const uint8_t* ok, int64_t n, const float* w, int64_t stride, int64_t gstride, int64_t R,
+                 int64_t D, float* acc) {
+  constexpr int64_t PER = 8 / BITS;
+  const int64_t nbb = nb / 16;
+  const __mmask16 gmask = static_cast<__mmask16>((1u << ng) - 1u);
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    for (int64_t k = 0; k < PER; ++k)
+      for (int64_t jb = 0; jb < nbb; ++jb) {
+        // the value group of each lane: channel (jb * 16 + lane) * PER + k
+        alignas(64) int32_t gi[16];
+        for (int64_t x = 0; x < 16; ++x) gi[x] = static_cast<int32_t>(((jb * 16 + x) * PER + k) / gv);
+        const __m512i gidx = _mm512_load_si512(gi);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float* w0 = w + r0 * stride + (fold ? gi[0] * gstride : 0);
+        for (int64_t i = 0; i < n; ++i) {
+          if (!ok[i]) continue;
+          __m512 x = code_block<BITS>(rows + i * nb, k, jb);
+          if (!fold) {
+            const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, sv + i * ng));
+            const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, mv + i * ng));
+            x = _mm512_fmadd_ps(x, _mm512_permutexvar_ps(gidx, s), _mm512_permutexvar_ps(gidx, m));
+          }
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(w0[i]), x, a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(w0[stride + i]), x, a1);
+          a2 = _mm512_fmadd_ps(_mm512_set1_ps(w0[2 * stride + i]), x, a2);
+          a3 = _mm512_fmadd_ps(_mm512_set1_ps(w0[3 * stride + i]), x, a3);
+        }
+        const __m512 a[4] = {a0, a1, a2, a3};
+        for (int64_t j = 0; j < 4 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + k * nb + jb * 16, a[j]);
+      }
+}
+#endif
 }  // namespace
 
 // q (B, H, r, D): the r query heads that share KV head h, any float dtype; scale: the softmax scale.
@@ -155,8 +267,13 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
                      const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& km, const at::Tensor& vc,
                      const at::Tensor& vs, const at::Tensor& vm, const at::Tensor& allowed, const at::Tensor& slot_t,
                      int64_t residual, const at::Tensor& rk, const at::Tensor& rv, int64_t chunk) {
-  const at::Tensor q = q_in.to(at::kFloat).mul(scale).contiguous();
-  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), T = kc.size(2);
+  const int64_t B = q_in.size(0), H = q_in.size(1), R = q_in.size(2), D = q_in.size(3), T = kc.size(2);
+  TORCH_CHECK(q_in.dim() == 4 && (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16 ||
+              q_in.scalar_type() == at::kHalf), "attend_kv: q must be a (B, H, r, D) float tensor");
+  const at::Tensor q_c = q_in.contiguous();
+  std::vector<float> q(B * H * R * D);  // the query in fp32, times the softmax scale
+  for (int64_t x = 0; x < B * H * R; ++x) row_f32(q_c.data_ptr(), q_c.scalar_type(), x, D, q.data() + x * D);
+  for (auto& x : q) x *= static_cast<float>(scale);
   const int64_t W = rk.numel() ? rk.size(2) : 0;
   TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_kv: head dim or query heads per KV head too large");
   TORCH_CHECK(allowed.size(-1) >= T, "attend_kv: the mask is shorter than the cache");
@@ -183,7 +300,14 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   auto km_ = km.contiguous(), vm_ = vm.contiguous(), rk_ = rk.contiguous(), rv_ = rv.contiguous();
   // per (b, h, unit) and query head: the chunk's softmax maximum and sum, and its weighted values
   std::vector<float> pm(B * H * nunits * R), pl(B * H * nunits * R), pacc(B * H * nunits * R * D);
-  const float* Q = q.data_ptr<float>();
+  const float* Q = q.data();
+  // the vector path: whole 16-byte blocks of codes, at most 16 value groups per token
+#ifdef FEWBITS_KV_AVX512
+  const bool fast = D % 16 == 0 && nb % 16 == 0 && (!kivi || ng <= 16);
+#else
+  const bool fast = false;
+#endif
+  const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
   const uint8_t* KC = static_cast<const uint8_t*>(kc_.data_ptr());
   const uint8_t* VC = static_cast<const uint8_t*>(vc_.data_ptr());
   const at::Half *KS = ks_.data_ptr<at::Half>(), *VS = vs_.data_ptr<at::Half>();
@@ -193,8 +317,16 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   const at::ScalarType rdt = rk.scalar_type();
 
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> s(R * std::max(chunk, W));
+    std::vector<float> s(Rpad * std::max(chunk, W));
+    // the vector path's per-token value scales and minima in fp32, and the weights times each group's scale
+    std::vector<float> vsf, vmf, wg;
+    if (fast) {
+      vsf.resize(std::max(chunk, W) * ng);
+      vmf.resize(std::max(chunk, W) * ng);
+      wg.resize(ng * Rpad * std::max(chunk, W));
+    }
     alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
+    alignas(64) float qpl[MAXR * MAXD];  // the vector path: the query in plane order
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t bh = u / nunits, unit = u % nunits, b = bh / H;
       const float* qh = Q + bh * R * D;
@@ -204,6 +336,47 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       if (!kivi)  // the query in plane order (one plane: itself)
         for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
       int64_t cur_g = -1;
+#ifdef FEWBITS_KV_AVX512
+      if (fast && !ring) {  // scores: group by group (KIVI: the query scaled per group), then scale or bias
+        const int64_t span = kivi ? G : n;
+        // plane_idx[b]: the channels of block b of the plane order, (jb * 16 + lane) * per + k; qpl: the query
+        // in plane order
+        __m512i plane_idx[MAXD / 16];
+        for (int64_t k = 0, b = 0; k < per; ++k)
+          for (int64_t jb = 0; jb < nb / 16; ++jb, ++b)
+            plane_idx[b] = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(jb * 16)), LANES),
+                                                               _mm512_set1_epi32(int(per))), _mm512_set1_epi32(int(k)));
+        if (kivi)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t b = 0; b < D / 16; ++b)
+              _mm512_storeu_ps(qpl + r * D + b * 16, _mm512_i32gather_ps(plane_idx[b], qh + r * D, 4));
+        for (int64_t i0 = 0; i0 < n; i0 += span) {
+          const int64_t m_ = std::min(span, n - i0), t = t0 + i0;
+          if (kivi) {  // qp = the query times the group's scales, in plane order; bias = the query . minima
+            const int64_t g = t / G;
+            halves(KS + (bh * (T / G) + g) * D, sgf, D);
+            halves(KM + (bh * (T / G) + g) * D, mgf, D);
+            for (int64_t r = 0; r < R; ++r) bias[r] = dot16(qh + r * D, mgf, D);
+            for (int64_t k = 0, b = 0; k < per; ++k)
+              for (int64_t jb = 0; jb < nb / 16; ++jb, ++b) {
+                const __m512 sg = _mm512_i32gather_ps(plane_idx[b], sgf, 4);
+                for (int64_t r = 0; r < R; ++r)
+                  _mm512_storeu_ps(qp + r * D + b * 16, _mm512_mul_ps(_mm512_loadu_ps(qpl + r * D + b * 16), sg));
+              }
+          }
+          const uint8_t* rows = KC + (bh * T + t) * nb;
+          float* so = s.data() + i0;
+          if (bits == 8) scores_fast<8>(rows, nb, okp + i0, m_, qp, R, D, so, n);
+          else if (bits == 4) scores_fast<4>(rows, nb, okp + i0, m_, qp, R, D, so, n);
+          else scores_fast<2>(rows, nb, okp + i0, m_, qp, R, D, so, n);
+          for (int64_t i = 0; i < m_; ++i)
+            for (int64_t r = 0; r < R; ++r) {
+              float& x = so[r * n + i];
+              x = !okp[i0 + i] ? NEG_INF : kivi ? x + bias[r] : x * h2f(KS[bh * T + t + i]);
+            }
+        }
+      } else
+#endif
       // scores
       for (int64_t i = 0; i < n; ++i) {
         float* si = s.data() + i;
@@ -238,14 +411,53 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       float m[MAXR], l[MAXR];
       for (int64_t r = 0; r < R; ++r) {
         float* sr = s.data() + r * n;
-        float mx = NEG_INF;
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+        const float mx = row_max(sr, n);
         m[r] = mx;
         l[r] = mx == NEG_INF ? 0.f : exp_sub_sum(sr, n, mx);
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
         for (int64_t x = 0; x < ng; ++x) vb[r * ng + x] = 0.f;
       }
+#ifdef FEWBITS_KV_AVX512
+      if (fast && !ring) {  // the weighted sum of values (plane order), int8's scales folded into the weights
+        const int64_t bh_t = bh * T + t0;
+        const uint8_t* rows = VC + bh_t * nb;
+        const at::Half *sv = VS + bh_t * ng, *mv = VM + bh_t * ng;
+        halves(sv, vsf.data(), n * ng);
+        const bool fold = !kivi || gv % (16 * per) == 0;  // every block of 16 codes in one value group
+        const float* w = s.data();
+        if (fold) {  // weights times the value scales, per group; KIVI's minima: sum_i p_i m_i per group
+          const int64_t gs = Rpad * n, n16 = n / 16 * 16;
+          if (kivi) halves(mv, vmf.data(), n * ng);
+          for (int64_t r = 0; r < R; ++r)  // masked tokens weigh exactly 0 (exp_sub_sum left exp(-100))
+            for (int64_t i = 0; i < n; ++i) s[r * n + i] = okp[i] ? s[r * n + i] : 0.f;
+          for (int64_t g = 0; g < ng; ++g) {
+            const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(LANES, _mm512_set1_epi32(int(ng))),
+                                                 _mm512_set1_epi32(int(g)));
+            for (int64_t r = 0; r < R; ++r) {
+              const float* sr = s.data() + r * n;
+              float* wr = wg.data() + g * gs + r * n;
+              __m512 vbacc = _mm512_setzero_ps();
+              for (int64_t i = 0; i < n16; i += 16) {
+                const __m512 p = _mm512_loadu_ps(sr + i);
+                _mm512_storeu_ps(wr + i, _mm512_mul_ps(p, _mm512_i32gather_ps(idx, vsf.data() + i * ng, 4)));
+                if (kivi) vbacc = _mm512_fmadd_ps(p, _mm512_i32gather_ps(idx, vmf.data() + i * ng, 4), vbacc);
+              }
+              float b = kivi ? _mm512_reduce_add_ps(vbacc) : 0.f;
+              for (int64_t i = n16; i < n; ++i) {
+                wr[i] = sr[i] * vsf[i * ng + g];
+                if (kivi) b += sr[i] * vmf[i * ng + g];
+              }
+              vb[r * ng + g] = b;
+            }
+          }
+          w = wg.data();
+        }
+        const int64_t gs = Rpad * n, gvv = kivi ? gv : D;
+        if (bits == 8) values_fast<8>(rows, nb, true, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+        else if (bits == 4) values_fast<4>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+        else values_fast<2>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+      } else
+#endif
       // the weighted sum of values (plane order for codes)
       for (int64_t i = 0; i < n; ++i) {
         if (!okp[i]) continue;
@@ -278,15 +490,18 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         float* dst = pacc.data() + (base * R + r) * D;
         if (ring || !kivi)
           for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d];
-        else
+        else if (fast && gv % (16 * per) != 0)  // minima included
           for (int64_t j = 0; j < nb; ++j)
-            for (int64_t k = 0; k < per; ++k)
-              dst[j * per + k] = acc[r * D + k * nb + j] + vb[r * ng + (j * per + k) / gv];
+            for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j];
+        else
+          for (int64_t g = 0; g < ng; ++g)  // channel d = j * per + k, value group g: channels g*gv .. g*gv+gv-1
+            for (int64_t j = g * gv / per; j < (g + 1) * gv / per; ++j)
+              for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j] + vb[r * ng + g];
       }
     }
   });
-  auto out = at::empty({B, H, R, D}, q.options());
-  float* O = out.data_ptr<float>();
+  std::vector<float> o32(B * H * R * D);
+  float* O = o32.data();
   for (int64_t bh = 0; bh < B * H; ++bh)
     for (int64_t r = 0; r < R; ++r) {
       float M = NEG_INF, L = 0.f;
@@ -303,7 +518,14 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= L;
     }
-  return out.to(q_in.scalar_type());
+  auto out = at::empty({B, H, R, D}, q_in.options());  // in q's dtype, rounded to nearest even
+  const int64_t N = B * H * R * D;
+  if (out.scalar_type() == at::kFloat) std::memcpy(out.data_ptr<float>(), O, N * sizeof(float));
+  else if (out.scalar_type() == at::kBFloat16)
+    for (int64_t x = 0; x < N; ++x) out.data_ptr<at::BFloat16>()[x] = at::BFloat16(O[x]);
+  else
+    for (int64_t x = 0; x < N; ++x) out.data_ptr<at::Half>()[x] = at::Half(O[x]);
+  return out;
 }
 
 namespace {
