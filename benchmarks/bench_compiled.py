@@ -181,7 +181,9 @@ def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: s
 def _compile(args: argparse.Namespace) -> None:
     """Cold (an empty inductor cache directory and an empty $FEWBITS_CACHE, so fewbits' C++ operators are built
     too), then twice warm, each in a fresh process, per KV format and wrapper.  On a shared host the CPU seconds
-    (the process's and g++'s) are steadier than the wall time."""
+    (the process's and g++'s; the whole process tree's) are steadier than the wall time."""
+    import resource
+
     w = args.weights.split(",")[0]
     for kv in args.kv.split(","):
         for wrapper in args.wrapper.split(","):
@@ -191,14 +193,18 @@ def _compile(args: argparse.Namespace) -> None:
                     cmd = [sys.executable, __file__, "_compile_child", "--model", args.model, "--weights", w, "--kv",
                            kv, "--cache-dir", os.path.join(d, "inductor"), "--wrapper", wrapper, "--threads",
                            str(args.threads)]
+                    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+                    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child's whole process tree
+                    tree = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
                     wall, cpu, gxx, step, kern, kern_cpu, code = next(line.split()[1:] for line in out.splitlines()
                                                             if line.startswith("COMPILE"))
                     print(f"kv {kv:>9} {wrapper:>6} wrapper {label}: compile {float(wall):6.1f} s wall, "
                           f"{float(cpu):6.1f} s CPU + {float(gxx):5.1f} s CPU in g++ "
                           f"(before it: C++ KV operators {float(kern):5.1f} s wall, {float(kern_cpu):5.1f} s CPU); "
-                          f"generated code {int(code) / 1e6:.2f} MB; then {float(step):.2f} ms a step ({args.model}, "
-                          f"{w}; load average {os.getloadavg()[0]:.2f})", flush=True)
+                          f"generated code {int(code) / 1e6:.2f} MB; {tree:6.1f} s CPU in the whole process tree "
+                          f"(inductor's compile workers and their g++ included); then {float(step):.2f} ms a step "
+                          f"({args.model}, {w}; load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 def _tokens(args: argparse.Namespace) -> None:
