@@ -65,6 +65,9 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
                 cache.NATIVE_APPEND = native_append
             times[r] += res.decode_step_s
             compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
+            med = statistics.median(res.decode_step_s) * 1e3
+            print(f"  round {rnd}: {w} kv {kv} batch {b} prompt {p}: {med:.2f} ms median step "
+                  f"(compile {res.compile_s:.1f} s)", flush=True)
     base = {}
     print(f"{'weights':>10} {'kv':>9} {'batch':>5} {'prompt':>6} {'best ms':>8} {'median ms':>9} {'tok/s':>8} "
           f"{'vs first':>8} {'compile s':>9}")
