@@ -4,12 +4,15 @@ rows alternating round by round (a shared host's drift hits all rows alike); eac
 and its median.  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
-                                                            [--lm-head same|none|FORMAT]
+                                                            [--lm-head same|none|FORMAT] [--kv bf16,int4-r16:where]
                                                             [--cpu-rows torch,fewbits]
                          (weights FORMAT:torch, e.g. int4-g32:torch: the <= 4-bit layers on torch's int4 operator)
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
-    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4] [--prompt 2048,512]   # one layer's attention
-    python benchmarks/bench_compiled.py compile [--weights int4-g32] [--wrapper cpp,python]  # cold, warm, warm
+    python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4-r16,int4-r16:where] [--prompt 2048,512]
+                                               # one layer's attention and cache write (:where: the write in
+                                               # tensor operations, FEWBITS_KV_APPEND=torch; :torch: no C++ at all)
+    python benchmarks/bench_compiled.py compile [--weights int4-g32] [--kv bf16,int8,int4-r16] [--wrapper cpp,python]
+                                                                                # cold, warm, warm
     python benchmarks/bench_compiled.py tokens [--model smollm2-135m] [--weights bf16,int8,int4-g32,int4-g64]
                                                [--kv bf16,int8,fp8-e4m3,int4-r16,int2-r16] [-n 64]
 
@@ -78,10 +81,12 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
     """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s.  With
     --cpu-rows each row runs once per variant, on a model of its own loaded (kernels chosen) and compiled
     under that variant's FEWBITS_CPU_ROWS."""
+    from fewbits.decode import cache
     from fewbits.decode.generate import generate_static
     from fewbits.generate import generate
 
     run = generate if args.eager else generate_static
+    native_append = cache.NATIVE_APPEND
     variants = [v for v in args.cpu_rows.split(",")] if args.cpu_rows else [""]
     rows = [(*r, v) for r in rows for v in variants]
     models = {}
@@ -95,10 +100,17 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
         for r in rows if rnd % 2 == 0 else rows[::-1]:
             w, kv, b, p, v = r
             ids = torch.randint(0, vocab, (b, p), generator=torch.Generator().manual_seed(p + b))
-            with _cpu_rows(v):
-                res = run(models[(w, v)], ids, args.steps + 1, kv=kv)
+            cache.NATIVE_APPEND = not kv.endswith(":where")  # int4-r16:where: FEWBITS_KV_APPEND=torch's cache write
+            try:
+                with _cpu_rows(v):
+                    res = run(models[(w, v)], ids, args.steps + 1, kv=kv.removesuffix(":where"))
+            finally:
+                cache.NATIVE_APPEND = native_append
             times[r] += res.decode_step_s
             compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
+            med = statistics.median(res.decode_step_s) * 1e3
+            print(f"  round {rnd}: {w} kv {kv} batch {b} prompt {p}: {med:.2f} ms median step "
+                  f"(compile {res.compile_s:.1f} s)", flush=True)
     base = {}
     print(f"{'weights':>16} {'kv':>9} {'batch':>5} {'prompt':>6} {'best ms':>8} {'median ms':>9} {'tok/s':>8} "
           f"{'vs first':>8} {'compile s':>9}")
@@ -114,7 +126,9 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
 
 def _attn(args: argparse.Namespace) -> None:
     """One layer's decode attention at `--prompt` tokens of context, compiled, per KV format: the cache write
-    and the read of every slot (SmolLM2's heads: 9 query, 3 KV, 64 dims), alternating rounds."""
+    and the read of every slot (SmolLM2's heads: 9 query, 3 KV, 64 dims), alternating rounds.  Each round steps
+    through 32 slots (a KIVI group's flush once per round); "best cycle mean" is the fastest round's mean call
+    (the flush amortised, the steadiest figure on a shared host), beside the median and the fastest call."""
     for T in (int(p) for p in args.prompt.split(",")):
         _attn_at(args, T)
 
@@ -132,9 +146,11 @@ def _attn_at(args: argparse.Namespace, T: int) -> None:
     for kv in args.kv.split(","):
         dense = kv.endswith(":sdpa")  # bf16:sdpa: the 16-bit cache through scaled_dot_product_attention instead
         plain = kv.endswith(":torch")  # int4:torch: inductor's fused reductions instead of `kvkernel`'s operator
-        kv = kv.removesuffix(":sdpa").removesuffix(":torch")
+        where = kv.endswith(":where")  # int4:where: the cache write in tensor operations, its flush under torch.where
+        kv = kv.removesuffix(":sdpa").removesuffix(":torch").removesuffix(":where")
         (layer,) = make_cache(kv, 1, B, Hkv, D, T + 64, torch.bfloat16, "cpu")
         layer.kernel = layer.kernel and not plain
+        layer.native_append = layer.native_append and not (plain or where)
         layer.prefill(torch.randn(B, Hkv, T, D).to(torch.bfloat16), torch.randn(B, Hkv, T, D).to(torch.bfloat16), 0)
         allowed = torch.zeros(B, 1, layer.t[next(iter(layer.t))].shape[2], dtype=torch.bool)
         allowed[:, :, :T + 1] = True
@@ -145,27 +161,34 @@ def _attn_at(args: argparse.Namespace, T: int) -> None:
                 return _attend_dense(q, layer.t["k"], layer.t["v"], allowed, 0.125)
             return _attend_codes(q, layer, allowed, slot, 0.125)
 
-        fns[kv + (":sdpa" if dense else ":torch" if plain else "")] = torch.compile(step, fullgraph=True,
-                                                                                     dynamic=False)
+        label = kv + (":sdpa" if dense else ":torch" if plain else ":where" if where else "")
+        fns[label] = torch.compile(step, fullgraph=True, dynamic=False)
     q, k = torch.randn(B, Hq, 1, D).to(torch.bfloat16), torch.randn(B, Hkv, 1, D).to(torch.bfloat16)
-    slot = torch.tensor([T])
+    # slots T .. T+31 in turn: a KIVI cache of groups of 32 (or fewer) flushes a group once per cycle
+    slots = [torch.tensor([T + i]) for i in range(32)]
     t_compile = {}
     for kv, fn in fns.items():
         t0 = time.perf_counter()
-        fn(q, k, k, slot)
+        fn(q, k, k, slots[0])
         t_compile[kv] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {kv: [] for kv in fns}
+    calls: dict[str, list[float]] = {kv: [] for kv in fns}  # every call's time
+    cycles: dict[str, list[float]] = {kv: [] for kv in fns}  # per cycle of 32 slots: its mean call
     for rnd in range(args.rounds * 10):
         for kv in (list(fns) if rnd % 2 == 0 else list(fns)[::-1]):
-            t0 = time.perf_counter()
-            for _ in range(20):
-                fns[kv](q, k, k, slot)
-            times[kv].append((time.perf_counter() - t0) / 20)
-    first = statistics.median(times[next(iter(fns))])
+            fn, ts = fns[kv], []
+            for slot in slots:
+                t0 = time.perf_counter()
+                fn(q, k, k, slot)
+                ts.append(time.perf_counter() - t0)
+            calls[kv] += ts
+            cycles[kv].append(sum(ts) / len(ts))
+    first = next(iter(fns))
     for kv in fns:
-        med = statistics.median(times[kv])
-        print(f"kv {kv:>11}: attention + write at {T} tokens, batch {B}: {min(times[kv]) * 1e6:7.1f} us best, "
-              f"{med * 1e6:7.1f} us median, {first / med:.2f}x the first; compile {t_compile[kv]:.1f} s")
+        best, med = min(cycles[kv]), statistics.median(calls[kv])
+        print(f"kv {kv:>15}: attention + write at {T} tokens, batch {B}: {best * 1e6:7.1f} us best cycle mean "
+              f"({min(cycles[first]) / best:.2f}x the first), {med * 1e6:7.1f} us median call "
+              f"({statistics.median(calls[first]) / med:.2f}x), {min(calls[kv]) * 1e6:7.1f} us fastest call; "
+              f"compile {t_compile[kv]:.1f} s", flush=True)
 
 
 def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: str) -> None:
@@ -175,7 +198,8 @@ def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: s
     from pathlib import Path
 
     from fewbits.bench.decode import load_quantized
-    from fewbits.decode import StaticDecoder
+    from fewbits.decode import StaticDecoder, kvkernel
+    from fewbits.kvcache.format import parse_kv_format
 
     m = load_quantized(model, weights)[0]
 
@@ -183,6 +207,10 @@ def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: s
         me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
 
+    t0, ck = time.perf_counter(), cpu()
+    if parse_kv_format(kv).kind in ("int8", "kivi"):  # the C++ KV operators: built here when the cache is cold
+        kvkernel.available()
+    t_kernels, c_kernels = time.perf_counter() - t0, sum(cpu()) - sum(ck)
     c0 = cpu()
     dec = StaticDecoder(m, kv, 1, 256, cache_dir=Path(cache_dir), wrapper=wrapper)
     c1 = cpu()
@@ -192,23 +220,38 @@ def _compile_child(model: str, weights: str, kv: str, cache_dir: str, wrapper: s
         t0 = time.perf_counter()
         dec.step(torch.zeros(1, dtype=torch.long))
         steps.append(time.perf_counter() - t0)
-    print(f"COMPILE {dec.compile_s:.2f} {c1[0] - c0[0]:.2f} {c1[1] - c0[1]:.2f} {statistics.median(steps) * 1e3:.2f}")
+    code = sum(p.stat().st_size for p in Path(cache_dir).rglob("*") if p.suffix in (".cpp", ".py") and p.is_file())
+    print(f"COMPILE {dec.compile_s:.2f} {c1[0] - c0[0]:.2f} {c1[1] - c0[1]:.2f} {statistics.median(steps) * 1e3:.2f} "
+          f"{t_kernels:.2f} {c_kernels:.2f} {code}")
 
 
 def _compile(args: argparse.Namespace) -> None:
-    """Cold (an empty inductor cache directory), then twice warm, each in a fresh process, per wrapper."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    w, kv = args.weights.split(",")[0], args.kv.split(",")[0]
-    for wrapper in args.wrapper.split(","):
-        with tempfile.TemporaryDirectory() as d:
-            for label in ("cold", "warm", "warm"):
-                out = subprocess.run([sys.executable, __file__, "_compile_child", "--model", args.model, "--weights", w,
-                                      "--kv", kv, "--cache-dir", d, "--wrapper", wrapper, "--threads",
-                                      str(args.threads)], env=env, capture_output=True, text=True, check=True).stdout
-                wall, cpu, gxx, step = next(line.split()[1:] for line in out.splitlines() if line.startswith("COMPILE"))
-                print(f"{wrapper:>6} wrapper {label}: compile {float(wall):6.1f} s wall, {float(cpu):6.1f} s CPU + "
-                      f"{float(gxx):5.1f} s CPU in g++; then {float(step):.2f} ms a step ({args.model}, {w}, kv {kv}; "
-                      f"load average {os.getloadavg()[0]:.2f})")
+    """Cold (an empty inductor cache directory and an empty $FEWBITS_CACHE, so fewbits' C++ operators are built
+    too), then twice warm, each in a fresh process, per KV format and wrapper.  On a shared host the CPU seconds
+    (the process's and g++'s; the whole process tree's) are steadier than the wall time."""
+    import resource
+
+    w = args.weights.split(",")[0]
+    for kv in args.kv.split(","):
+        for wrapper in args.wrapper.split(","):
+            with tempfile.TemporaryDirectory() as d:
+                env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "FEWBITS_CACHE": os.path.join(d, "fb")}
+                for label in ("cold", "warm", "warm"):
+                    cmd = [sys.executable, __file__, "_compile_child", "--model", args.model, "--weights", w, "--kv",
+                           kv, "--cache-dir", os.path.join(d, "inductor"), "--wrapper", wrapper, "--threads",
+                           str(args.threads)]
+                    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+                    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the child's whole process tree
+                    tree = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+                    wall, cpu, gxx, step, kern, kern_cpu, code = next(line.split()[1:] for line in out.splitlines()
+                                                            if line.startswith("COMPILE"))
+                    print(f"kv {kv:>9} {wrapper:>6} wrapper {label}: compile {float(wall):6.1f} s wall, "
+                          f"{float(cpu):6.1f} s CPU + {float(gxx):5.1f} s CPU in g++ "
+                          f"(before it: C++ KV operators {float(kern):5.1f} s wall, {float(kern_cpu):5.1f} s CPU); "
+                          f"generated code {int(code) / 1e6:.2f} MB; {tree:6.1f} s CPU in the whole process tree "
+                          f"(inductor's compile workers and their g++ included); then {float(step):.2f} ms a step "
+                          f"({args.model}, {w}; load average {os.getloadavg()[0]:.2f})", flush=True)
 
 
 def _tokens(args: argparse.Namespace) -> None:

@@ -75,7 +75,7 @@ def _copy_qt(qt):  # noqa: ANN001, ANN202
 def _portable_class() -> type | None:
     """Q4Kernel on the operator built without AVX-512 (its own torch namespace), or None if it cannot build."""
     src = cpu_int4._SRC.replace("fewbits_q4", "fewbits_q4avx2")
-    if not cpu_int4.native.build("fewbits_q4avx2", src, {}, cflags=["-mno-avx512f"]):
+    if not cpu_int4.native.build("fewbits_q4avx2", src, {}, cflags=[*cpu_int4.native.CFLAGS, "-mno-avx512f"]):
         print("portable build failed:", cpu_int4.native.why("fewbits_q4avx2"))
         return None
 

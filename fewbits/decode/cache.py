@@ -4,8 +4,13 @@ Every tensor is allocated once for `max_len` slots; a decode step writes slot `t
 is one graph for every t) and attends over all slots under a mask.  Semantics are those of `KVStore`
 (`fewbits.kvcache.store`), token for token: with a residual window of R tokens and groups of G tokens
 (KIVI; G = 1 for int8 / fp8), the first (len - R) // G * G tokens are stored quantised, the others in a
-16-bit ring of R + G slots; a group is quantised once, from the ring, when it leaves the window.  In the
-graph that flush happens at every step under a condition (`torch.where`), so there are no branches.
+16-bit ring of R + G slots; a group is quantised once, from the ring, when it leaves the window.  On a CPU
+with the C++ operators built (`fewbits.decode.kvkernel`), a decode step's write is one operator
+(`fewbits_kv::append_kv`) that mutates the cache in place and quantises a group only at the step that
+completes it (a branch in C++), with `fewbits.kvcache.quant`'s rounding; a compiled step holds one opaque node
+per layer for it.  Otherwise (a GPU, no compiler, ``FEWBITS_KV_APPEND=torch``) the step is written in
+tensor operations: the flush is computed at every step and kept under a condition (`torch.where`), so the
+graph has no branches.
 
 Attention reads the stored codes, not a dequantised copy: on a CPU int8 and KIVI caches go through one C++
 operator (`fewbits.decode.kvkernel`); otherwise `LayerKV.scores` / `weighted_values` fold the scales and
@@ -16,6 +21,8 @@ dequantised with `fewbits.kvcache.quant`'s functions and a plain matmul runs (`a
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from fewbits.decode import kvkernel
@@ -25,6 +32,9 @@ from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 _FLOAT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NEG = -1e30  # finite "minus infinity": a fully masked row (a padded query) stays NaN-free
+#: decode steps write int8 / KIVI caches through `fewbits_kv::append_kv` where it is built (read when a cache is
+#: made); ``FEWBITS_KV_APPEND=torch`` keeps the tensor-operation write (`LayerKV.step`'s flush under torch.where)
+NATIVE_APPEND = os.environ.get("FEWBITS_KV_APPEND", "native") != "torch"
 
 
 class LayerKV:
@@ -37,11 +47,13 @@ class LayerKV:
         self.kernel = fmt.kind in ("int8", "kivi") and torch.device(device).type == "cpu" and kvkernel.available()
         z = lambda *s, dt: torch.zeros(batch, heads, *s, dtype=dt, device=device)  # noqa: E731
         T = max_len
+        self.native_append = False
         self.t: dict[str, torch.Tensor] = {}
         if fmt.kind == "float":
             self.t = {"k": z(T, dim, dt=_FLOAT[fmt.element]), "v": z(T, dim, dt=_FLOAT[fmt.element])}
             self.ring = 0
             return
+        self.native_append = self.kernel and NATIVE_APPEND  # decode steps write through `fewbits_kv::append_kv`
         self.G = fmt.group if fmt.kind == "kivi" else 1
         if fmt.kind in ("int8", "fp8"):
             cdt = torch.int8 if fmt.kind == "int8" else torch.uint8
@@ -58,6 +70,9 @@ class LayerKV:
         self.wdt = dtype if dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
         if self.ring:
             self.t["rk"], self.t["rv"] = z(self.ring, dim, dt=self.wdt), z(self.ring, dim, dt=self.wdt)
+        # `append_kv`'s arguments for what this format lacks (no window, int8's minima): distinct empty tensors
+        self._absent = [torch.empty(0, dtype=dt, device=device) for dt in (self.wdt, self.wdt, torch.float16,
+                                                                           torch.float16)]
 
     # ------------------------------------------------------------------ quantising
     def _quantise(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -104,6 +119,13 @@ class LayerKV:
         if self.fmt.kind == "float":
             self.t["k"].index_copy_(2, slot, k.to(self.t["k"].dtype))
             self.t["v"].index_copy_(2, slot, v.to(self.t["v"].dtype))
+            return
+        if self.native_append:
+            t, (no_rk, no_rv, no_km, no_vm) = self.t, self._absent
+            gv = getattr(self, "gv", 1)
+            torch.ops.fewbits_kv.append_kv(k.to(self.wdt), v.to(self.wdt), slot, self.fmt.bits, self.G, gv,
+                                           self.fmt.residual, t.get("rk", no_rk), t.get("rv", no_rv), t["kc"],
+                                           t["ks"], t.get("km", no_km), t["vc"], t["vs"], t.get("vm", no_vm))
             return
         if not self.ring:
             self._store(self._quantise(k.to(self.wdt), v.to(self.wdt)), slot)

@@ -158,7 +158,8 @@ class StaticDecoder:
         key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
                                                     "max_len": self.max_len, "options": options,
                                                     "fused": self.fused is not None,
-                                                    "rows": rows_on()})
+                                                    "rows": rows_on(),
+                                                    "kv_ops": (self.cache[0].kernel, self.cache[0].native_append)})
         path = cache_dir / "fewbits-steps" / f"{key}.bin"
         import torch._inductor.config as icfg
 

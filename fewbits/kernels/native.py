@@ -1,12 +1,17 @@
 """Hand-written C++ operators, compiled once per machine and cached on disk.
 
-`build(name, src, fakes)` compiles `src` (a C++ file that registers torch operators with ``TORCH_LIBRARY``)
-with torch's `load_inline`, for this CPU's instruction set (``-march=native``), into
-``$FEWBITS_CACHE/kernels/<name>_<hash>`` (default ``~/.cache/fewbits``), the hash covering the source, the
-CPU's flags and torch's version, so a second process only loads the library.  `fakes` maps each operator
-("namespace::op") to its fake implementation (output shapes without computing), which lets a compiled
+`build(name, src, fakes)` compiles `src` (a whole C++ file that registers torch operators with ``TORCH_LIBRARY``
+and includes the headers it needs) with torch's `load`, for this CPU's instruction set (``-march=native``),
+into ``$FEWBITS_CACHE/kernels/<name>_<hash>`` (default ``~/.cache/fewbits``), the hash covering the source,
+the flags, the CPU's flags and torch's version, so a second process only loads the library.  `fakes` maps each
+operator ("namespace::op") to its fake implementation (output shapes without computing), which lets a compiled
 graph keep the operator as one node.  Where compiling fails (no compiler, no OpenMP) the result is False
 and `why(name)` says why; callers keep a pure-torch path for that case.
+
+The source is compiled as written: nothing is prepended.  ``<torch/extension.h>`` (which `load_inline` adds)
+pulls in pybind11 and torch's whole C++ API, several times the compile time of the headers an operator needs
+(``<ATen/core/Tensor.h>``, ``<torch/library.h>``, ``<ATen/Parallel.h>``, ``<ATen/ops/empty.h>``), and a cold
+start pays it.
 """
 
 from __future__ import annotations
@@ -35,23 +40,27 @@ def cpu_flags() -> str:
 
 def build_dir(name: str, src: str, cflags: list[str] | None = None) -> Path:
     """The directory `name`'s library is built into: one per source, flags, CPU and torch version."""
-    extra = " ".join(cflags or [])
-    key = hashlib.sha256((src + extra + cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
+    flags = " ".join(CFLAGS if cflags is None else cflags)
+    key = hashlib.sha256((src + flags + cpu_flags() + torch.__version__).encode()).hexdigest()[:16]
     base = Path(os.environ.get("FEWBITS_CACHE") or Path.home() / ".cache" / "fewbits")
     return base / "kernels" / f"{name}_{key}"
 
 
-def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor]], cflags: list[str] | None = None) -> bool:
-    """Compile (or load) `src` once per process; True when its operators are registered.  `cflags` are added
-    after the default ones (e.g. ``-mno-avx512f`` to build a portable variant under another name)."""
+def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor | None]],
+          cflags: list[str] | None = None) -> bool:
+    """Compile (or load) `src` once per process with `cflags` (default `CFLAGS`); True when its operators are
+    registered."""
     if name not in _BUILT:
         try:
-            from torch.utils.cpp_extension import load_inline
+            from torch.utils.cpp_extension import load
 
-            d = build_dir(name, src, cflags)
+            flags = CFLAGS if cflags is None else cflags
+            d = build_dir(name, src, flags)
             d.mkdir(parents=True, exist_ok=True)
-            load_inline(name, src, build_directory=str(d), is_python_module=False,
-                        extra_cflags=CFLAGS + list(cflags or []))
+            path = d / f"{name}.cpp"
+            if not path.is_file() or path.read_text() != src:  # an unchanged file keeps ninja's build up to date
+                path.write_text(src)
+            load(name, [str(path)], build_directory=str(d), is_python_module=False, extra_cflags=flags)
             for op, fake in fakes.items():
                 torch.library.register_fake(op)(fake)
             _BUILT[name] = True

@@ -346,4 +346,4 @@ def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...
     """Build the same source under operator namespace `ns` with extra macros / compiler flags (tests and
     benchmarks of the portable path: ``defines=("FEWBITS_ROWS_PORTABLE",)``, ``cflags=("-mno-avx512f",)``)."""
     src = "".join(f"#define {d}\n" for d in (f"ROWS_NS {ns}", *defines)) + SRC
-    return native.build(ns, src, fakes(ns), list(cflags))
+    return native.build(ns, src, fakes(ns), native.CFLAGS + list(cflags))

@@ -40,6 +40,11 @@ def test_step_is_one_graph_with_quantised_ops(int4_llama: torch.nn.Module) -> No
     assert any("fewbits.int4pack_mm" in t or "fewbits_q4.q4_mm" in t for t in targets), sorted(targets)[:20]
     int8_op = "fewbits_rows.int8_mm" if rows.enabled() else "fewbits.int8pack_mm"  # the int8 head's kernel class
     assert any(int8_op in t for t in targets), sorted(targets)[:20]
+    if dec.cache[0].native_append:  # the KIVI cache's write: one operator per layer, no flush under torch.where
+        n_layers = len(dec.cache)
+        nodes = [str(n.target) for g in ex.graphs for n in g.graph.nodes if n.op == "call_function"]
+        assert sum("append_kv" in t for t in nodes) == n_layers
+        assert not any("where" in t for t in nodes)
 
 
 @pytest.mark.parametrize("kv", ["bf16", "int8", "int4-g8-r8"])
