@@ -12,11 +12,17 @@ The source is compiled as written: nothing is prepended.  ``<torch/extension.h>`
 pulls in pybind11 and torch's whole C++ API, several times the compile time of the headers an operator needs
 (``<ATen/core/Tensor.h>``, ``<torch/library.h>``, ``<ATen/Parallel.h>``, ``<ATen/ops/empty.h>``), and a cold
 start pays it.
+
+Builds of one folder are serialised by an advisory lock (`flock`) that the kernel releases when a process
+dies; torch's own lock file, which a build killed half-way leaves behind and on which every later build would
+wait forever, is then known to be stale and removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
 import platform
 from collections.abc import Callable
@@ -25,6 +31,10 @@ from pathlib import Path
 import torch
 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+
+log = logging.getLogger("fewbits.kernels")
+
+BUILD_LOCK = "fewbits-build.lock"  # held (flock) around a build: a process that dies releases it
 
 _BUILT: dict[str, bool] = {}
 _WHY: dict[str, str] = {}
@@ -57,10 +67,16 @@ def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor | Non
             flags = CFLAGS if cflags is None else cflags
             d = build_dir(name, src, flags)
             d.mkdir(parents=True, exist_ok=True)
-            path = d / f"{name}.cpp"
-            if not path.is_file() or path.read_text() != src:  # an unchanged file keeps ninja's build up to date
-                path.write_text(src)
-            load(name, [str(path)], build_directory=str(d), is_python_module=False, extra_cflags=flags)
+            with open(d / BUILD_LOCK, "w") as held:
+                fcntl.flock(held, fcntl.LOCK_EX)  # one build per folder; the kernel drops it if the process dies
+                baton = d / "lock"  # torch's own marker: only a build killed half-way leaves it behind now
+                if baton.exists():
+                    log.warning("removing %s, left by a build of %s that did not finish", baton, name)
+                    baton.unlink()
+                path = d / f"{name}.cpp"
+                if not path.is_file() or path.read_text() != src:  # an unchanged file keeps ninja's build current
+                    path.write_text(src)
+                load(name, [str(path)], build_directory=str(d), is_python_module=False, extra_cflags=flags)
             for op, fake in fakes.items():
                 torch.library.register_fake(op)(fake)
             _BUILT[name] = True
