@@ -49,7 +49,9 @@ ROWS = 16  # output rows per block: fused parts need multiples of this
 COLS = 8  # input columns per 64-byte chunk: group sizes and in_features need multiples of this
 
 _SRC = r"""
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstring>

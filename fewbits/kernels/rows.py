@@ -32,7 +32,10 @@ import torch
 from fewbits.kernels import native
 
 SRC = r"""
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <vector>
