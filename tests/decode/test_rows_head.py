@@ -65,7 +65,7 @@ def test_without_the_operators_the_module_runs(monkeypatch: pytest.MonkeyPatch) 
 @needs_ops
 def test_compiled_keeps_one_operator_node() -> None:
     lin = _lin(torch.bfloat16)
-    x = torch.randn(3, 77).to(torch.bfloat16)
+    x = torch.randn(rows.DENSE_MAX_ROWS[torch.bfloat16], 77).to(torch.bfloat16)  # the most rows it takes
     explain = torch._dynamo.explain(lambda t: step.linear16(lin, t))(x)
     assert explain.graph_break_count == 0
     assert "fewbits_rows.dense_mm" in str(explain.graphs[0].code)
