@@ -13,6 +13,7 @@ import torch
 from fewbits.kernels import prepare_linear, reference_linear
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
 from fewbits.kernels.cpu_int4 import Q4Kernel
+from fewbits.kernels.cpu_rows import Int8RowsKernel
 from fewbits.tensor import quantize_tensor
 
 BOUND = 1e-2  # as for the integer-zero formats (bf16 activations, scales and output)
@@ -38,6 +39,9 @@ def test_float_zero_fast_path_matches_reference(spec: str, kernel: type) -> None
     if kernel is Int4PackKernel:  # fewbits' own operator where it can run, and torch's as well
         assert kern.name in (Q4Kernel.name, Int4PackKernel.name), kern.reason
         assert _rel(Int4PackKernel(qt)(x), reference_linear(x, qt)) < BOUND
+    elif kernel is Int8PackKernel:  # the few-row int8 operator where it is built (a subclass), else torch's
+        assert kern.name in (Int8RowsKernel.name, Int8PackKernel.name), kern.reason
+        assert _rel(Int8PackKernel(qt)(x), reference_linear(x, qt)) < BOUND
     else:
         assert kern.name == kernel.name, kern.reason
     assert _rel(kern(x), reference_linear(x, qt)) < BOUND
