@@ -20,7 +20,7 @@ from fewbits.files import verify_dir
 
 pytest.importorskip("gguf")
 ROOT = Path(__file__).resolve().parents[1]
-KILLS = 2  # kill points per target while writing (plus one anywhere); the seed fixes them
+KILLS = 1  # kill points per target while writing (plus one anywhere); the seed fixes them (each run ~5 s)
 
 DRIVER = r"""
 import os, sys, time

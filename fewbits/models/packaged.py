@@ -313,9 +313,11 @@ def convert_gguf(gguf: Path, out_dir: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
-                                                 trust_remote_code=False)
+    with _parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                     trust_remote_code=False)
+        types = gguf_tensor_types(gguf)
     config = model.config
     if hasattr(config, "quantization_config"):  # the weights are plain floats now
         del config.quantization_config
@@ -335,8 +337,31 @@ def convert_gguf(gguf: Path, out_dir: Path) -> dict[str, Any]:
         tensors[key] = value.detach().contiguous()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out_dir)
-    return {"gguf": gguf.name, "gguf_types": gguf_tensor_types(gguf),
+    return {"gguf": gguf.name, "gguf_types": types,
             "parameters": int(sum(t.numel() for t in tensors.values())), "dtype": "float32"}
+
+
+@contextmanager
+def _parsed_once() -> Iterator[None]:
+    """While converting, each GGUF file's header is parsed once: transformers opens the file three times
+    (tokenizer, config, weights) and fewbits once more, and gguf-py takes ~11 s per parse of Gemma-3's
+    262144-token vocabulary.  The readers are memory-mapped and only read, so one is shared by all four."""
+    import gguf
+
+    plain = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = plain(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = plain
 
 
 def read_gguf(path: str | os.PathLike[str]) -> Any:

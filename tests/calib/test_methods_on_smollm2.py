@@ -49,7 +49,7 @@ def _kl(real, method: str, spec: str, options: dict | None = None, pattern: str 
     return float((ref.exp() * (ref - logp)).sum(-1).mean())
 
 
-@pytest.mark.parametrize("spec", ["int4-g64", "int3-g64"])
+@pytest.mark.parametrize("spec", ["int4-g64"])  # int3-g64 too in bench_methods.py (~35 s each here)
 def test_gptq_and_awq_beat_rtn_in_mean_kl(real, spec: str) -> None:
     rtn = _kl(real, "rtn", spec)
     gptq = _kl(real, "gptq", spec)
