@@ -6,7 +6,8 @@ and its median.  Threads pinned (default 2).
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
                                                             [--lm-head same|none|FORMAT] [--kv bf16,int4-r16:where]
                                                             [--cpu-rows torch,fewbits]
-                         (weights FORMAT:torch, e.g. int4-g32:torch: the <= 4-bit layers on torch's int4 operator)
+                         (weights FORMAT:torch, e.g. int4-g32:torch: the <= 4-bit layers on torch's int4 operator;
+                          FORMAT+a8, e.g. int4-g32+a8: activations rounded to int8 where a kernel can, cpu_q4_a8)
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4-r16,int4-r16:where] [--prompt 2048,512]
                                                # one layer's attention and cache write (:where: the write in
@@ -47,15 +48,17 @@ def _head(args: argparse.Namespace, weights: str) -> str | None:
 
 def _load(args: argparse.Namespace, weights: str) -> torch.nn.Module:
     """The model in `weights`; "FORMAT:torch" (e.g. int4-g32:torch) runs its <= 4-bit layers on torch's int4
-    operator instead of fewbits' own (``FEWBITS_CPU_INT4=torch`` while the kernels are prepared)."""
+    operator instead of fewbits' own (``FEWBITS_CPU_INT4=torch`` while the kernels are prepared); a trailing
+    "+a8" (int4-g32+a8) lets the kernels round the activations to int8 (`cpu_q4_a8`)."""
     from fewbits.bench.decode import load_quantized
 
-    fmt, _, kernel = weights.partition(":")
+    act = "int8" if weights.endswith("+a8") else "16"
+    fmt, _, kernel = weights.removesuffix("+a8").partition(":")
     old = os.environ.get("FEWBITS_CPU_INT4")
     if kernel:
         os.environ["FEWBITS_CPU_INT4"] = kernel
     try:
-        return load_quantized(args.model, fmt, lm_head=_head(args, fmt))[0]
+        return load_quantized(args.model, fmt, lm_head=_head(args, fmt), activations=act)[0]
     finally:
         if kernel:
             os.environ.pop("FEWBITS_CPU_INT4") if old is None else os.environ.__setitem__("FEWBITS_CPU_INT4", old)

@@ -1,4 +1,5 @@
-"""The CPU int4 linear at decode shapes: fewbits' own operator (`fewbits_q4::q4_mm`) beside torch's
+"""The CPU int4 linear at decode shapes: fewbits' own operator (`fewbits_q4::q4_mm`; `q4a8`: its int8-activation
+path) beside torch's
 (``aten._weight_int4pack_mm_for_cpu``, `Int4PackKernel`) and a bf16 F.linear, as GB/s of the weight bytes
 each reads, beside a read of memory (`fewbits.bench.machine.memory_bandwidth`).
 
@@ -98,7 +99,8 @@ def main() -> None:
     ap.add_argument("--sample-mb", type=float, default=8.0)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--kernels", default="q4,torch,bf16", help="which of q4, torch, bf16 to time")
+    ap.add_argument("--kernels", default="q4,torch,bf16",
+                    help="which of q4, q4a8 (int8 activations, fewer than 3 rows), torch, bf16 to time")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (a busy shared host; with --threads 1)")
     ap.add_argument("--portable", action="store_true", help="also the plain-loop path built without AVX-512")
@@ -112,6 +114,10 @@ def main() -> None:
         if not cpu_int4.available():
             sys.exit(f"the operator did not build: {cpu_int4.native.why(cpu_int4.NAME)}")
         makers["q4"] = cpu_int4.Q4Kernel
+    if "q4a8" in kinds:
+        if not cpu_int4.a8_path():
+            sys.exit("the operator has no int8-activation path here (AVX512-VNNI)")
+        makers["q4a8"] = cpu_int4.Q4A8Kernel
     if "torch" in kinds:
         makers["torch"] = Int4PackKernel
     if args.portable:
@@ -121,7 +127,8 @@ def main() -> None:
     bw = memory_bandwidth(1 << 28)
     isa = "not built"
     if cpu_int4.available():
-        isa = {0: "portable", 1: "AVX512-BF16", 2: "AVX512-BF16 + AMX"}[int(torch.ops.fewbits_q4.q4_isa())]
+        code = int(torch.ops.fewbits_q4.q4_isa())
+        isa = {0: "portable", 1: "AVX512-BF16", 2: "AVX512-BF16 + AMX"}[code & 3] + (" + VNNI" if code & 4 else "")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, q4 path: "
           f"{isa}, memory read {bw / 1e9:.1f} GB/s, weights >= {args.min_mb:.0f} MB per kernel, "
           f"~{args.sample_mb:.0f} MB per sample, fastest of {args.rounds}")

@@ -243,6 +243,7 @@ def first_layers(model: Any, n: int) -> Any:
     def shallow(m: Any) -> Any:  # new module object with its own child table, same children
         c = copy.copy(m)
         c.__dict__["_modules"] = m._modules.copy()
+        c.__dict__.pop("_fewbits_decoders", None)  # the full model's compiled steps: the copy builds its own
         return c
 
     small = shallow(model)
@@ -320,7 +321,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="alternating repeats per engine (steps pooled)")
     ap.add_argument("--fewbits", default="bf16,int8,int4-g64,int4-g32",
                     help="fewbits formats; FORMAT+h:HEAD also quantises the LM head (e.g. int4-g32-asym+h:int8, "
-                         "as the packaged SmolLM2 file's Q8_0 head)")
+                         "as the packaged SmolLM2 file's Q8_0 head); a trailing +a8 lets the kernels round the "
+                         "activations to int8 as llama.cpp's do (e.g. int4-g32+h:int8+a8)")
     ap.add_argument("--gguf", default="shipped,BF16,F16,Q8_0,Q4_0",
                     help="llama.cpp files: `shipped` is the packaged GGUF as shipped, the others llama.cpp's own "
                          "requantisations of it")
@@ -366,8 +368,9 @@ def main() -> None:
 
     fb: dict[str, Any] = {}
     for f in fb_formats:
-        body, _, head = f.partition("+h:")
-        model, kernels = load_quantized(args.model, body, lm_head=head or None)
+        spec, a8 = (f.removesuffix("+a8"), True) if f.endswith("+a8") else (f, False)
+        body, _, head = spec.partition("+h:")
+        model, kernels = load_quantized(args.model, body, lm_head=head or None, activations="int8" if a8 else "16")
         fb[f] = (model, kernels, weight_bytes(model))
     m0 = fb[fb_formats[0]][0]
     n_layers = int(m0.config.num_hidden_layers)
@@ -452,7 +455,8 @@ def print_table(t: int, plens: list[int], times: dict[str, list[list[float]]], f
     print(f"{'engine':<10}{'format':<9}{'linears':>9}{'embd/head':>10}{'MB':>7}{head}"
           f"{'vs fb bf16':>11}{'fb/llama':>9}{'llama own ms':>13}")
     base = "fewbits " + fb_formats[0]
-    rows = [("fewbits", f, f.partition("+h:")[0], "bf16/" + (f.partition("+h:")[2] or "bf16"), fb[f][2])
+    rows = [("fewbits", f, f.partition("+h:")[0], "bf16/" + (f.removesuffix("+a8").partition("+h:")[2] or "bf16"),
+             fb[f][2])
             for f in fb_formats]
     rows += [("llama.cpp", k, facts[k]["linears"], facts[k]["embd"], facts[k]["bytes"]) for k in kinds]
     for eng, fmt, lin, embd, nbytes in rows:

@@ -103,11 +103,13 @@ def run_rtn(model: nn.Module, layers: Sequence[LayerPlan], data: torch.Tensor | 
 #: how QuantLinear layers run their matmul: "auto" is the kernel dispatcher (fast paths, activations in
 #: bf16 on the CPU's int4/int8 kernels; the default); "cached" dequantises once and keeps the dense weight
 #: (exact: the reference numbers, fast evaluation on CPU, a dense copy in memory); "reference" dequantises
-#: on every call (exact, slow, no copy)
+#: on every call (exact, slow, no copy); "auto-a8" is the dispatcher letting kernels round the activations to
+#: int8 as well (llama.cpp's Q8_0 activation blocks on the CPU's few-row paths: faster decode, another rounding)
 KERNELS: dict[str, str] = {
     "reference": "fewbits.models.qlinear:reference_chooser",
     "cached": "fewbits.models.qlinear:dequantized_once_chooser",
     "auto": "fewbits.kernels.dispatch:prepare_linear",
+    "auto-a8": "fewbits.kernels.dispatch:prepare_linear_int8_act",
 }
 #: the kernels `quantize` and `load_quantized_model` prepare when they are given no chooser
 DEFAULT_KERNEL = "auto"

@@ -73,18 +73,24 @@ def model_spec(name_or_path: str, model: torch.nn.Module) -> ModelSpec:
 
 
 def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "cpu",
-                   random_weights: bool = False, lm_head: str | None = None) -> tuple[torch.nn.Module, str]:
+                   random_weights: bool = False, lm_head: str | None = None,
+                   activations: str = "16") -> tuple[torch.nn.Module, str]:
     """Load `name` on `device` (or build it with random weights) and quantise its linears to `weights` (the
-    LM head to `lm_head` where given) with the fast kernels there; (model, kernel names)."""
+    LM head to `lm_head` where given) with the fast kernels there; (model, kernel names).  `activations`
+    "int8" lets the dispatcher choose kernels that also round the activations to int8 (e.g. `cpu_q4_a8`)."""
     from fewbits.api import quantize
     from fewbits.kernels import prepare_linear
+    from fewbits.kernels.dispatch import prepare_linear_int8_act
     from fewbits.models.loading import load_model, random_model
     from fewbits.models.recipe import Recipe
 
     model = random_model(name, dtype, device) if random_weights else load_model(name, dtype=dtype, device=device)[0]
     if weights not in ("bf16", "fp16", "fp32"):
+        if activations not in ("16", "int8"):
+            raise ValueError(f"activations must be 16 or int8, got {activations!r}")
+        chooser = prepare_linear if activations == "16" else prepare_linear_int8_act
         quantize(model, Recipe.from_format(weights, misfit="regroup", lm_head=lm_head), progress=False,
-                 chooser=prepare_linear)
+                 chooser=chooser)
     names = sorted({type(m.kernel).__name__ if not hasattr(m.kernel, "name") else m.kernel.name
                     for m in model.modules() if hasattr(m, "kernel")})
     return model, ",".join(names) or "dense"

@@ -22,10 +22,12 @@ from fewbits.cli.quantize import DTYPES
               help="windows per text category (0 = all; of a --text file at most 1024, read in pieces)")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
               help="dtype of the reference run")
-@click.option("--kernel", type=click.Choice(["cached", "reference", "auto"]), default="cached", show_default=True,
+@click.option("--kernel", type=click.Choice(["cached", "reference", "auto", "auto-a8"]), default="cached",
+              show_default=True,
               help="matmul of the quantised layers: the exact dequantised weights, dequantised once (cached) "
                    "or on every call (reference), or the fast kernel dispatcher (auto: bf16 activations on "
-                   "the CPU's int4/int8 paths; what fewbits.api.load_quantized_model gives by default)")
+                   "the CPU's int4/int8 paths; what fewbits.api.load_quantized_model gives by default; auto-a8: "
+                   "activations rounded to int8 where a kernel can, as llama.cpp's CPU paths do)")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="write results as JSON")
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
               help="write a plot (PNG) of this run's KL per kind of text (mean and 99th percentile); "

@@ -122,7 +122,7 @@ def _why_not(mods: list[nn.Module]) -> str | None:
             return "weight dtypes or devices differ"
         return None
     kernel = getattr(m0, "kernel", None)
-    if type(kernel) not in (*INT8_KERNELS, Int4PackKernel, Q4Kernel):
+    if type(kernel) not in (*INT8_KERNELS, Int4PackKernel) and not isinstance(kernel, Q4Kernel):
         return f"kernel {getattr(kernel, 'name', type(kernel).__name__)} is not one that fuses"
     if len({type(m.kernel) for m in mods}) != 1:
         return "kernels differ (" + ", ".join(sorted({m.kernel.name for m in mods})) + ")"
@@ -131,7 +131,7 @@ def _why_not(mods: list[nn.Module]) -> str | None:
             return "int4 groups differ"
         if any(m.kernel.shape[0] % INT4_ROW_BLOCK for m in mods):
             return f"an int4 part's rows are not a multiple of {INT4_ROW_BLOCK} (the operator's packing block)"
-    if type(kernel) is Q4Kernel:
+    if isinstance(kernel, Q4Kernel):  # its int8-activation subclass too (the path travels with the copy)
         if len({m.kernel.group for m in mods}) != 1:
             return "int4 groups differ"
         if len({m.kernel.bits for m in mods}) != 1:
@@ -271,7 +271,7 @@ def _fuse(mods: list[nn.Module]) -> tuple[FusedLinear | None, str | None]:
         return _fuse_dense(mods, sizes), None
     if type(mods[0].kernel) in INT8_KERNELS:
         return _fuse_int8(mods, sizes), None
-    if type(mods[0].kernel) is Q4Kernel:
+    if isinstance(mods[0].kernel, Q4Kernel):
         return _fuse_q4(mods, sizes), None
     return _fuse_int4(mods, sizes)
 

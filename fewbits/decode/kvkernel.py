@@ -692,7 +692,7 @@ NAME = "fewbits_attend_kv"
 
 #: built without -ffast-math: `append_kv` must round as `fewbits.kvcache.quant` does (a division stays a
 #: division); the attention's sums vectorise through `omp simd` instead
-CFLAGS = [f for f in native.CFLAGS if f != "-ffast-math"]
+CFLAGS = native.EXACT_CFLAGS
 
 
 def available() -> bool:

@@ -42,7 +42,7 @@ import os
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.kernels import native
+from fewbits.kernels import act8, native
 from fewbits.tensor import QuantizedTensor
 
 ROWS = 16  # output rows per block: fused parts need multiples of this
@@ -54,6 +54,7 @@ _SRC = r"""
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define FB_FAST 1
@@ -70,6 +71,9 @@ _SRC = r"""
 
 namespace {
 constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
+// 64-byte chunks ahead of the one read that the one-row paths prefetch (the blocks are contiguous, so this runs
+// into the next block at a block's end)
+constexpr int64_t PREFETCH_CHUNKS = 32;
 // rows of x from which the AMX path runs (fewer: vdpbf16ps, which decodes less per call)
 constexpr int64_t AMX_MIN_ROWS = 3;
 
@@ -181,6 +185,7 @@ void block_fast(const Args& a, int64_t b, int64_t m0, __m512i tab) {
     for (int t = 0; t < T; ++t)
       for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_ps();
     for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
       const __m512i wd = _mm512_loadu_si512(cb + c * 32);
       __m512i w[4];
       w[0] = _mm512_permutexvar_epi16(wd, tab);
@@ -218,6 +223,97 @@ void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i t
     default: block_fast<8>(a, b, m0, tab); break;
   }
 }
+
+#if defined(__AVX512VNNI__)
+#define FB_A8 1
+// int8 activations (path 3): x quantised per row and block of 32 columns (fewbits.kernels.act8), stored per
+// 8-column chunk in the order the nibbles come out of a chunk's 32-bit lanes (columns 0 4 1 5, then 2 6 3 7),
+// so one vpdpbusd multiplies 16 rows' 4 codes (unsigned) by 4 broadcast activations (signed).
+struct A8 {
+  const int8_t* xq;   // (M, K) permuted per chunk
+  const float* xs;    // (M, K/32) block scales
+  const float* qsum;  // (M, G) sum over the group's blocks of xs * sum(xq): the zero term's sum of x
+};
+
+@Q8_BLOCK@
+void quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xs, float* qsum) {
+  const int64_t nb = K / 32, G = K / group;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) qsum[m * G + g] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[32];
+      for (int k = 0; k < 32; ++k) v[k] = bf2f(x[m * K + b * 32 + k]);
+      int8_t q[32];
+      const float d = fb_q8_block(v, 32, q);  // fewbits.kernels.act8
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) sum += q[k];
+      static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 8; ++i) xq[m * K + b * 32 + c * 8 + i] = q[c * 8 + order[i]];
+      xs[m * nb + b] = d;
+      qsum[m * G + (b * 32) / group] += d * float(sum);
+    }
+  }
+}
+
+template <int T>
+void block_a8(const Args& a, const A8& q, int64_t b, int64_t m0) {
+  constexpr int NA = T == 1 ? 2 : 1;  // int32 accumulators per row (lo and hi nibbles apart at one row)
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t nb = a.K / 32, bpg = a.group / 32;
+  const float off = float(1 << (a.bits - 1));
+  __m512 y[T];
+  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 f[T];
+    for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
+    for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
+      __m512i acc[T][NA];
+      for (int t = 0; t < T; ++t)
+        for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_si512();
+      for (int64_t c = xb * 4; c < xb * 4 + 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
+        const __m512i wd = _mm512_loadu_si512(cb + c * 32);
+        const __m512i lo = _mm512_and_si512(wd, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wd, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xp = q.xq + (m0 + t) * a.K + c * KC;
+          int32_t x0, x1;
+          std::memcpy(&x0, xp, 4);
+          std::memcpy(&x1, xp + 4, 4);
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, _mm512_set1_epi32(x0));
+          acc[t][NA - 1] = _mm512_dpbusd_epi32(acc[t][NA - 1], hi, _mm512_set1_epi32(x1));
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i s32 = NA == 2 ? _mm512_add_epi32(acc[t][0], acc[t][NA - 1]) : acc[t][0];
+        f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(q.xs[(m0 + t) * nb + xb]), f[t]);
+      }
+    }
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
+    for (int t = 0; t < T; ++t) {  // s * (sum c xq xs - o * sum xq xs)
+      const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.qsum[(m0 + t) * a.G + g]), f[t]);
+      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
+void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
+  switch (mt) {
+    case 1: block_a8<1>(a, q, b, m0); break;
+    case 2: block_a8<2>(a, q, b, m0); break;
+    case 3: block_a8<3>(a, q, b, m0); break;
+    default: block_a8<4>(a, q, b, m0); break;
+  }
+}
+#else
+#define FB_A8 0
+#endif
 
 #if FB_AMX
 struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
@@ -326,16 +422,23 @@ Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
 }
 }  // namespace
 
-// 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process)
+// 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process); +4: the
+// int8-activation path (AVX512-VNNI) is built
 int64_t q4_isa() {
+  int64_t isa = FB_FAST;
 #if FB_AMX
-  if (amx_ready()) return 2;
+  if (amx_ready()) isa = 2;
 #endif
-  return FB_FAST;
+#if FB_FAST
+  isa += 4 * FB_A8;
+#endif
+  return isa;
 }
 
 // (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
-// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only.
+// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 as 0 but
+// x in int8 (blocks of 32 columns) through vpdpbusd where AMX does not run (fewer rows) and the group is a
+// multiple of 32; elsewhere path 3 is path 0.
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
   const int64_t portable = path == 1;
@@ -362,8 +465,22 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
 #if FB_AMX
-  const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
+  const bool amx = fast && (path == 0 || path == 3) && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
+#else
+  const bool amx = false;
 #endif
+#if FB_FAST && FB_A8
+  const bool a8 = fast && path == 3 && !amx && a.group % 32 == 0;
+  std::vector<int8_t> xq;
+  std::vector<float> xsb, qsum;
+  A8 q{};
+  if (a8) {
+    xq.resize(M * a.K); xsb.resize(M * (a.K / 32)); qsum.resize(M * a.G);
+    quantize_x(a.x, M, a.K, a.group, xq.data(), xsb.data(), qsum.data());
+    q = A8{xq.data(), xsb.data(), qsum.data()};
+  }
+#endif
+  (void)amx;
   at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
 #if FB_FAST
     const __m512i tab = code_table(a.bits);
@@ -380,6 +497,13 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
           block_amx(a, b, m0, mt, tab, bbuf, cbuf);
         }
       _tile_release();
+      return;
+    }
+#endif
+#if FB_FAST && FB_A8
+    if (a8) {
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) block_a8_rows(a, q, b, m0, std::min<int64_t>(4, M - m0));
       return;
     }
 #endif
@@ -429,6 +553,7 @@ TORCH_LIBRARY(fewbits_q4, m) {
 """
 
 NAME = "fewbits_q4"
+_SRC = _SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC)
 
 
 def _fake_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -450,6 +575,11 @@ def available(src: str = _SRC, name: str = NAME, cflags: list[str] | None = None
 def fast_path() -> bool:
     """Whether the built operator has the AVX512-BF16 path (else it runs the portable loops)."""
     return available() and bool(torch.ops.fewbits_q4.q4_isa())
+
+
+def a8_path() -> bool:
+    """Whether the built operator has the int8-activation path (AVX512-VNNI)."""
+    return available() and bool(int(torch.ops.fewbits_q4.q4_isa()) & 4)
 
 
 def _offset(qt: QuantizedTensor) -> torch.Tensor:
@@ -566,3 +696,26 @@ class Q4Kernel:
         if bias is not None:
             y = y + (bias if bias.dtype == y.dtype else bias.to(y.dtype))
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+class Q4A8Kernel(Q4Kernel):
+    """`Q4Kernel` with the activations in int8 where few rows multiply (llama.cpp's Q4_0 x Q8_0 numerics): each
+    row of x quantised per block of 32 columns (`fewbits.kernels.act8`), codes times those int8
+    values summed exactly in int32 by ``vpdpbusd`` (64 products an instruction against ``vdpbf16ps``'s 32, no
+    table lookups), scaled per block and group in fp32.  The dispatcher offers it only in its opt-in "int8"
+    activation mode (`fewbits.kernels.dispatch.choose_kernel(..., activations="int8")`): it adds the
+    activations' rounding to the weights'.  From 3 rows on, with AMX, the bf16 path runs as in `Q4Kernel`."""
+
+    name = "cpu_q4_a8"
+    path = 3
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        why = Q4Kernel.supports(fmt, shape)
+        if why is not None:
+            return why
+        if group_of(fmt, shape[1]) % 32:
+            return f"needs groups of a multiple of 32 columns (the activations' blocks), {fmt.spec} has fewer"
+        if not a8_path():
+            return "this CPU has no AVX512-VNNI"
+        return None

@@ -34,3 +34,29 @@ class Int8RowsKernel(Int8PackKernel):
         if x2.shape[0] > self.max_rows:
             return super().__call__(x, bias)
         return _finish(torch.ops.fewbits_rows.int8_mm(x2, self.q, self.scales, self.corr), x, bias)
+
+
+class Int8RowsA8Kernel(Int8RowsKernel):
+    """`Int8RowsKernel` with int8 activations at few rows (`fewbits_rows::int8_mm_a8`): x rounded per row and
+    block of 32 columns (`fewbits.kernels.act8`, llama.cpp's Q8_0 x Q8_0 numerics) and multiplied in integers
+    by ``vpdpbusd``; more rows as `Int8RowsKernel`.  Offered only in the dispatcher's opt-in "int8" activation
+    mode."""
+
+    name = "cpu_int8_rows_a8"
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        why = Int8RowsKernel.supports(fmt, shape)
+        if why is not None:
+            return why
+        if shape[1] % 32:
+            return f"needs in_features divisible by 32 (the activations' blocks), weight shape is {tuple(shape)}"
+        if not torch.ops.fewbits_rows.a8_fast():
+            return "this CPU has no AVX512-VNNI"
+        return None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > self.max_rows:
+            return super().__call__(x, bias)
+        return _finish(torch.ops.fewbits_rows.int8_mm_a8(x2, self.q, self.scales, self.corr), x, bias)

@@ -34,7 +34,8 @@ CANDIDATES: dict[str, dict[str, tuple[Any, ...]]] = {
     "cpu": {
         "16": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
                cpu.Fp8DequantKernel),
-        "int8": (cpu.W8A8IntMMKernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu.Int8PackKernel,
+        "int8": (cpu.W8A8IntMMKernel, cpu_int4.Q4A8Kernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel,
+                 cpu_rows.Int8RowsA8Kernel, cpu.Int8PackKernel,
                  cpu.Fp8DequantKernel),
         "fp8": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
                 cpu.Fp8DequantKernel),
@@ -116,6 +117,13 @@ def prepare_linear(
     else:
         log.debug("fewbits.kernels: %s %s -> %s", qt.fmt.spec, tuple(qt.shape), reason)
     return kernel
+
+
+def prepare_linear_int8_act(qt: QuantizedTensor, device: str | torch.device | None = None) -> Any:
+    """`prepare_linear` in the "int8" activation mode: where a kernel can, it rounds the activations to int8 (W8A8
+    per-token at many rows, per block of 32 columns at few, `cpu_q4_a8` for <= 4-bit weights on AVX512-VNNI),
+    the rest as in the weight-only mode."""
+    return prepare_linear(qt, device, activations="int8")
 
 
 _PREPARED: dict[tuple[int, str, str], Any] = {}

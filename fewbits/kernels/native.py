@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+#: for operators whose results a test reproduces bit for bit (no reassociation, no reciprocal rewrites)
+EXACT_CFLAGS = [f for f in CFLAGS if f != "-ffast-math"]
 
 log = logging.getLogger("fewbits.kernels")
 

@@ -29,7 +29,7 @@ import os
 
 import torch
 
-from fewbits.kernels import native
+from fewbits.kernels import act8, native
 
 SRC = r"""
 #include <ATen/core/Tensor.h>
@@ -37,6 +37,8 @@ SRC = r"""
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(FEWBITS_ROWS_PORTABLE)
@@ -52,6 +54,9 @@ SRC = r"""
 namespace {
 constexpr int64_t MAXM = 8;     // rows of x per pass over the weight
 constexpr int64_t BLOCK = 32;   // output channels per parallel unit
+// rows of weight ahead whose same columns a pass prefetches (the hardware prefetcher misses the pattern of R rows
+// read side by side)
+constexpr int64_t PREFETCH_ROWS = 16;
 
 enum Kind { BF16 = 0, F16 = 1, I8 = 2 };
 
@@ -109,7 +114,10 @@ inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
   for (; k + 32 <= K; k += 32) {
     __m512i wv[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) wv[r] = _mm512_loadu_si512(w + r * ld + k);
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm512_loadu_si512(w + r * ld + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512i xv = _mm512_loadu_si512(x + m * K + k);
@@ -171,7 +179,11 @@ inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64
   for (; k + 16 <= K; k += 16) {
     __m512 wv[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
+    for (int r = 0; r < R; ++r) {
+      wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
+      if ((k * (KIND == I8 ? 1 : 2)) % 64 == 0)  // once per cache line of the weight row
+        _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * (KIND == I8 ? 1 : 2), _MM_HINT_T0);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
       const __m512 xv = _mm512_loadu_ps(x + m * K + k);
@@ -216,7 +228,79 @@ void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int
   for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
   for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
 }
+
+#ifdef __AVX512VNNI__
+#define ROWS_A8 1
+// int8 weights x int8 activations (int8_mm_a8): xu = codes + 128 (unsigned, M x K), d (M x K/32) their block
+// scales.  Per 64 columns: vpdpbusd(xu, w) - vpdpbusd(128, w) = sum of codes * w over each lane's 4 columns,
+// exact in int32; lanes 0-7 hold the first block of 32 columns, 8-15 the second, scaled in fp32 by its d.
+template <int M, int R>
+inline void block_a8(const uint8_t* __restrict xu, const float* __restrict d, int64_t K, const int8_t* w, int64_t ld,
+                     float* acc_out) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const bool full = K - k >= 64;  // else 32 columns (K is a multiple of 32)
+    const __mmask64 mk = full ? ~0ull : 0xFFFFFFFFull;
+    __m512i wv[R], corr[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm512_maskz_loadu_epi8(mk, w + r * ld + k);
+      corr[r] = _mm512_dpbusd_epi32(zero, c128, wv[r]);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(mk, xu + m * K + k);
+      const float* dm = d + m * (K / 32) + k / 32;
+      const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dm[0]), _mm256_set1_ps(full ? dm[1] : 0.f), 1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i t = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xv, wv[r]), corr[r]);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), dv, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int M>
+void rows_a8(const uint8_t* xu, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t n0, int64_t n1,
+             float* __restrict out, int64_t N) {
+  constexpr int R = chans<M>();
+  float acc[M * R];
+  int64_t n = n0;
+  auto one = [&](auto rtag, int64_t n) {
+    constexpr int RR = decltype(rtag)::value;
+    block_a8<M, RR>(xu, d, K, w + n * ld, ld, acc);
+    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
+  };
+  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+}
 #endif
+#endif
+#ifndef ROWS_A8
+#define ROWS_A8 0
+#endif
+
+@Q8_BLOCK@
+// the portable int8-activation product, and the operator's reference order of operations: per row of x and
+// block of 32 columns the exact integer sum, times d, summed in fp32
+void rows_a8_portable(const int8_t* xq, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t M,
+                      int64_t n0, int64_t n1, float* out, int64_t N) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        int32_t s = 0;
+        for (int64_t k = b * 32; k < b * 32 + 32; ++k) s += int32_t(xq[m * K + k]) * int32_t(w[n * ld + k]);
+        acc += float(s) * d[m * (K / 32) + b];
+      }
+      out[m * N + n] = acc;
+    }
+}
 
 // out (M x N, fp32) = x (M x K) . w (N x K, row stride ld_bytes)^T for M <= MAXM
 template <int M>
@@ -292,14 +376,79 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   return out.to(x.scalar_type());
 }
 
+// as int8_mm, with x rounded to int8 per row and block of 32 columns (fewbits.kernels.act8) and multiplied in
+// integers; in_features must be a multiple of 32
+at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& corr) {
+  check_w(x, q, "int8_mm_a8");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm_a8: q must be int8, got ", q.scalar_type());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm_a8: x must be a float tensor, got ", x.scalar_type());
+  const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "int8_mm_a8: in_features ", K, " is not a multiple of 32 (the activations' blocks)");
+  TORCH_CHECK(scales.numel() == N, "int8_mm_a8: ", N, " output channels but ", scales.numel(), " scales");
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* X = xf.data_ptr<float>();
+  std::vector<int8_t> xq(M * K);
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> d(M * (K / 32));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      d[m * (K / 32) + b] = fb_q8_block(X + m * K + b * 32, 32, xq.data() + m * K + b * 32);
+      for (int64_t k = m * K + b * 32; k < m * K + b * 32 + 32; ++k) xu[k] = uint8_t(int32_t(xq[k]) + 128);
+    }
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* O = out.data_ptr<float>();
+  const int8_t* W = static_cast<const int8_t*>(q.data_ptr());
+  const int64_t ld = q.stride(0);
+  if (M && N) {
+    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+      const int64_t mm = std::min(MAXM, M - m0);
+      at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+        const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
+#if ROWS_A8
+        const uint8_t* xm = xu.data() + m0 * K;
+        const float* dm = d.data() + m0 * (K / 32);
+        float* om = O + m0 * N;
+        switch (mm) {
+          case 1: rows_a8<1>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 2: rows_a8<2>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 3: rows_a8<3>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 4: rows_a8<4>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 5: rows_a8<5>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 6: rows_a8<6>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 7: rows_a8<7>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          default: rows_a8<8>(xm, dm, W, ld, K, n0, n1, om, N); break;
+        }
+#else
+        rows_a8_portable(xq.data() + m0 * K, d.data() + m0 * (K / 32), W, ld, K, mm, n0, n1, O + m0 * N, N);
+#endif
+      });
+    }
+  }
+  out.mul_(scales.to(at::kFloat).reshape({1, N}));
+  if (corr.has_value() && corr->defined()) {
+    TORCH_CHECK(corr->numel() == N, "int8_mm_a8: ", N, " output channels but ", corr->numel(), " corrections");
+    out.add_(xf.sum(1, true) * corr->to(at::kFloat).reshape({1, N}));
+  }
+  return out.to(x.scalar_type());
+}
+
+// whether int8_mm_a8 runs vpdpbusd here (else its plain loops)
+int64_t a8_fast() { return ROWS_A8; }
+
 TORCH_LIBRARY(ROWS_NS, m) {
   m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.def("a8_fast() -> int");
   m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
   m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
+  m.impl("int8_mm_a8", c10::DispatchKey::CPU, &int8_mm_a8);
+  m.impl("a8_fast", c10::DispatchKey::CatchAll, &a8_fast);
 }
 """
 
+SRC = SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC)
 NAME = "fewbits_rows"
 MAX_ROWS = 8  # rows of x up to which int8_mm beats torch's int8 operator (benchmarks/bench_rows.py)
 #: weight dtype -> rows of x up to which dense_mm beats torch's matmul (bf16: oneDNN is faster from 4 rows)
@@ -316,7 +465,7 @@ def _fake_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, corr: tor
 
 def fakes(ns: str = NAME) -> dict:
     """The fake implementations of the operators under namespace `ns`."""
-    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8}
+    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8, f"{ns}::int8_mm_a8": _fake_int8}
 
 
 def available() -> bool:

@@ -81,3 +81,43 @@ def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: to
         if corr is not None:
             ref = ref + x.float().sum(-1, keepdim=True) * corr
         _close(ops.int8_mm(x, q, s, corr), ref, dtype)
+
+
+def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The product as specified: act8's codes times the int8 weight summed exactly per block of 32, times the
+    block's d, summed over blocks, times the channel's scale (float64)."""
+    from fewbits.kernels.act8 import quantize_blocks
+
+    xq, d = quantize_blocks(x)
+    M, K = x.shape
+    prod = (xq.long().reshape(M, 1, K // 32, 32) * q.long().reshape(1, -1, K // 32, 32)).sum(-1)
+    return (prod.double() * d.double().reshape(M, 1, -1)).sum(-1) * scales.double()
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", ["native", "portable"])
+@pytest.mark.parametrize("K", [576, 96])
+def test_int8_a8_is_the_integer_product_of_the_activation_blocks(impl: str, K: int) -> None:
+    """int8_mm_a8: within one bf16 rounding of the exact integer products (K = 96 ends on half a 64-column
+    step); the correction of asymmetric formats adds sum(x) * corr as int8_mm does."""
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(K)
+    q = torch.randint(-127, 128, (203, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(203, generator=g) * 0.01
+    corr = torch.randn(203, generator=g) * 0.01
+    for M in (1, 2, 5, 9):
+        x = (torch.randn(M, K, generator=g) * 3).to(torch.bfloat16)
+        ref = _a8_reference(x, q, scales)
+        y = ops.int8_mm_a8(x, q, scales, None)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, 203)
+        assert ((y.double() - ref).abs() - 2.0**-8 * ref.abs() - 1e-9).max() <= 0, (impl, K, M)
+        ref_c = ref + x.double().sum(1, keepdim=True) * corr.double()
+        y_c = ops.int8_mm_a8(x, q, scales, corr).double()
+        assert ((y_c - ref_c).abs() - 2.0**-8 * ref_c.abs() - 1e-6).max() <= 0, (impl, K, M)
+
+
+@needs_ops
+def test_int8_a8_refuses_a_width_not_of_whole_blocks() -> None:
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.fewbits_rows.int8_mm_a8(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4),
+                                          None)
