@@ -91,26 +91,38 @@ def rows_on() -> bool:
     return rows.enabled()
 
 
-def linear16(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`mod(x)`; a 16-bit `nn.Linear` on a CPU with at most `rows.DENSE_MAX_ROWS[dtype]` rows of x runs as
-    ``fewbits_rows::dense_mm`` (the weight read in place: the LM head is often the tied embedding).  More
-    rows, other modules, a forward that records gradients (the operator has no backward), or without the
-    operators (`rows_on`): the module itself."""
-    w = getattr(mod, "weight", None)
-    if (type(mod) is not nn.Linear or w is None or x.device.type != "cpu" or x.dtype != w.dtype
-            or x.numel() // x.shape[-1] > rows.DENSE_MAX_ROWS.get(w.dtype, 0)
+def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ w.T (+ bias) through ``fewbits_rows::dense_mm`` (the weight read in place) where it applies: a CPU,
+    16-bit x and w of one dtype, at most `rows.DENSE_MAX_ROWS[dtype]` rows of x, no gradient recorded (the
+    operator has no backward), the operators built (`rows_on`); else None."""
+    if (x.device.type != "cpu" or x.dtype != w.dtype or x.numel() // x.shape[-1] > rows.DENSE_MAX_ROWS.get(w.dtype, 0)
             or (w.requires_grad and torch.is_grad_enabled()) or not rows_on()):
-        return mod(x)
+        return None
     y = torch.ops.fewbits_rows.dense_mm(x.reshape(-1, x.shape[-1]), w)
-    if mod.bias is not None:
-        y = y + mod.bias
+    if bias is not None:
+        y = y + bias
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def linear16(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`mod(x)`; a 16-bit `nn.Linear` with few rows of x on a CPU through `_dense` (the LM head, often the tied
+    embedding, and a 16-bit model's projections).  Other modules (the quantised ones run their own kernel):
+    the module itself."""
+    w = getattr(mod, "weight", None)
+    y = _dense(x, w, mod.bias) if type(mod) is nn.Linear and w is not None else None
+    return mod(x) if y is None else y
+
+
+def _fused(fl: object, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A fused projection's parts; a 16-bit one through `_dense` where it applies."""
+    y = _dense(x, fl.weight, fl.bias) if fl.kernel is None else None
+    return fl(x) if y is None else tuple(y.split(fl.sizes, dim=-1))
 
 
 def _qkv(attn: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if f is not None and f.qkv is not None:
-        return f.qkv(x)
-    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        return _fused(f.qkv, x)
+    return linear16(attn.q_proj, x), linear16(attn.k_proj, x), linear16(attn.v_proj, x)
 
 
 def _mlp(mlp: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> torch.Tensor:
@@ -118,8 +130,8 @@ def _mlp(mlp: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> torch.
     matmul where they were fused, else the model's own module."""
     if f is None or f.gate_up is None:
         return mlp(x)
-    gate, up = f.gate_up(x)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
+    gate, up = _fused(f.gate_up, x)
+    return linear16(mlp.down_proj, mlp.act_fn(gate) * up)
 
 
 def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch.Tensor, ids: torch.Tensor,
@@ -177,7 +189,7 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
                 o = _attend_dense(q, kd, vd, allowed[:, :, :length], plan.scaling)
             else:
                 o = _attend_codes(q, kv, allowed, slot, plan.scaling)
-        o = attn.o_proj(o.transpose(1, 2).reshape(B, n, Hq * D))
+        o = linear16(attn.o_proj, o.transpose(1, 2).reshape(B, n, Hq * D))
         if arch.sandwich:
             h = res + layer.post_attention_layernorm(o)
             h = h + layer.post_feedforward_layernorm(_mlp(layer.mlp, f, layer.pre_feedforward_layernorm(h)))

@@ -33,7 +33,6 @@ from fewbits.kernels import act8, native
 
 SRC = r"""
 #include <ATen/core/Tensor.h>
-#include <ATen/TensorOperators.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <ATen/Parallel.h>
@@ -320,15 +319,68 @@ using RowsFn = void (*)(const void*, const char*, int64_t, Kind, int64_t, int64_
 constexpr RowsFn ROWS[MAXM] = {run_rows<1>, run_rows<2>, run_rows<3>, run_rows<4>,
                                run_rows<5>, run_rows<6>, run_rows<7>, run_rows<8>};
 
-// out (M x N fp32) for any M: passes of up to MAXM rows over the weight
-void matmul_rows(const at::Tensor& x, const char* w, int64_t ld_bytes, Kind kind, int64_t N, float* out) {
-  const int64_t M = x.size(0), K = x.size(1);
-  const char* xp = static_cast<const char*>(x.data_ptr());
-  const int64_t xrow = K * x.element_size();
+// out (M x N fp32) for any M: passes of up to MAXM rows over the weight; x (M x K) of xsize bytes an element
+void matmul_rows(const void* x, int64_t M, int64_t K, int64_t xsize, const char* w, int64_t ld_bytes, Kind kind,
+                 int64_t N, float* out) {
+  const char* xp = static_cast<const char*>(x);
+  const int64_t xrow = K * xsize;
   for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
     const int64_t mm = std::min(MAXM, M - m0);
     ROWS[mm - 1](xp + m0 * xrow, w, ld_bytes, kind, K, N, out + m0 * N);
   }
+}
+
+// a float tensor's values as fp32 in a plain buffer (a decode call's x, scales, corrections: no torch temporaries,
+// whose allocation and dispatch cost more than these few kilobytes)
+std::vector<float> as_float(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  std::vector<float> v(c.numel());
+  if (c.scalar_type() == at::kFloat) std::memcpy(v.data(), c.data_ptr<float>(), v.size() * 4);
+  else if (c.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* p = c.data_ptr<at::BFloat16>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = float(p[i]);
+  } else if (c.scalar_type() == at::kHalf) {
+    const at::Half* p = c.data_ptr<at::Half>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = float(p[i]);
+  } else {
+    const at::Tensor f = c.to(at::kFloat);
+    std::memcpy(v.data(), f.data_ptr<float>(), v.size() * 4);
+  }
+  return v;
+}
+
+// y (M x N) in `like`'s dtype = acc * scales[n] (+ xsum[m] * corr[n]), rounded once
+at::Tensor finish(const std::vector<float>& acc, int64_t M, int64_t N, const float* scales, const float* xsum,
+                  const float* corr, const at::Tensor& like) {
+  at::Tensor y = at::empty({M, N}, like.options());
+  auto value = [&](int64_t m, int64_t n) {
+    float v = acc[m * N + n];
+    if (scales) v *= scales[n];
+    if (corr) v += xsum[m] * corr[n];
+    return v;
+  };
+  if (y.scalar_type() == at::kBFloat16) {
+    at::BFloat16* o = y.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = at::BFloat16(value(m, n));
+  } else if (y.scalar_type() == at::kHalf) {
+    at::Half* o = y.data_ptr<at::Half>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = at::Half(value(m, n));
+  } else if (y.scalar_type() == at::kFloat) {
+    float* o = y.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = value(m, n);
+  } else {
+    at::Tensor f = at::empty({M, N}, like.options().dtype(at::kFloat));
+    float* o = f.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = value(m, n);
+    return f.to(like.scalar_type());
+  }
+  return y;
+}
+
+std::vector<float> row_sums(const std::vector<float>& x, int64_t M, int64_t K) {
+  std::vector<float> s(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) for (int64_t k = 0; k < K; ++k) s[m] += x[m * K + k];
+  return s;
 }
 
 void check_w(const at::Tensor& x, const at::Tensor& w, const char* op) {
@@ -344,17 +396,25 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
   check_w(x, w, "dense_mm");
   TORCH_CHECK(x.scalar_type() == w.scalar_type() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
               "dense_mm: x and w must both be bf16 or both fp16, got ", x.scalar_type(), " and ", w.scalar_type());
-  const int64_t M = x.size(0), N = w.size(0);
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   const Kind kind = w.scalar_type() == at::kBFloat16 ? BF16 : F16;
-  at::Tensor xc;
+  std::vector<float> acc(M * N);
+  if (M && N) {
+    const char* W = static_cast<const char*>(w.data_ptr());
 #ifdef ROWS_AVX512
-  xc = kind == BF16 ? x.contiguous() : x.to(at::kFloat).contiguous();
+    if (kind == BF16) {  // bf16 pairs straight into dpbf16
+      const at::Tensor xc = x.contiguous();
+      matmul_rows(xc.data_ptr(), M, K, 2, W, w.stride(0) * 2, kind, N, acc.data());
+    } else {
+      const std::vector<float> xf = as_float(x);
+      matmul_rows(xf.data(), M, K, 4, W, w.stride(0) * 2, kind, N, acc.data());
+    }
 #else
-  xc = x.to(at::kFloat).contiguous();
+    const std::vector<float> xf = as_float(x);
+    matmul_rows(xf.data(), M, K, 4, W, w.stride(0) * 2, kind, N, acc.data());
 #endif
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M && N) matmul_rows(xc, static_cast<const char*>(w.data_ptr()), w.stride(0) * 2, kind, N, out.data_ptr<float>());
-  return out.to(x.scalar_type());
+  }
+  return finish(acc, M, N, nullptr, nullptr, nullptr, x);
 }
 
 // x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
@@ -363,17 +423,16 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   check_w(x, q, "int8_mm");
   TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm: q must be int8, got ", q.scalar_type());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
-  const int64_t M = x.size(0), N = q.size(0);
+  const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
   TORCH_CHECK(scales.numel() == N, "int8_mm: ", N, " output channels but ", scales.numel(), " scales");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M && N) matmul_rows(xf, static_cast<const char*>(q.data_ptr()), q.stride(0), I8, N, out.data_ptr<float>());
-  out.mul_(scales.to(at::kFloat).reshape({1, N}));
-  if (corr.has_value() && corr->defined()) {
-    TORCH_CHECK(corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
-    out.add_(xf.sum(1, true) * corr->to(at::kFloat).reshape({1, N}));
-  }
-  return out.to(x.scalar_type());
+  const bool has_c = corr.has_value() && corr->defined();
+  TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
+  const std::vector<float> xf = as_float(x), sc = as_float(scales);
+  const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
+                                                                                           : std::vector<float>();
+  std::vector<float> acc(M * N);
+  if (M && N) matmul_rows(xf.data(), M, K, 4, static_cast<const char*>(q.data_ptr()), q.stride(0), I8, N, acc.data());
+  return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
 // as int8_mm, with x rounded to int8 per row and block of 32 columns (fewbits.kernels.act8) and multiplied in
@@ -386,8 +445,13 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
   TORCH_CHECK(K % 32 == 0, "int8_mm_a8: in_features ", K, " is not a multiple of 32 (the activations' blocks)");
   TORCH_CHECK(scales.numel() == N, "int8_mm_a8: ", N, " output channels but ", scales.numel(), " scales");
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* X = xf.data_ptr<float>();
+  const bool has_c = corr.has_value() && corr->defined();
+  TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm_a8: ", N, " output channels but ", corr->numel(),
+              " corrections");
+  const std::vector<float> xf = as_float(x), sc = as_float(scales);
+  const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
+                                                                                           : std::vector<float>();
+  const float* X = xf.data();
   std::vector<int8_t> xq(M * K);
   std::vector<uint8_t> xu(M * K);
   std::vector<float> d(M * (K / 32));
@@ -396,8 +460,8 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
       d[m * (K / 32) + b] = fb_q8_block(X + m * K + b * 32, 32, xq.data() + m * K + b * 32);
       for (int64_t k = m * K + b * 32; k < m * K + b * 32 + 32; ++k) xu[k] = uint8_t(int32_t(xq[k]) + 128);
     }
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* O = out.data_ptr<float>();
+  std::vector<float> acc(M * N);
+  float* O = acc.data();
   const int8_t* W = static_cast<const int8_t*>(q.data_ptr());
   const int64_t ld = q.stride(0);
   if (M && N) {
@@ -425,12 +489,7 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
       });
     }
   }
-  out.mul_(scales.to(at::kFloat).reshape({1, N}));
-  if (corr.has_value() && corr->defined()) {
-    TORCH_CHECK(corr->numel() == N, "int8_mm_a8: ", N, " output channels but ", corr->numel(), " corrections");
-    out.add_(xf.sum(1, true) * corr->to(at::kFloat).reshape({1, N}));
-  }
-  return out.to(x.scalar_type());
+  return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
 // whether int8_mm_a8 runs vpdpbusd here (else its plain loops)
