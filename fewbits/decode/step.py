@@ -127,10 +127,13 @@ def _qkv(attn: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> tuple
 
 def _mlp(mlp: torch.nn.Module, f: LayerFusion | None, x: torch.Tensor) -> torch.Tensor:
     """The gated MLP (down(act(gate(x)) * up(x)), as transformers' Llama/Qwen/Gemma MLPs) with gate/up as one
-    matmul where they were fused, else the model's own module."""
+    matmul where they were fused, its projections through `linear16`; another kind of MLP: the module itself."""
     if f is None or f.gate_up is None:
-        return mlp(x)
-    gate, up = _fused(f.gate_up, x)
+        if not all(hasattr(mlp, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return mlp(x)
+        gate, up = linear16(mlp.gate_proj, x), linear16(mlp.up_proj, x)
+    else:
+        gate, up = _fused(f.gate_up, x)
     return linear16(mlp.down_proj, mlp.act_fn(gate) * up)
 
 

@@ -71,3 +71,26 @@ def test_compiled_keeps_one_operator_node() -> None:
     assert "fewbits_rows.dense_mm" in str(explain.graphs[0].code)
     compiled = torch.compile(lambda t: step.linear16(lin, t), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), step.linear16(lin, x))
+
+
+@needs_ops
+@pytest.mark.parametrize("fuse", [True, False])
+def test_a_16bit_step_runs_every_projection_on_the_operator(fuse: bool) -> None:
+    """A bf16 model's decode step (one row): q/k/v, o, gate/up, down and the head all run as dense_mm (fused:
+    4 calls a layer, else 7), and the logits are the model's own to bf16 rounding."""
+    from decode_models import build
+    from torch.profiler import profile
+
+    from fewbits.decode.runner import StaticDecoder
+
+    model = build("llama", torch.bfloat16)
+    dec = StaticDecoder(model, "bf16", 1, 64, compile=False, fuse=fuse)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    dec.prefill(ids)
+    with torch.no_grad(), profile() as prof:
+        got = dec.step(torch.tensor([7]))
+    calls = sum(e.count for e in prof.key_averages() if e.key == "fewbits_rows::dense_mm")
+    assert calls == (4 if fuse else 7) * model.config.num_hidden_layers + 1
+    with torch.no_grad():
+        want = model(torch.tensor([[1, 5, 9, 3, 7]])).logits[0, -1].float()
+    assert (got[0].float() - want).abs().max() <= 0.05 * want.abs().max()
