@@ -52,7 +52,7 @@ def _load(args: argparse.Namespace, weights: str) -> torch.nn.Module:
     "+a8" (int4-g32+a8) lets the kernels round the activations to int8 (`cpu_q4_a8`)."""
     from fewbits.bench.decode import load_quantized
 
-    act = "int8" if weights.endswith("+a8") else "16"
+    act = "q8" if weights.endswith("+a8") else "16"
     fmt, _, kernel = weights.removesuffix("+a8").partition(":")
     old = os.environ.get("FEWBITS_CPU_INT4")
     if kernel:

@@ -370,7 +370,7 @@ def main() -> None:
     for f in fb_formats:
         spec, a8 = (f.removesuffix("+a8"), True) if f.endswith("+a8") else (f, False)
         body, _, head = spec.partition("+h:")
-        model, kernels = load_quantized(args.model, body, lm_head=head or None, activations="int8" if a8 else "16")
+        model, kernels = load_quantized(args.model, body, lm_head=head or None, activations="q8" if a8 else "16")
         fb[f] = (model, kernels, weight_bytes(model))
     m0 = fb[fb_formats[0]][0]
     n_layers = int(m0.config.num_hidden_layers)

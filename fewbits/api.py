@@ -109,7 +109,7 @@ KERNELS: dict[str, str] = {
     "reference": "fewbits.models.qlinear:reference_chooser",
     "cached": "fewbits.models.qlinear:dequantized_once_chooser",
     "auto": "fewbits.kernels.dispatch:prepare_linear",
-    "auto-a8": "fewbits.kernels.dispatch:prepare_linear_int8_act",
+    "auto-a8": "fewbits.kernels.dispatch:prepare_linear_q8",
 }
 #: the kernels `quantize` and `load_quantized_model` prepare when they are given no chooser
 DEFAULT_KERNEL = "auto"

@@ -77,18 +77,18 @@ def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "
                    activations: str = "16") -> tuple[torch.nn.Module, str]:
     """Load `name` on `device` (or build it with random weights) and quantise its linears to `weights` (the
     LM head to `lm_head` where given) with the fast kernels there; (model, kernel names).  `activations`
-    "int8" lets the dispatcher choose kernels that also round the activations to int8 (e.g. `cpu_q4_a8`)."""
+    "q8" lets the dispatcher choose kernels that also round the activations to int8 (e.g. `cpu_q4_a8`)."""
     from fewbits.api import quantize
     from fewbits.kernels import prepare_linear
-    from fewbits.kernels.dispatch import prepare_linear_int8_act
+    from fewbits.kernels.dispatch import prepare_linear_q8
     from fewbits.models.loading import load_model, random_model
     from fewbits.models.recipe import Recipe
 
     model = random_model(name, dtype, device) if random_weights else load_model(name, dtype=dtype, device=device)[0]
     if weights not in ("bf16", "fp16", "fp32"):
-        if activations not in ("16", "int8"):
-            raise ValueError(f"activations must be 16 or int8, got {activations!r}")
-        chooser = prepare_linear if activations == "16" else prepare_linear_int8_act
+        if activations not in ("16", "q8"):
+            raise ValueError(f"activations must be 16 or q8, got {activations!r}")
+        chooser = prepare_linear if activations == "16" else prepare_linear_q8
         quantize(model, Recipe.from_format(weights, misfit="regroup", lm_head=lm_head), progress=False,
                  chooser=chooser)
     names = sorted({type(m.kernel).__name__ if not hasattr(m.kernel, "name") else m.kernel.name

@@ -46,9 +46,10 @@ from torch import nn
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
 from fewbits.kernels.cpu_int4 import ROWS as Q4_ROW_BLOCK
 from fewbits.kernels.cpu_int4 import Q4Kernel
-from fewbits.kernels.cpu_rows import Int8RowsKernel
+from fewbits.kernels.cpu_rows import Int8RowsA8Kernel, Int8RowsKernel
 
-INT8_KERNELS = (Int8PackKernel, Int8RowsKernel)  # int8 kernel classes over the same tensors (q, scales, corr)
+#: int8 kernel classes over the same tensors (q, scales, corr)
+INT8_KERNELS = (Int8PackKernel, Int8RowsKernel, Int8RowsA8Kernel)
 INT4_ROW_BLOCK = 64  # rows the CPU int4 packing keeps together (AVX-512: 64, AVX2: 32)
 
 

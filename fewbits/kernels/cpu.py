@@ -207,12 +207,11 @@ class W8A8IntMMKernel:
         return Int8PackKernel.supports(fmt, shape)
 
     def __init__(self, qt: QuantizedTensor, min_rows: int = W8A8_MIN_ROWS) -> None:
-        from fewbits.kernels.cpu_rows import Int8RowsA8Kernel
+        from fewbits.kernels.cpu_rows import Int8RowsKernel
 
-        # decode-sized inputs: int8 activations per block of 32 on the few-row operator where it runs (AVX512-VNNI),
-        # else W8A16
-        a8 = Int8RowsA8Kernel.supports(qt.fmt, tuple(qt.shape)) is None
-        self.small = Int8RowsA8Kernel(qt) if a8 else Int8PackKernel(qt)
+        # decode-sized inputs: W8A16, on the few-row operator where it is built
+        rows = Int8RowsKernel.supports(qt.fmt, tuple(qt.shape)) is None
+        self.small = Int8RowsKernel(qt) if rows else Int8PackKernel(qt)
         self.qT = self.small.q.t()  # (K, N) view, column-major as _int_mm prefers
         self.scales = _per_row(qt.scale_values(), qt.shape[0]).float()  # (N,)
         self.min_rows = min_rows

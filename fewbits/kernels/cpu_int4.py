@@ -436,9 +436,8 @@ int64_t q4_isa() {
 }
 
 // (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
-// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 as 0 but
-// x in int8 (blocks of 32 columns) through vpdpbusd where AMX does not run (fewer rows) and the group is a
-// multiple of 32; elsewhere path 3 is path 0.
+// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8
+// (blocks of 32 columns) through vpdpbusd at every row count where the group is a multiple of 32 (else path 0).
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
   const int64_t portable = path == 1;
@@ -465,12 +464,12 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
 #if FB_AMX
-  const bool amx = fast && (path == 0 || path == 3) && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
+  const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
 #else
   const bool amx = false;
 #endif
 #if FB_FAST && FB_A8
-  const bool a8 = fast && path == 3 && !amx && a.group % 32 == 0;
+  const bool a8 = fast && path == 3 && a.group % 32 == 0;
   std::vector<int8_t> xq;
   std::vector<float> xsb, qsum;
   A8 q{};
@@ -699,12 +698,12 @@ class Q4Kernel:
 
 
 class Q4A8Kernel(Q4Kernel):
-    """`Q4Kernel` with the activations in int8 where few rows multiply (llama.cpp's Q4_0 x Q8_0 numerics): each
-    row of x quantised per block of 32 columns (`fewbits.kernels.act8`), codes times those int8
-    values summed exactly in int32 by ``vpdpbusd`` (64 products an instruction against ``vdpbf16ps``'s 32, no
-    table lookups), scaled per block and group in fp32.  The dispatcher offers it only in its opt-in "int8"
-    activation mode (`fewbits.kernels.dispatch.choose_kernel(..., activations="int8")`): it adds the
-    activations' rounding to the weights'.  From 3 rows on, with AMX, the bf16 path runs as in `Q4Kernel`."""
+    """`Q4Kernel` with the activations in int8 (llama.cpp's Q4_0 x Q8_0 numerics): each row of x quantised per
+    block of 32 columns (`fewbits.kernels.act8`), codes times those int8 values summed exactly in int32 by
+    ``vpdpbusd`` (64 products an instruction against ``vdpbf16ps``'s 32, no table lookups), scaled per block and
+    group in fp32, at every row count (a prefill rounds as a decode step does; no AMX).  The dispatcher offers
+    it only in its opt-in "q8" activation mode (`fewbits.kernels.dispatch.prepare_linear_q8`): it adds the
+    activations' rounding to the weights'."""
 
     name = "cpu_q4_a8"
     path = 3

@@ -37,10 +37,10 @@ class Int8RowsKernel(Int8PackKernel):
 
 
 class Int8RowsA8Kernel(Int8RowsKernel):
-    """`Int8RowsKernel` with int8 activations at few rows (`fewbits_rows::int8_mm_a8`): x rounded per row and
-    block of 32 columns (`fewbits.kernels.act8`, llama.cpp's Q8_0 x Q8_0 numerics) and multiplied in integers
-    by ``vpdpbusd``; more rows as `Int8RowsKernel`.  Offered only in the dispatcher's opt-in "int8" activation
-    mode."""
+    """int8 weights x int8 activations (`fewbits_rows::int8_mm_a8`): x rounded per row and block of 32 columns
+    (`fewbits.kernels.act8`, llama.cpp's Q8_0 x Q8_0 numerics) and multiplied in integers by ``vpdpbusd``, at
+    every row count (passes of 8 rows over the weight), so a prefill and a decode step round alike.  Offered only
+    in the dispatcher's opt-in "q8" activation mode."""
 
     name = "cpu_int8_rows_a8"
 
@@ -57,6 +57,4 @@ class Int8RowsA8Kernel(Int8RowsKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > self.max_rows:
-            return super().__call__(x, bias)
         return _finish(torch.ops.fewbits_rows.int8_mm_a8(x2, self.q, self.scales, self.corr), x, bias)

@@ -26,24 +26,28 @@ from fewbits.tensor import QuantizedTensor
 
 log = logging.getLogger("fewbits.kernels")
 
-#: activation modes: "16" = weight-only (activations stay 16-bit); "int8" / "fp8" = W8A8 (opt-in)
-ACTIVATIONS = ("16", "int8", "fp8")
+#: activation modes: "16" = weight-only (activations stay 16-bit); "int8" / "fp8" = W8A8 (opt-in); "q8" =
+#: activations rounded to int8 per block of 32 columns at every row count (`fewbits.kernels.act8`, llama.cpp's
+#: Q8_0), where a kernel can (opt-in; the others keep 16-bit activations)
+ACTIVATIONS = ("16", "int8", "fp8", "q8")
 
 #: device type -> activation mode -> candidate kernel classes, fastest first
 CANDIDATES: dict[str, dict[str, tuple[Any, ...]]] = {
     "cpu": {
         "16": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
                cpu.Fp8DequantKernel),
-        "int8": (cpu.W8A8IntMMKernel, cpu_int4.Q4A8Kernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel,
-                 cpu_rows.Int8RowsA8Kernel, cpu.Int8PackKernel,
+        "int8": (cpu.W8A8IntMMKernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu.Int8PackKernel,
                  cpu.Fp8DequantKernel),
         "fp8": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
                 cpu.Fp8DequantKernel),
+        "q8": (cpu_int4.Q4A8Kernel, cpu_rows.Int8RowsA8Kernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel,
+               cpu_rows.Int8RowsKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
     },
     "cuda": {
         "16": (gpu.TritonWeightOnlyKernel,),
         "int8": (gpu.TritonWeightOnlyKernel,),
         "fp8": (gpu.FP8ScaledMMKernel, gpu.TritonWeightOnlyKernel),
+        "q8": (gpu.TritonWeightOnlyKernel,),
     },
 }
 
@@ -119,11 +123,11 @@ def prepare_linear(
     return kernel
 
 
-def prepare_linear_int8_act(qt: QuantizedTensor, device: str | torch.device | None = None) -> Any:
-    """`prepare_linear` in the "int8" activation mode: where a kernel can, it rounds the activations to int8 (W8A8
-    per-token at many rows, per block of 32 columns at few, `cpu_q4_a8` for <= 4-bit weights on AVX512-VNNI),
-    the rest as in the weight-only mode."""
-    return prepare_linear(qt, device, activations="int8")
+def prepare_linear_q8(qt: QuantizedTensor, device: str | torch.device | None = None) -> Any:
+    """`prepare_linear` in the "q8" activation mode: where a kernel can (`cpu_q4_a8`, `cpu_int8_rows_a8` on a CPU
+    with AVX512-VNNI), it rounds the activations to int8 per block of 32 columns at every row count, so decode
+    and evaluation share the numerics; the rest as in the weight-only mode."""
+    return prepare_linear(qt, device, activations="q8")
 
 
 _PREPARED: dict[tuple[int, str, str], Any] = {}

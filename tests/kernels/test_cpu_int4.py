@@ -156,27 +156,21 @@ needs_a8 = pytest.mark.skipif(not cpu_int4.a8_path(), reason="no int8-activation
 A8_SPECS = ["int4-g32", "int4-g64", "int4", "int4-g64-asym", "int3-g64", "int2-g32", "int4-g128-asym-zfp16"]
 
 
-def _amx() -> bool:
-    return int(torch.ops.fewbits_q4.q4_isa()) & 3 == 2
-
-
 @needs_a8
 @pytest.mark.parametrize("spec", A8_SPECS)
 def test_int8_activations_are_the_blocks_times_the_weight(spec: str) -> None:
-    """`cpu_q4_a8`: where it quantises x (fewer rows than AMX takes, or no AMX), the result is the product of
-    `act8`'s rounded activations and the exact weight, to fp32 summation (1e-6 x sum |x w|) and one bf16
-    rounding: one activation code off by one step would exceed that bound; with AMX from 3 rows x stays bf16."""
+    """`cpu_q4_a8` at every row count: the product of `act8`'s rounded activations and the exact weight, to fp32
+    summation (1e-6 x sum |x w|) and one bf16 rounding: one activation code off by one step would exceed it."""
     from fewbits.kernels.act8 import dequantize_blocks, quantize_blocks
 
     qt, g = _case(spec, 64, 256, seed=len(spec))
     kern = cpu_int4.Q4A8Kernel(qt)
     w = qt.dequantize(torch.float32).double()
-    for m in (1, 2, 3, 9):
+    for m in (1, 2, 3, 9, 128):
         x = (torch.randn(m, 256, generator=g) * 3).to(torch.bfloat16)
-        quantised = m < 3 or not _amx()
-        xr = dequantize_blocks(*quantize_blocks(x)) if quantised else x.float()
+        xr = dequantize_blocks(*quantize_blocks(x))
         ref = xr.double() @ w.T
-        bound = 2.0**-8 * ref.abs() + (1e-6 if quantised else 1e-4) * (xr.double().abs() @ w.abs().T)
+        bound = 2.0**-8 * ref.abs() + 1e-6 * (xr.double().abs() @ w.abs().T)
         y = kern(x).double()
         assert ((y - ref).abs() - bound).max() <= 0, (spec, m)
 
@@ -188,7 +182,8 @@ def test_dispatcher_offers_int8_activations_only_in_their_mode() -> None:
 
     fmt = parse_format("int4-g32")
     assert choose_kernel(fmt, (64, 256), "cpu", "16")[0] is Q4Kernel
-    assert choose_kernel(fmt, (64, 256), "cpu", "int8")[0] is cpu_int4.Q4A8Kernel
+    assert choose_kernel(fmt, (64, 256), "cpu", "int8")[0] is Q4Kernel  # W8A8 mode: int4 weights stay A16
+    assert choose_kernel(fmt, (64, 256), "cpu", "q8")[0] is cpu_int4.Q4A8Kernel
     why = cpu_int4.Q4A8Kernel.supports(parse_format("int4-g16"), (64, 256))
     assert why is not None and "multiple of 32" in why
-    assert choose_kernel(parse_format("int4-g16"), (64, 256), "cpu", "int8")[0] is Q4Kernel
+    assert choose_kernel(parse_format("int4-g16"), (64, 256), "cpu", "q8")[0] is Q4Kernel
