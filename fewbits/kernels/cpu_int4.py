@@ -5,7 +5,10 @@ on a machine that streams ~2x that, and its cost grows with the rows of x.  This
 decode (1 to 8 rows) and prefill.  Measured on a busy 2-core Xeon (one thread, CPU time,
 `benchmarks/bench_cpu_int4.py --threads 1 --clock cpu`, SmolLM2 and Gemma-3-270M shapes): with the weights
 in cache 1.3-1.5x torch's speed at one row; streamed from memory 0.75-1.06x at one row (both then wait on
-memory), 1.3-2.5x at 8 rows and 3.5-5x at 128 rows (about a bf16 F.linear's time there).
+memory), 1.3-2.5x at 8 rows and 3.5-5x at 128 rows (about a bf16 F.linear's time there).  With a software
+prefetch 32 chunks (2 KB) ahead in the one-row loops: 1.07-1.39x torch's at one row, SmolLM2 shapes, 2 threads
+(`bench_cpu_int4.py --rows 1 --spec int4-g32 --models smollm2 --min-mb 128 --kernels q4,q4a8,torch`); the
+int8-activation path (`Q4A8Kernel`) 1.34-2.24x.
 
 Layout (chosen at load time, the only copy of the weights).  The output rows are cut into blocks of 16; a
 block's codes are stored as 64-byte chunks of 16 rows x 8 input columns: 32 little-endian 16-bit words, word
