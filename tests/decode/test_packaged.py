@@ -21,8 +21,8 @@ N = 64
 
 # rows of `bench_compiled.py tokens` measured 64/64.  SmolLM2's are not here: its greedy run meets exact or
 # one-bf16-step ties of the eager logits (bf16 at token 6, int8 at 18), which fp32 sums in inductor's order, or a
-# quantised cache's folded scales, break the other way.  Gemma-3 int4-g64 was 64/64 on torch's int4 operator and
-# leaves the eager path on fewbits' own (`cpu_q4`) with the few-row 16-bit head; not yet explained.
+# quantised cache's folded scales, break the other way.  Gemma-3 int4-g64 was 64/64 on torch's int4 operator; on
+# fewbits' own (`cpu_q4`) it leaves at token 17, where the eager logits' top two are one bf16 step apart.
 @pytest.mark.parametrize(("name", "weights", "kv"), [("gemma3-270m", "int8", "bf16")])
 def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:
