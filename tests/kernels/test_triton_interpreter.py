@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent("""
                          ("int4-g128-asym", (64, 384)), ("int3-g32", (48, 160)), ("int2-g32-asym", (33, 64)),
                          ("int4-g64-asym-zfp16", (48, 128)), ("int3-g32-asym-zbf16", (40, 96)),
                          ("fp8-e4m3", (80, 256)), ("fp8-e4m3-g64", (64, 128)),
-                         ("int8-g32", (48, 96)), ("int4-g96", (40, 192)), ("int4", (520, 2048)),
+                         ("int8-g32", (48, 96)), ("int4-g96", (40, 192)), ("int4", (136, 2048)),
                          ("int4-g64-narrow", (48, 128)), ("int8-narrow", (40, 96))]:
         for m in (1, 5, 19):
             g = torch.Generator().manual_seed(m)
