@@ -140,20 +140,22 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
               batches: tuple[int, ...] = (1, 8), prompts: tuple[int, ...] = (128, 512), steps: int = 8,
               full: bool = False, seed: int = 0, log: Callable[[str], None] = print, rounds: int = 1,
               device: str = "cpu", random_weights: bool = False, lm_head: str | None = None,
-              eager: bool = False) -> list[BenchRow]:
+              eager: bool = False, activations: str = "16") -> list[BenchRow]:
     """Measure every (weights, kv, batch, prompt) row; `full` crosses all weight and KV formats (else
     the quantised weights run with the first KV format, and the other KV formats with the first weights).
 
     With `rounds` > 1 every row is measured once per round, round after round, and keeps its fastest step
     over all rounds: on a shared host whose speed drifts over minutes, this finds each row's quiet moment
     (all models stay loaded).  `lm_head`: the quantised weight formats' LM head format (the 16-bit rows
-    keep theirs)."""
+    keep theirs).  `activations`: "16" weight-only kernels, "q8" kernels that round the activations to int8 where
+    they can (`load_quantized`)."""
     by_weights: dict[str, list[str]] = {}
     for w, k in _config_rows(weights, kvs, full):
         by_weights.setdefault(w, []).append(k)
     check_memory(name, tuple(by_weights), max(batches), max(prompts) + steps + 1, device, lm_head)
     heads = {w: lm_head if w not in ("bf16", "fp16", "fp32") else None for w in by_weights}
-    models = {w: load_quantized(name, w, device=device, random_weights=random_weights, lm_head=heads[w])
+    models = {w: load_quantized(name, w, device=device, random_weights=random_weights, lm_head=heads[w],
+                                activations=activations)
               for w in by_weights}
     spec = model_spec(name, next(iter(models.values()))[0])
     vocab = int(next(iter(models.values()))[0].config.get_text_config().vocab_size)

@@ -40,6 +40,9 @@ def _strs(s: str) -> tuple[str, ...]:
               help="where the model runs: cpu, or a CUDA device (cuda, cuda:1); use a profile probed there")
 @click.option("--lm-head", "lm_head", default=None,
               help="quantise the LM head of the quantised weight formats too, to this format (e.g. int8)")
+@click.option("--activations", type=click.Choice(["16", "q8"]), default="16", show_default=True,
+              help="q8: kernels that can round the activations to int8 per block of 32 columns do (llama.cpp's "
+                   "Q8_0; CPU with AVX512-VNNI), 16: weight-only kernels")
 @click.option("--random-weights", is_flag=True,
               help="build MODEL (a built-in name or a config.json) with random weights instead of loading them: "
                    "for speed only, where the weights cannot be had")
@@ -47,8 +50,8 @@ def _strs(s: str) -> tuple[str, ...]:
               help="decode with the model's own eager forward instead of the compiled static-cache step")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
 def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
-              full: bool, threads: int, rounds: int, device: str, lm_head: str | None, random_weights: bool,
-              eager: bool, json_out: str | None) -> None:
+              full: bool, threads: int, rounds: int, device: str, lm_head: str | None, activations: str,
+              random_weights: bool, eager: bool, json_out: str | None) -> None:
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
     weight format and KV-cache format, with the cost model's prediction and its error.  Decode runs the compiled
     static-cache step (compiled graphs cached on disk under $FEWBITS_CACHE/inductor; compile time shown apart)
@@ -97,7 +100,8 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         if json_out:
             check_output(json_out, overwrite=True, kind="file")  # before the measuring
         rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
-                         rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head, eager=eager)
+                         rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head, eager=eager,
+                         activations=activations)
     except (BenchMemoryError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 from fewbits.bench.decode import format_row, run_bench
 from fewbits.cost.devices import DeviceSpec
@@ -157,3 +158,22 @@ def test_summary_scores_the_speedup_apart_from_the_step_time():
     assert s.startswith("0/3 rows within 15%")
     assert "speedup vs 16-bit predicted within 15% for 2/2 rows (median |error| 4.0%)" in s  # 8% and 0%
     assert "pred vs 16" in HEADER
+
+
+def test_int8_activations_choose_their_kernels(tmp_path):
+    """--activations q8: the rows run the kernels the dispatcher's q8 mode chooses (cpu_q4_a8 and
+    cpu_int8_rows_a8 where the CPU has AVX512-VNNI, the weight-only ones elsewhere)."""
+    from fewbits.cli import main
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
+    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                   compute_efficiency={"float": 0.5}, device=dev)
+    out = run_bench(str(path), prof, weights=("int8", "int4-g64"), kvs=("bf16",), batches=(1,), prompts=(8,),
+                    steps=2, log=lambda _: None, random_weights=True, eager=True, activations="q8")
+    got = {r.weights: r.kernels for r in out}
+    assert got == {"int8": choose_kernel("int8", (64, 128), "cpu", "q8")[0].name,
+                   "int4-g64": choose_kernel("int4-g64", (64, 128), "cpu", "q8")[0].name}
+    res = CliRunner().invoke(main, ["bench", str(path), "--activations", "int4"])
+    assert res.exit_code != 0 and "'int4' is not one of '16', 'q8'" in res.output
