@@ -21,6 +21,15 @@ INT4 = choose_kernel("int4-g64", (64, 128))[0].name  # the dispatcher's int4 ker
 INT8 = choose_kernel("int8", (64, 128))[0].name  # and its int8 one
 
 
+def _tiny(folder) -> tuple:  # noqa: ANN001
+    """CONFIG written into `folder`, and a profile of a made-up CPU (a prediction to print, not to check)."""
+    path = folder / "config.json"
+    path.write_text(json.dumps(CONFIG))
+    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
+    return path, Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                         compute_efficiency={"float": 0.5}, device=dev)
+
+
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny") / "config.json"
@@ -78,11 +87,7 @@ def test_compiled_rows_report_compile_time_apart(tmp_path, monkeypatch):
     """The default path: the compiled static step, its compile time apart from the step times, and the
     cache's bytes as the eager path's store counts them (KIVI window included)."""
     monkeypatch.setenv("FEWBITS_CACHE", str(tmp_path / "cache"))
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG))
-    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
-    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
-                   compute_efficiency={"float": 0.5}, device=dev)
+    path, prof = _tiny(tmp_path)
     kw = dict(weights=("int4-g64",), kvs=("int4-g8-r4",), batches=(1,), prompts=(9,), steps=3,
               log=lambda _: None, random_weights=True)
     (row,) = run_bench(str(path), prof, **kw)
@@ -94,11 +99,7 @@ def test_compiled_rows_report_compile_time_apart(tmp_path, monkeypatch):
 
 
 def test_lm_head_quantised_on_the_quantised_rows_only(tmp_path):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG))
-    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
-    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
-                   compute_efficiency={"float": 0.5}, device=dev)
+    path, prof = _tiny(tmp_path)
     out = run_bench(str(path), prof, weights=("bf16", "int4-g64"), kvs=("bf16",), batches=(1,), prompts=(8,),
                     steps=2, log=lambda _: None, random_weights=True, lm_head="int8", eager=True)
     got = {r.weights: r for r in out}
@@ -165,11 +166,7 @@ def test_int8_activations_choose_their_kernels(tmp_path):
     cpu_int8_rows_a8 where the CPU has AVX512-VNNI, the weight-only ones elsewhere)."""
     from fewbits.cli import main
 
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(CONFIG))
-    dev = DeviceSpec(key="t", name="test cpu", memory_bytes=8e9, bandwidth=10e9, peak_flops={"bf16": 1e11})
-    prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
-                   compute_efficiency={"float": 0.5}, device=dev)
+    path, prof = _tiny(tmp_path)
     out = run_bench(str(path), prof, weights=("int8", "int4-g64"), kvs=("bf16",), batches=(1,), prompts=(8,),
                     steps=2, log=lambda _: None, random_weights=True, eager=True, activations="q8")
     got = {r.weights: r.kernels for r in out}
