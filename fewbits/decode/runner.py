@@ -96,7 +96,11 @@ def _step(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch
 
 
 class StaticDecoder:
-    """A preallocated cache for `batch` sequences of up to `max_len` tokens and the step over it."""
+    """A preallocated cache for `batch` sequences of up to `max_len` tokens and the step over it.
+
+    The compiled step reads the model's parameters where they are at each call: values changed in place are
+    seen; replacing a parameter or module after construction is not supported (a CPU step checks dynamo's
+    guards on its first call only)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVFormat | str = "bf16", batch: int = 1, max_len: int = 256,
                  compile: bool = True, cache_dir: Path | None = None, fuse: bool = True,
@@ -189,11 +193,16 @@ class StaticDecoder:
                 fn(*args)
         self.compile_s = time.perf_counter() - t0
         self.valid.zero_()
-        self._ids = ids
+        if hasattr(fn, "disable_guard_check"):
+            # Its guards (~6000: every parameter's shape, stride and dtype, the cache, the modules' attributes)
+            # held for this call, and every later call passes the same objects: this model and cache, and the
+            # per-step values copied into the same three tensors.  Checking them again cost ~0.5 ms a step.
+            fn.disable_guard_check()
+        pos = self.pos.new_zeros(self.batch, 1)
 
-        def run(ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-            # the guards want the strides they were traced with: ids copied into one (B, 1) tensor
-            return fn(self.model, self.arch, self.cache, self.valid, self._ids.copy_(ids), pos, slot, self.fused)
+        def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
+            ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
+            return fn(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.fused)
 
         self._fn = run
 
