@@ -35,6 +35,9 @@ NEG = -1e30  # finite "minus infinity": a fully masked row (a padded query) stay
 #: decode steps write int8 / KIVI caches through `fewbits_kv::append_kv` where it is built (read when a cache is
 #: made); ``FEWBITS_KV_APPEND=torch`` keeps the tensor-operation write (`LayerKV.step`'s flush under torch.where)
 NATIVE_APPEND = os.environ.get("FEWBITS_KV_APPEND", "native") != "torch"
+#: ``FEWBITS_KV_ATTEND=torch`` keeps the inductor-fused reductions for a decode step's attention (before/after
+#: measurements of `fewbits.decode.kvkernel`'s operators)
+NATIVE_ATTEND = os.environ.get("FEWBITS_KV_ATTEND", "native") != "torch"
 
 
 class LayerKV:
@@ -44,7 +47,8 @@ class LayerKV:
                  device: torch.device) -> None:
         self.fmt, self.dim, self.dtype = fmt, dim, dtype
         # attention through the hand-written kernel (`fewbits.decode.kvkernel`), decided here, outside any graph
-        self.kernel = fmt.kind in ("int8", "kivi") and torch.device(device).type == "cpu" and kvkernel.available()
+        self.kernel = fmt.kind in ("int8", "kivi", "float") and torch.device(device).type == "cpu" and \
+            NATIVE_ATTEND and kvkernel.available()
         z = lambda *s, dt: torch.zeros(batch, heads, *s, dtype=dt, device=device)  # noqa: E731
         T = max_len
         self.native_append = False

@@ -254,7 +254,116 @@ void values_fast(const uint8_t* rows, int64_t nb, bool fold, const at::Half* sv,
         for (int64_t j = 0; j < 4 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + k * nb + jb * 16, a[j]);
       }
 }
+
+// 16 elements of a 16- or 32-bit float row -> fp32
+template <typename E> inline __m512 widen16f(const E* p);
+template <> inline __m512 widen16f<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 widen16f<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <> inline __m512 widen16f<float>(const float* p) { return _mm512_loadu_ps(p); }
+
+// s[r * n + i] = q_r . row_i (q: R x D fp32; rows: n x D, D a multiple of 16) for the rows with ok[i], NEG_INF for
+// the others; four query heads per pass over a row, their four sums reduced together
+template <typename E>
+void scores_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float* q, int64_t R, float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
+    const E* row = rows + i * D;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, R - r0);
+      const float* q0 = q + r0 * D;
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 c = widen16f<E>(row + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+          if (j < rr) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j * D + d), c, a[j]);
+      }
+      const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+      const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, t);
+      for (int64_t j = 0; j < rr; ++j) s[(r0 + j) * n + i] = sums[4 * j];
+    }
+  }
+}
+
+// acc[r * D + d] = sum_i w[r * n + i] * row_i[d] over the rows with ok[i] (D a multiple of 16): four query heads
+// by 64 channels per pass over the rows, the sums in registers
+template <typename E>
+void values_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float* w, int64_t R, float* acc) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, R - r0);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nv = std::min<int64_t>(4, (D - d0) / 16);
+      __m512 a[4][4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) a[j][v] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (!ok[i]) continue;
+        const E* row = rows + i * D + d0;
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) x[v] = v < nv ? widen16f<E>(row + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (j >= rr) continue;
+          const __m512 p = _mm512_set1_ps(w[(r0 + j) * n + i]);
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) a[j][v] = _mm512_fmadd_ps(p, x[v], a[j][v]);
+        }
+      }
+      for (int64_t j = 0; j < rr; ++j)
+        for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(acc + (r0 + j) * D + d0 + 16 * v, a[j][v]);
+    }
+  }
+}
 #endif
+
+// The per-unit softmaxes (maximum pm, sum pl, weighted values pacc: unit k of (b, h) at bh * nunits + k, each
+// with R query heads) merged into one attention per query head -> (B, H, R, D) in q's dtype (rounded once)
+at::Tensor merge_units(const at::Tensor& q_in, int64_t BH, int64_t R, int64_t D, int64_t nunits,
+                       const std::vector<float>& pm, const std::vector<float>& pl, const std::vector<float>& pacc) {
+  std::vector<float> o32(BH * R * D);
+  float* O = o32.data();
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t r = 0; r < R; ++r) {
+      float M = NEG_INF, L = 0.f;
+      for (int64_t k = 0; k < nunits; ++k) M = std::max(M, pm[(bh * nunits + k) * R + r]);
+      float* o = O + (bh * R + r) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      if (M == NEG_INF) continue;  // nothing attended to
+      for (int64_t k = 0; k < nunits; ++k) {
+        const float mk = pm[(bh * nunits + k) * R + r];
+        if (mk == NEG_INF) continue;
+        const float e = std::exp(mk - M);
+        L += e * pl[(bh * nunits + k) * R + r];
+        axpy(e, pacc.data() + ((bh * nunits + k) * R + r) * D, o, D);
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= L;
+    }
+  auto out = at::empty(q_in.sizes(), q_in.options());  // in q's dtype, rounded to nearest even
+  const int64_t N = BH * R * D;
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>(), O, N * sizeof(float));
+  } else if (out.scalar_type() == at::kBFloat16) {
+    at::BFloat16* p = out.data_ptr<at::BFloat16>();
+    for (int64_t x = 0; x < N; ++x) p[x] = at::BFloat16(O[x]);
+  } else {
+    at::Half* p = out.data_ptr<at::Half>();
+    for (int64_t x = 0; x < N; ++x) p[x] = at::Half(O[x]);
+  }
+  return out;
+}
 }  // namespace
 
 // q (B, H, r, D): the r query heads that share KV head h, any float dtype; scale: the softmax scale.
@@ -500,32 +609,84 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       }
     }
   });
-  std::vector<float> o32(B * H * R * D);
-  float* O = o32.data();
-  for (int64_t bh = 0; bh < B * H; ++bh)
-    for (int64_t r = 0; r < R; ++r) {
-      float M = NEG_INF, L = 0.f;
-      for (int64_t k = 0; k < nunits; ++k) M = std::max(M, pm[(bh * nunits + k) * R + r]);
-      float* o = O + (bh * R + r) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-      if (M == NEG_INF) continue;  // nothing attended to
-      for (int64_t k = 0; k < nunits; ++k) {
-        const float mk = pm[(bh * nunits + k) * R + r];
-        if (mk == NEG_INF) continue;
-        const float e = std::exp(mk - M);
-        L += e * pl[(bh * nunits + k) * R + r];
-        axpy(e, pacc.data() + ((bh * nunits + k) * R + r) * D, o, D);
+  return merge_units(q_in, B * H, R, D, nunits, pm, pl, pacc);
+}
+
+// One query token per sequence over a 16-bit (or fp32) cache: q (B, H, r, D) as attend_kv's, k and v (B, H, T, D)
+// bf16, fp16 or fp32, allowed (B, T' >= T) bool, slot (1,) long: the query's own slot (slots after it are never
+// read).  Tokens in chunks of `chunk` run in parallel (one KV head still uses every thread), each chunk's softmax
+// merged at the end; a chunk with no allowed slot is skipped.  Sums in fp32 -> (B, H, r, D) in q's dtype.
+at::Tensor attend_16(const at::Tensor& q_in, double scale, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& allowed, const at::Tensor& slot_t, int64_t chunk) {
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "attend_16: q (B, H, r, D), k and v (B, H, T, D)");
+  const int64_t B = q_in.size(0), H = q_in.size(1), R = q_in.size(2), D = q_in.size(3), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "attend_16: k ", k.sizes(), " does not fit q ",
+              q_in.sizes());
+  TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_16: head dim or query heads per KV head too large");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attend_16: k and v of different dtypes");
+  TORCH_CHECK(allowed.size(-1) >= T, "attend_16: the mask is shorter than the cache");
+  const at::Tensor q_c = q_in.contiguous(), k_ = k.contiguous(), v_ = v.contiguous();
+  std::vector<float> q(B * H * R * D);  // the query in fp32, times the softmax scale
+  for (int64_t x = 0; x < B * H * R; ++x) row_f32(q_c.data_ptr(), q_c.scalar_type(), x, D, q.data() + x * D);
+  for (auto& x : q) x *= static_cast<float>(scale);
+  const int64_t n_seen = std::min<int64_t>(T, slot_t.item<int64_t>() + 1);  // slots 0 .. slot
+  const auto allowed_ = allowed.reshape({B, -1}).contiguous();
+  const bool* AL = allowed_.data_ptr<bool>();
+  const int64_t AT = allowed_.size(1);
+  chunk = std::max<int64_t>(1, chunk);
+  const int64_t nunits = std::max<int64_t>(1, (n_seen + chunk - 1) / chunk);
+  std::vector<float> pm(B * H * nunits * R, NEG_INF), pl(B * H * nunits * R, 0.f), pacc(B * H * nunits * R * D, 0.f);
+  const void *K = k_.data_ptr(), *V = v_.data_ptr();
+  const at::ScalarType dt = k.scalar_type();
+  const float* Q = q.data();
+  at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(R * chunk);
+    alignas(64) float c[MAXD];
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t bh = u / nunits, t0 = (u % nunits) * chunk, b = bh / H;
+      const int64_t n = std::max<int64_t>(0, std::min(chunk, n_seen - t0));
+      const bool* ok = AL + b * AT + t0;
+      bool any = false;
+      for (int64_t i = 0; i < n; ++i) any = any || ok[i];
+      if (!any) continue;  // pm stays -inf: the merge skips this unit
+      const float* qh = Q + bh * R * D;
+      const int64_t base = bh * nunits + u % nunits, row0 = bh * T + t0;
+      float* acc = pacc.data() + base * R * D;
+#ifdef FEWBITS_KV_AVX512
+      if (D % 16 == 0) {
+        if (dt == at::kBFloat16) scores_16(static_cast<const at::BFloat16*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else if (dt == at::kHalf) scores_16(static_cast<const at::Half*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else scores_16(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+      } else
+#endif
+      for (int64_t i = 0; i < n; ++i) {  // scores
+        if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
+        row_f32(K, dt, row0 + i, D, c);
+        for (int64_t r = 0; r < R; ++r) s[r * n + i] = dot(qh + r * D, c, D);
       }
-      for (int64_t d = 0; d < D; ++d) o[d] /= L;
+      for (int64_t r = 0; r < R; ++r) {  // softmax within the chunk
+        float* sr = s.data() + r * n;
+        pm[base * R + r] = row_max(sr, n);
+        pl[base * R + r] = exp_sub_sum(sr, n, pm[base * R + r]);
+      }
+      // the weighted sum of values (a masked slot is skipped: it weighs exactly 0)
+#ifdef FEWBITS_KV_AVX512
+      if (D % 16 == 0) {
+        if (dt == at::kBFloat16) values_16(static_cast<const at::BFloat16*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else if (dt == at::kHalf) values_16(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else values_16(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < n; ++i) {
+        if (!ok[i]) continue;
+        row_f32(V, dt, row0 + i, D, c);
+        for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
+      }
     }
-  auto out = at::empty({B, H, R, D}, q_in.options());  // in q's dtype, rounded to nearest even
-  const int64_t N = B * H * R * D;
-  if (out.scalar_type() == at::kFloat) std::memcpy(out.data_ptr<float>(), O, N * sizeof(float));
-  else if (out.scalar_type() == at::kBFloat16)
-    for (int64_t x = 0; x < N; ++x) out.data_ptr<at::BFloat16>()[x] = at::BFloat16(O[x]);
-  else
-    for (int64_t x = 0; x < N; ++x) out.data_ptr<at::Half>()[x] = at::Half(O[x]);
-  return out;
+  });
+  return merge_units(q_in, B * H, R, D, nunits, pm, pl, pacc);
 }
 
 namespace {
@@ -679,6 +840,8 @@ TORCH_LIBRARY(fewbits_kv, m) {
   m.def("attend_kv(Tensor q, float scale, int bits, int G, int gv, Tensor kc, Tensor ks, Tensor km, Tensor vc, "
         "Tensor vs, Tensor vm, Tensor allowed, Tensor slot, int residual, Tensor rk, Tensor rv, int chunk) -> Tensor");
   m.impl("attend_kv", c10::DispatchKey::CPU, &attend_kv);
+  m.def("attend_16(Tensor q, float scale, Tensor k, Tensor v, Tensor allowed, Tensor slot, int chunk) -> Tensor");
+  m.impl("attend_16", c10::DispatchKey::CPU, &attend_16);
   m.def("append_kv(Tensor k, Tensor v, Tensor slot, int bits, int G, int gv, int residual, Tensor(a!) rk, "
         "Tensor(b!) rv, Tensor(c!) kc, Tensor(d!) ks, Tensor(e!) km, Tensor(f!) vc, Tensor(g!) vs, "
         "Tensor(h!) vm) -> ()");
@@ -687,6 +850,9 @@ TORCH_LIBRARY(fewbits_kv, m) {
 """
 
 CHUNK = 256  # tokens per parallel unit
+#: tokens per parallel unit of `attend_16` (a 16-bit row is cheap to read: smaller units keep both threads busy
+#: from a few hundred tokens on, with one to four KV heads)
+CHUNK_16 = 64
 NAME = "fewbits_attend_kv"
 
 
@@ -697,7 +863,8 @@ CFLAGS = native.EXACT_CFLAGS
 
 def available() -> bool:
     """Whether the `fewbits_kv` operators are usable (built or loaded once per process; False if no compiler)."""
-    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake, "fewbits_kv::append_kv": _fake_append}, CFLAGS)
+    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake, "fewbits_kv::attend_16": _fake,
+                                     "fewbits_kv::append_kv": _fake_append}, CFLAGS)
 
 
 def _fake(q: torch.Tensor, *args: object) -> torch.Tensor:

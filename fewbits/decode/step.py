@@ -46,16 +46,21 @@ def _attend_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: to
 
 def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: torch.Tensor,
                   scaling: float) -> torch.Tensor:
-    """One query token per sequence over a quantised layer: q (B, Hq, 1, D), allowed (B, 1, T), slot (1,).
+    """One query token per sequence over a layer's cache: q (B, Hq, 1, D), allowed (B, 1, T), slot (1,).
 
-    int8 and KIVI caches on a CPU go through `fewbits.decode.kvkernel` (one operator: codes read once for
-    all the query heads of a KV head, scales folded out of the loops); otherwise the scores and the weighted
-    sum of values are reductions over the stored codes with the scales and minima folded out of them
-    (`LayerKV.scores`, `LayerKV.weighted_values`), fused by inductor.  Neither stores a dequantised copy."""
+    16-bit, int8 and KIVI caches on a CPU go through `fewbits.decode.kvkernel` (one operator: each row read
+    once for all the query heads of a KV head, scales folded out of the loops, tokens in parallel chunks; the
+    16-bit one reads slots up to `slot` only); otherwise the scores and the weighted sum of values are
+    reductions over the stored rows with the scales and minima folded out of them (`LayerKV.scores`,
+    `LayerKV.weighted_values`), fused by inductor.  Neither stores a dequantised copy."""
     B, Hq, _, D = q.shape
     f = kv.fmt
     Hkv, T = kv.t["k" if f.kind == "float" else "kc"].shape[1:3]
     allowed = allowed[:, :, :T]
+    if kv.kernel and f.kind == "float":  # a 16-bit cache: its rows read up to the query's slot only
+        out = torch.ops.fewbits_kv.attend_16(q.view(B, Hkv, Hq // Hkv, D), scaling, kv.t["k"], kv.t["v"], allowed,
+                                             slot, kvkernel.CHUNK_16)
+        return out.reshape(B, Hq, 1, D)
     if kv.kernel:  # the masks of the window and of the quantised slots are computed inside
         t = kv.t
         km, vm = (t["km"], t["vm"]) if f.kind == "kivi" else (t["ks"], t["vs"])  # int8: no minima (unused)

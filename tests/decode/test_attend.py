@@ -37,8 +37,12 @@ def reference(layer, q: torch.Tensor, allowed: torch.Tensor, n: int, scale: floa
     return torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), v).reshape(B, Hq, 1, D)
 
 
+def slots(layer) -> int:  # noqa: ANN001
+    return layer.t["k" if layer.fmt.kind == "float" else "kc"].shape[2]
+
+
 def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
-    allowed = torch.zeros(B, 1, layer.t["kc"].shape[2], dtype=torch.bool)
+    allowed = torch.zeros(B, 1, slots(layer), dtype=torch.bool)
     allowed[:, :, :n] = True
     allowed[1, :, :3] = False  # a left-padded row
     return allowed
@@ -47,8 +51,10 @@ def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
 # D = 64: the vector path (whole 16-byte rows of codes; value scales folded into the weights where a block of
 # 16 codes lies in one value group: int8, int4-g32, int2-g64; else picked per lane: int2-g32, g8); D = 16 / 24:
 # the scalar one.  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps), KIVI's default g32-r128 at
-# 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).
-CASES = [("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
+# 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).  16-bit caches (`attend_16`):
+# several chunks of CHUNK_16 with a partial last one, D = 24 (no whole vectors), fp16.
+CASES = [("bf16", 64, 300, 3), ("bf16", 24, 30, 2), ("fp16", 128, 100, 5),
+         ("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
          ("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g8-r8", 16, 41, 2), ("int2-g8-r4", 24, 29, 3),
          ("int8", 24, 30, 2), ("int2-g64-r16", 64, 200, 5), ("int4-r16", 128, 100, 4)]
 
@@ -65,7 +71,7 @@ def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int) ->
     torch.testing.assert_close(got.float(), reference(layer, q, allowed, n, D**-0.5), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("kv,D,n,r", CASES[:6])
+@pytest.mark.parametrize("kv,D,n,r", CASES[:9])
 def test_torch_reductions_equal_dequantised_attention(kv: str, D: int, n: int, r: int) -> None:
     """The fallback (scales folded out of inductor-fused reductions) where the kernel is not built."""
     layer = filled(kv, D, n)
@@ -77,13 +83,13 @@ def test_torch_reductions_equal_dequantised_attention(kv: str, D: int, n: int, r
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv", ["int8-r8", "int4-g8-r8"])
+@pytest.mark.parametrize("kv", ["int8-r8", "int4-g8-r8", "bf16"])
 def test_compiled_kernel_step_equals_reference(kv: str) -> None:
     """The operator inside a compiled step (cache write + attention, one graph), slot after slot."""
     torch._dynamo.reset()
     D, B = 64, 2
     layer = filled(kv, D, 20)
-    allowed = torch.zeros(B, 1, layer.t["kc"].shape[2], dtype=torch.bool)
+    allowed = torch.zeros(B, 1, slots(layer), dtype=torch.bool)
 
     def step(q, k, v, slot):  # noqa: ANN001, ANN202
         layer.step(k, v, slot)

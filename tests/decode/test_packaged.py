@@ -1,8 +1,8 @@
-"""The compiled step on the packaged models: its 64 greedy tokens are the eager path's (`fewbits.generate.generate`:
-transformers' own forward over fewbits' `KVStore`, its step attention on torch's math kernel), for a 16-bit and a
-quantised model, a 16-bit and a quantised KV cache.  The full table over weight and KV formats is
-`benchmarks/bench_compiled.py tokens`; the rows it shows leaving the eager path do so at exact or one-step bf16
-ties of the eager logits (see the README).
+"""The compiled step on the packaged models picks the eager path's greedy tokens (`fewbits.generate.generate`:
+transformers' own forward over fewbits' `KVStore`, its step attention on torch's math kernel) for 64 tokens,
+teacher-forced with the eager tokens so that one exact tie of the eager logits does not end the comparison.
+The full table over weight and KV formats (free-running) is `benchmarks/bench_compiled.py tokens`; the rows it
+shows leaving the eager path do so at exact or one-step bf16 ties of the eager logits (see the README).
 
 Slow: each case compiles a real model's step."""
 
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.slow
 N = 64
 
 
-# rows of `bench_compiled.py tokens` measured 64/64.  SmolLM2's are not here: its greedy run meets exact or
-# one-bf16-step ties of the eager logits (bf16 at token 6, int8 at 18), which fp32 sums in inductor's order, or a
-# quantised cache's folded scales, break the other way.  Gemma-3 int4-g64 was 64/64 on torch's int4 operator; on
-# fewbits' own (`cpu_q4`) it leaves at token 17, where the eager logits' top two are one bf16 step apart.
+# Gemma-3 int8 with a 16-bit cache: the eager logits tie exactly (23.00, 23.00) at token 54, where the compiled
+# step picked the other token; SmolLM2's greedy run meets one-bf16-step ties (bf16 at token 6, int8 at 18), and
+# Gemma-3 int4-g64 on fewbits' own int4 operator at 17 (18.50 vs 18.38): fp32 sums in another order break them
+# the other way, so only exact ties are accepted here.
 @pytest.mark.parametrize(("name", "weights", "kv"), [("gemma3-270m", "int8", "bf16")])
 def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:
@@ -35,11 +35,22 @@ def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, re
     tok = load_model(name, dtype="bf16")[1]
     model = load_quantized(name, weights)[0]
     ids = tok("The history of the printing press begins in", return_tensors="pt").input_ids
-    ref = generate(model, ids, N, kv=kv).tokens
+    seen: list[torch.Tensor] = []  # the eager path's logits, taken at its LM head
+    hook = model.lm_head.register_forward_hook(lambda _m, _i, out: seen.append(out[:, -1].float()))
+    try:
+        ref = generate(model, ids, N, kv=kv).tokens[0]
+    finally:
+        hook.remove()
+    eager = torch.cat(seen)
+    assert eager.shape[0] == N and bool((eager.argmax(-1) == ref).all())
     dec = StaticDecoder(model, kv, 1, ids.shape[1] + N, cache_dir=tmp_path)
     assert dec.compiled
-    out = [dec.prefill(ids).argmax(-1)]
-    for _ in range(N - 1):
-        out.append(dec.step(out[-1]).argmax(-1))
-    same = int((torch.stack(out, 1) == ref).long().cumprod(1).sum())
-    assert same == N, f"compiled greedy tokens leave the eager path's at token {same} of {N}"
+    got = [dec.prefill(ids)]
+    for t in ref[:-1]:
+        got.append(dec.step(t.view(1)))
+    picks = torch.cat(got).argmax(-1)
+    at_pick = eager.gather(1, picks[:, None])[:, 0]
+    off = [(j, int(picks[j]), int(ref[j])) for j in range(N) if picks[j] != ref[j]]
+    assert bool((at_pick == eager.max(-1).values).all()), \
+        f"compiled picks (position, compiled, eager) {off} are not tied at the top of the eager logits"
+    assert len(off) <= 2, f"more than two exact ties taken the other way: {off}"
