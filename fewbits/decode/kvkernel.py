@@ -1,5 +1,5 @@
-"""Decode attention over an int8 or KIVI (4/2-bit) KV cache, and the step's write into it, as hand-written CPU
-operators.
+"""Decode attention over a 16-bit, int8 or KIVI (4/2-bit) KV cache, and the step's write into a quantised one, as
+hand-written CPU operators.
 
 Inductor turns the folded reductions of `LayerKV.scores` / `weighted_values` into loops that unpack 4- and
 2-bit codes with index arithmetic inside the reduction, one query head at a time; at 2048 tokens that was
@@ -8,6 +8,12 @@ share its KV head (GQA), unpacks it into a small float row, and runs plain dot p
 with the scales and minima folded out of the loops exactly as in `LayerKV`.  Tokens are cut into chunks
 (whole KIVI groups) that run in parallel with a per-chunk softmax (maximum, sum, weighted values) merged at
 the end, so one KV head still uses every thread; the 16-bit residual window is one more chunk.
+
+`fewbits_kv::attend_rows` is the same over a cache of whole rows, 16-bit or int8 with per-token scales and no
+window (chunks of `CHUNK_ROWS` tokens, rows widened in registers, four query heads per pass): it reads slots up
+to the query's own only, where inductor's fused reductions read every slot of the preallocated cache and split
+the work by head (three KV heads on two threads).  On an int8 cache it took 133 -> ~100 us a layer at 2048 tokens
+(its scales per token folded into the scores and the weights, as in `attend_kv`).
 
 `fewbits_kv::append_kv` is a decode step's write into such a cache (`LayerKV.step`): the token into the 16-bit
 window and, at the step that completes a group leaving the window, that group quantised into its codes,
@@ -107,10 +113,11 @@ inline void bf16s(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// row i of a 16- or 32-bit float tensor's data -> float
+// row i of a 16- or 32-bit float (or int8) tensor's data -> float
 inline void row_f32(const void* base, at::ScalarType dt, int64_t i, int64_t D, float* dst) {
   if (dt == at::kBFloat16) bf16s(static_cast<const at::BFloat16*>(base) + i * D, dst, D);
   else if (dt == at::kHalf) halves(static_cast<const at::Half*>(base) + i * D, dst, D);
+  else if (dt == at::kChar) for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const int8_t*>(base)[i * D + d];
   else for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const float*>(base)[i * D + d];
 }
 
@@ -255,7 +262,7 @@ void values_fast(const uint8_t* rows, int64_t nb, bool fold, const at::Half* sv,
       }
 }
 
-// 16 elements of a 16- or 32-bit float row -> fp32
+// 16 elements of a 16- or 32-bit float row, or of int8 codes -> fp32
 template <typename E> inline __m512 widen16f(const E* p);
 template <> inline __m512 widen16f<at::BFloat16>(const at::BFloat16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -265,6 +272,9 @@ template <> inline __m512 widen16f<at::Half>(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 template <> inline __m512 widen16f<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 widen16f<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 // s[r * n + i] = q_r . row_i (q: R x D fp32; rows: n x D, D a multiple of 16) for the rows with ok[i], NEG_INF for
 // the others; four query heads per pass over a row, their four sums reduced together
@@ -612,20 +622,28 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   return merge_units(q_in, B * H, R, D, nunits, pm, pl, pacc);
 }
 
-// One query token per sequence over a 16-bit (or fp32) cache: q (B, H, r, D) as attend_kv's, k and v (B, H, T, D)
-// bf16, fp16 or fp32, allowed (B, T' >= T) bool, slot (1,) long: the query's own slot (slots after it are never
-// read).  Tokens in chunks of `chunk` run in parallel (one KV head still uses every thread), each chunk's softmax
-// merged at the end; a chunk with no allowed slot is skipped.  Sums in fp32 -> (B, H, r, D) in q's dtype.
-at::Tensor attend_16(const at::Tensor& q_in, double scale, const at::Tensor& k, const at::Tensor& v,
-                     const at::Tensor& allowed, const at::Tensor& slot_t, int64_t chunk) {
+// One query token per sequence over a cache of whole rows: q (B, H, r, D) as attend_kv's, k and v (B, H, T, D)
+// bf16, fp16 or fp32 (a 16-bit cache), or int8 codes with ks and vs (B, H, T, 1) their fp16 per-token scales (an
+// int8 cache without a window; else ks and vs are empty); allowed (B, T' >= T) bool, slot (1,) long: the query's
+// own slot (slots after it are never read).  Tokens in chunks of `chunk` run in parallel (one KV head still uses
+// every thread), each chunk's softmax merged at the end; a chunk with no allowed slot is skipped.  Scores are
+// (q . row) * key scale, the weights of the values p * value scale; sums in fp32 -> (B, H, r, D) in q's dtype.
+at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& allowed, const at::Tensor& slot_t,
+                       int64_t chunk) {
   TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
-              "attend_16: q (B, H, r, D), k and v (B, H, T, D)");
+              "attend_rows: q (B, H, r, D), k and v (B, H, T, D)");
   const int64_t B = q_in.size(0), H = q_in.size(1), R = q_in.size(2), D = q_in.size(3), T = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "attend_16: k ", k.sizes(), " does not fit q ",
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "attend_rows: k ", k.sizes(), " does not fit q ",
               q_in.sizes());
-  TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_16: head dim or query heads per KV head too large");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attend_16: k and v of different dtypes");
-  TORCH_CHECK(allowed.size(-1) >= T, "attend_16: the mask is shorter than the cache");
+  TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_rows: head dim or query heads per KV head too large");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attend_rows: k and v of different dtypes");
+  const bool scaled = k.scalar_type() == at::kChar;
+  TORCH_CHECK(!scaled || (ks.numel() == B * H * T && vs.numel() == B * H * T && ks.scalar_type() == at::kHalf &&
+                          vs.scalar_type() == at::kHalf), "attend_rows: int8 rows need fp16 scales (B, H, T, 1)");
+  const at::Tensor ks_ = scaled ? ks.contiguous() : ks, vs_ = scaled ? vs.contiguous() : vs;
+  const at::Half *KS = scaled ? ks_.data_ptr<at::Half>() : nullptr, *VS = scaled ? vs_.data_ptr<at::Half>() : nullptr;
+  TORCH_CHECK(allowed.size(-1) >= T, "attend_rows: the mask is shorter than the cache");
   const at::Tensor q_c = q_in.contiguous(), k_ = k.contiguous(), v_ = v.contiguous();
   std::vector<float> q(B * H * R * D);  // the query in fp32, times the softmax scale
   for (int64_t x = 0; x < B * H * R; ++x) row_f32(q_c.data_ptr(), q_c.scalar_type(), x, D, q.data() + x * D);
@@ -634,7 +652,9 @@ at::Tensor attend_16(const at::Tensor& q_in, double scale, const at::Tensor& k, 
   const auto allowed_ = allowed.reshape({B, -1}).contiguous();
   const bool* AL = allowed_.data_ptr<bool>();
   const int64_t AT = allowed_.size(1);
-  chunk = std::max<int64_t>(1, chunk);
+  // at least `chunk` tokens a unit, and no more units than ~8 per thread (the merge after them is serial)
+  const int64_t per_bh = std::max<int64_t>(1, 8 * at::get_num_threads() / (B * H));
+  chunk = std::max<int64_t>({1, chunk, (n_seen + per_bh - 1) / per_bh});
   const int64_t nunits = std::max<int64_t>(1, (n_seen + chunk - 1) / chunk);
   std::vector<float> pm(B * H * nunits * R, NEG_INF), pl(B * H * nunits * R, 0.f), pacc(B * H * nunits * R * D, 0.f);
   const void *K = k_.data_ptr(), *V = v_.data_ptr();
@@ -657,6 +677,7 @@ at::Tensor attend_16(const at::Tensor& q_in, double scale, const at::Tensor& k, 
       if (D % 16 == 0) {
         if (dt == at::kBFloat16) scores_16(static_cast<const at::BFloat16*>(K) + row0 * D, D, ok, n, qh, R, s.data());
         else if (dt == at::kHalf) scores_16(static_cast<const at::Half*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else if (dt == at::kChar) scores_16(static_cast<const int8_t*>(K) + row0 * D, D, ok, n, qh, R, s.data());
         else scores_16(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
       } else
 #endif
@@ -665,16 +686,29 @@ at::Tensor attend_16(const at::Tensor& q_in, double scale, const at::Tensor& k, 
         row_f32(K, dt, row0 + i, D, c);
         for (int64_t r = 0; r < R; ++r) s[r * n + i] = dot(qh + r * D, c, D);
       }
+      if (scaled)  // the keys' per-token scales
+        for (int64_t i = 0; i < n; ++i) {
+          if (!ok[i]) continue;
+          const float sc = h2f(KS[row0 + i]);
+          for (int64_t r = 0; r < R; ++r) s[r * n + i] *= sc;
+        }
       for (int64_t r = 0; r < R; ++r) {  // softmax within the chunk
         float* sr = s.data() + r * n;
         pm[base * R + r] = row_max(sr, n);
         pl[base * R + r] = exp_sub_sum(sr, n, pm[base * R + r]);
       }
+      if (scaled)  // the values' per-token scales folded into the weights
+        for (int64_t i = 0; i < n; ++i) {
+          if (!ok[i]) continue;
+          const float sc = h2f(VS[row0 + i]);
+          for (int64_t r = 0; r < R; ++r) s[r * n + i] *= sc;
+        }
       // the weighted sum of values (a masked slot is skipped: it weighs exactly 0)
 #ifdef FEWBITS_KV_AVX512
       if (D % 16 == 0) {
         if (dt == at::kBFloat16) values_16(static_cast<const at::BFloat16*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
         else if (dt == at::kHalf) values_16(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else if (dt == at::kChar) values_16(static_cast<const int8_t*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
         else values_16(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
         continue;
       }
@@ -840,8 +874,9 @@ TORCH_LIBRARY(fewbits_kv, m) {
   m.def("attend_kv(Tensor q, float scale, int bits, int G, int gv, Tensor kc, Tensor ks, Tensor km, Tensor vc, "
         "Tensor vs, Tensor vm, Tensor allowed, Tensor slot, int residual, Tensor rk, Tensor rv, int chunk) -> Tensor");
   m.impl("attend_kv", c10::DispatchKey::CPU, &attend_kv);
-  m.def("attend_16(Tensor q, float scale, Tensor k, Tensor v, Tensor allowed, Tensor slot, int chunk) -> Tensor");
-  m.impl("attend_16", c10::DispatchKey::CPU, &attend_16);
+  m.def("attend_rows(Tensor q, float scale, Tensor k, Tensor v, Tensor ks, Tensor vs, Tensor allowed, Tensor slot, "
+        "int chunk) -> Tensor");
+  m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
   m.def("append_kv(Tensor k, Tensor v, Tensor slot, int bits, int G, int gv, int residual, Tensor(a!) rk, "
         "Tensor(b!) rv, Tensor(c!) kc, Tensor(d!) ks, Tensor(e!) km, Tensor(f!) vc, Tensor(g!) vs, "
         "Tensor(h!) vm) -> ()");
@@ -850,9 +885,9 @@ TORCH_LIBRARY(fewbits_kv, m) {
 """
 
 CHUNK = 256  # tokens per parallel unit
-#: tokens per parallel unit of `attend_16` (a 16-bit row is cheap to read: smaller units keep both threads busy
-#: from a few hundred tokens on, with one to four KV heads)
-CHUNK_16 = 64
+#: the fewest tokens per parallel unit of `attend_rows` (a row is cheap to read: small units keep both threads busy
+#: from a few hundred tokens on, with one to four KV heads; longer contexts get longer units, ~8 per thread)
+CHUNK_ROWS = 64
 NAME = "fewbits_attend_kv"
 
 
@@ -863,7 +898,7 @@ CFLAGS = native.EXACT_CFLAGS
 
 def available() -> bool:
     """Whether the `fewbits_kv` operators are usable (built or loaded once per process; False if no compiler)."""
-    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake, "fewbits_kv::attend_16": _fake,
+    return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake, "fewbits_kv::attend_rows": _fake,
                                      "fewbits_kv::append_kv": _fake_append}, CFLAGS)
 
 

@@ -51,8 +51,8 @@ def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
 # D = 64: the vector path (whole 16-byte rows of codes; value scales folded into the weights where a block of
 # 16 codes lies in one value group: int8, int4-g32, int2-g64; else picked per lane: int2-g32, g8); D = 16 / 24:
 # the scalar one.  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps), KIVI's default g32-r128 at
-# 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).  16-bit caches (`attend_16`):
-# several chunks of CHUNK_16 with a partial last one, D = 24 (no whole vectors), fp16.
+# 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).  16-bit caches (`attend_rows`):
+# several chunks of CHUNK_ROWS with a partial last one, D = 24 (no whole vectors), fp16.
 CASES = [("bf16", 64, 300, 3), ("bf16", 24, 30, 2), ("fp16", 128, 100, 5),
          ("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
          ("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g8-r8", 16, 41, 2), ("int2-g8-r4", 24, 29, 3),
