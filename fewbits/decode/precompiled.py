@@ -8,11 +8,12 @@ reads it back without tracing.
 What the file holds is code, not weights: the step takes the model, its cache and the indices as arguments,
 so every parameter and buffer is an input read at each call.  The file name is a hash (`artifact_key`) of
 everything that shapes the graph: torch / transformers / Python versions, the CPU's vector ISA, fewbits'
-decode and kernel sources and the model classes' sources, the model's config, its module tree (each
-quantised linear's format) and every tensor's name, shape, stride and dtype, the KV format, batch, cache
-length, dtype and the compile options.  A file for another layout is therefore never found; if one is found
-and its guards still refuse the call, the caller compiles afresh.  The files are pickles written by this
-module into the user's own cache directory, trusted as inductor's own cache is; never a model file.
+decode and kernel sources (the operators' C++ included) and the model classes' sources, the model's config,
+its module tree (each quantised linear's format) and every tensor's name, shape, stride and dtype, the KV
+format, batch, cache length, dtype and the compile options.  A file for another layout is therefore never
+found; if one is found and its guards still refuse the call, the caller compiles afresh.  The files are
+pickles written by this module into the user's own cache directory, trusted as inductor's own cache is;
+never a model file.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ LOAD_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": True}
 
 
 def _sources(model: torch.nn.Module) -> list[str]:
-    """Source files whose code ends up in the graph: fewbits' decode and kernels, the model's module classes."""
+    """Source files whose code ends up in the graph: fewbits' decode and kernels (Python and the operators' C++),
+    the model's module classes."""
     import fewbits.decode
     import fewbits.kernels
 
     files = set()
     for pkg in (fewbits.decode, fewbits.kernels):
-        files.update(str(p) for p in Path(pkg.__file__).parent.glob("*.py"))
+        files.update(str(p) for ext in ("*.py", "*.cpp") for p in Path(pkg.__file__).parent.glob(ext))
     for cls in {type(m) for m in model.modules()}:
         try:
             files.add(inspect.getsourcefile(cls) or "")

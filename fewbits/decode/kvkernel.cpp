@@ -1,0 +1,848 @@
+
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+constexpr int MAXD = 512, MAXR = 32;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+// A row of codes in "plane" order: c[k * nb + j] = code k of byte j (bits 8: int8 codes, one plane), so
+// 4- and 2-bit codes unpack with shifts and masks only; the query and the value accumulators use the
+// same order (channel d = j * per + k sits at k * nb + j).
+inline void unpack_planes(const uint8_t* row, int64_t nb, int64_t bits, float* c) {
+  const int64_t per = 8 / bits;
+#ifdef __AVX512F__
+  if (nb % 16 == 0) {
+    for (int64_t j = 0; j < nb; j += 16) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+      if (bits == 8) { _mm512_storeu_ps(c + j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))); continue; }
+      const __m512i v = _mm512_cvtepu8_epi32(raw), mask = _mm512_set1_epi32((1 << bits) - 1);
+      for (int64_t k = 0; k < per; ++k)
+        _mm512_storeu_ps(c + k * nb + j, _mm512_cvtepi32_ps(
+            _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(static_cast<int>(k * bits))), mask)));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t k = 0; k < per; ++k)
+      c[k * nb + j] = bits == 8 ? static_cast<float>(static_cast<int8_t>(row[j]))
+                                : static_cast<float>((row[j] >> (k * bits)) & ((1 << bits) - 1));
+}
+
+// (built without -ffast-math, so the quantiser below rounds as IEEE does: `omp simd` lets the sums vectorise)
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float w, const float* __restrict x, float* __restrict y, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) y[d] += w * x[d];
+}
+
+inline float h2f(const at::Half& x) { return static_cast<float>(x); }
+
+// n fp16 values -> float (vector conversions: c10's scalar one costs more than the dot products here)
+inline void halves(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// n bf16 values -> float (a 16-bit shift)
+inline void bf16s(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// row i of a 16- or 32-bit float (or int8) tensor's data -> float
+inline void row_f32(const void* base, at::ScalarType dt, int64_t i, int64_t D, float* dst) {
+  if (dt == at::kBFloat16) bf16s(static_cast<const at::BFloat16*>(base) + i * D, dst, D);
+  else if (dt == at::kHalf) halves(static_cast<const at::Half*>(base) + i * D, dst, D);
+  else if (dt == at::kChar) for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const int8_t*>(base)[i * D + d];
+  else for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const float*>(base)[i * D + d];
+}
+
+// the largest of y[0 .. n-1] (NEG_INF for none)
+inline float row_max(const float* y, int64_t n) {
+  float mx = NEG_INF;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 v = _mm512_set1_ps(NEG_INF);
+  for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(y + i));
+  mx = _mm512_reduce_max_ps(v);
+#endif
+  for (; i < n; ++i) mx = std::max(mx, y[i]);
+  return mx;
+}
+
+// y[i] = exp(y[i] - mx) for i < n, returning their sum.  Scalar expf was a fifth of the kernel's time;
+// this is the usual range reduction exp(x) = 2^k exp(f), |f| <= ln2/2, with a degree-6 polynomial
+// (relative error ~2e-7, like expf's rounding) and 2^k applied by scalef.
+inline float exp_sub_sum(float* y, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 vmx = _mm512_set1_ps(mx), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2hi = _mm512_set1_ps(0.693359375f), ln2lo = _mm512_set1_ps(-2.12194440e-4f);
+  __m512 vs = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(y + i), vmx), _mm512_set1_ps(-100.f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_fnmadd_ps(k, ln2lo, _mm512_fnmadd_ps(k, ln2hi, x));
+    __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.f)));
+    __m512 e = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(y + i, e);
+    vs = _mm512_add_ps(vs, e);
+  }
+  sum = _mm512_reduce_add_ps(vs);
+#endif
+  for (; i < n; ++i) { y[i] = std::exp(y[i] - mx); sum += y[i]; }
+  return sum;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FEWBITS_KV_AVX512 1
+// 16 codes of a row as floats: bytes jb*16 .. jb*16+15, code k of each (plane k of the plane order)
+template <int BITS>
+inline __m512 code_block(const uint8_t* row, int64_t k, int64_t jb) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb * 16));
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+  } else {
+    const __m512i v = _mm512_srl_epi32(_mm512_cvtepu8_epi32(raw), _mm_cvtsi64_si128(k * BITS));
+    return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32((1 << BITS) - 1)));
+  }
+}
+
+const __m512i LANES = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+// a . b for D a multiple of 16
+inline float dot16(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out[r * stride + i] = qp_r . codes_i (plane order) for the n rows of codes with ok[i], r < R; the codes are
+// unpacked in registers and the dot products of four query heads run together
+template <int BITS>
+void scores_fast(const uint8_t* rows, int64_t nb, const uint8_t* ok, int64_t n, const float* qp, int64_t R,
+                 int64_t D, float* out, int64_t stride) {
+  constexpr int64_t PER = 8 / BITS;
+  const int64_t nbb = nb / 16;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) continue;
+    const uint8_t* row = rows + i * nb;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      const float* q0 = qp + r0 * D;
+      for (int64_t k = 0; k < PER; ++k)
+        for (int64_t jb = 0; jb < nbb; ++jb) {
+          const __m512 c = code_block<BITS>(row, k, jb);
+          const int64_t o = k * nb + jb * 16;
+          a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + o), c, a0);
+          a1 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + D + o), c, a1);
+          a2 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 2 * D + o), c, a2);
+          a3 = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + 3 * D + o), c, a3);
+        }
+      // the four sums at once: 256-bit halves added, then 128-bit quarters, then within each quarter
+      const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+      const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, t);
+      for (int64_t j = 0; j < 4 && r0 + j < R; ++j) out[(r0 + j) * stride + i] = sums[4 * j];
+    }
+  }
+}
+
+// acc[r * D + plane-order index] = sum_i w[r * stride + i] * value_i over the n rows with ok[i], r < R, one
+// block of 16 channels at a time for four query heads, the accumulators in registers.  fold: the values are
+// the codes, their scales folded into the weights: int8 (gv = D), or KIVI where each block lies in one value
+// group g (gv a multiple of 16 * 8 / BITS; w + g * gstride holds group g's weights, the minima are added by the
+// caller).  Otherwise (KIVI) the values are codes * scale + minimum of the token's group of gv channels (sv,
+// mv: ng fp16 per row), the group of each lane picked by a permute.
+template <int BITS>
+void values_fast(const uint8_t* rows, int64_t nb, bool fold, const at::Half* sv, const at::Half* mv, int64_t ng,
+                 int64_t gv, const uint8_t* ok, int64_t n, const float* w, int64_t stride, int64_t gstride, int64_t R,
+                 int64_t D, float* acc) {
+  constexpr int64_t PER = 8 / BITS;
+  const int64_t nbb = nb / 16;
+  const __mmask16 gmask = static_cast<__mmask16>((1u << ng) - 1u);
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    for (int64_t k = 0; k < PER; ++k)
+      for (int64_t jb = 0; jb < nbb; ++jb) {
+        // the value group of each lane: channel (jb * 16 + lane) * PER + k
+        alignas(64) int32_t gi[16];
+        for (int64_t x = 0; x < 16; ++x) gi[x] = static_cast<int32_t>(((jb * 16 + x) * PER + k) / gv);
+        const __m512i gidx = _mm512_load_si512(gi);
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float* w0 = w + r0 * stride + (fold ? gi[0] * gstride : 0);
+        for (int64_t i = 0; i < n; ++i) {
+          if (!ok[i]) continue;
+          __m512 x = code_block<BITS>(rows + i * nb, k, jb);
+          if (!fold) {
+            const __m512 s = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, sv + i * ng));
+            const __m512 m = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(gmask, mv + i * ng));
+            x = _mm512_fmadd_ps(x, _mm512_permutexvar_ps(gidx, s), _mm512_permutexvar_ps(gidx, m));
+          }
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(w0[i]), x, a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(w0[stride + i]), x, a1);
+          a2 = _mm512_fmadd_ps(_mm512_set1_ps(w0[2 * stride + i]), x, a2);
+          a3 = _mm512_fmadd_ps(_mm512_set1_ps(w0[3 * stride + i]), x, a3);
+        }
+        const __m512 a[4] = {a0, a1, a2, a3};
+        for (int64_t j = 0; j < 4 && r0 + j < R; ++j) _mm512_storeu_ps(acc + (r0 + j) * D + k * nb + jb * 16, a[j]);
+      }
+}
+
+// 16 elements of a 16- or 32-bit float row, or of int8 codes -> fp32
+template <typename E> inline __m512 widen16f(const E* p);
+template <> inline __m512 widen16f<at::BFloat16>(const at::BFloat16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+template <> inline __m512 widen16f<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <> inline __m512 widen16f<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 widen16f<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// s[r * n + i] = q_r . row_i (q: R x D fp32; rows: n x D, D a multiple of 16) for the rows with ok[i], NEG_INF for
+// the others; four query heads per pass over a row, their four sums reduced together
+template <typename E>
+void scores_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float* q, int64_t R, float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
+    const E* row = rows + i * D;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, R - r0);
+      const float* q0 = q + r0 * D;
+      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 c = widen16f<E>(row + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+          if (j < rr) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j * D + d), c, a[j]);
+      }
+      const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
+      const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
+      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
+      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
+      alignas(64) float sums[16];
+      _mm512_store_ps(sums, t);
+      for (int64_t j = 0; j < rr; ++j) s[(r0 + j) * n + i] = sums[4 * j];
+    }
+  }
+}
+
+// acc[r * D + d] = sum_i w[r * n + i] * row_i[d] over the rows with ok[i] (D a multiple of 16): four query heads
+// by 64 channels per pass over the rows, the sums in registers
+template <typename E>
+void values_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float* w, int64_t R, float* acc) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, R - r0);
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      const int64_t nv = std::min<int64_t>(4, (D - d0) / 16);
+      __m512 a[4][4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) a[j][v] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (!ok[i]) continue;
+        const E* row = rows + i * D + d0;
+        __m512 x[4];
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v) x[v] = v < nv ? widen16f<E>(row + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (j >= rr) continue;
+          const __m512 p = _mm512_set1_ps(w[(r0 + j) * n + i]);
+#pragma GCC unroll 4
+          for (int v = 0; v < 4; ++v) a[j][v] = _mm512_fmadd_ps(p, x[v], a[j][v]);
+        }
+      }
+      for (int64_t j = 0; j < rr; ++j)
+        for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(acc + (r0 + j) * D + d0 + 16 * v, a[j][v]);
+    }
+  }
+}
+#endif
+
+// The per-unit softmaxes (maximum pm, sum pl, weighted values pacc: unit k of (b, h) at bh * nunits + k, each
+// with R query heads) merged into one attention per query head -> (B, H, R, D) in q's dtype (rounded once)
+at::Tensor merge_units(const at::Tensor& q_in, int64_t BH, int64_t R, int64_t D, int64_t nunits,
+                       const std::vector<float>& pm, const std::vector<float>& pl, const std::vector<float>& pacc) {
+  std::vector<float> o32(BH * R * D);
+  float* O = o32.data();
+  for (int64_t bh = 0; bh < BH; ++bh)
+    for (int64_t r = 0; r < R; ++r) {
+      float M = NEG_INF, L = 0.f;
+      for (int64_t k = 0; k < nunits; ++k) M = std::max(M, pm[(bh * nunits + k) * R + r]);
+      float* o = O + (bh * R + r) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+      if (M == NEG_INF) continue;  // nothing attended to
+      for (int64_t k = 0; k < nunits; ++k) {
+        const float mk = pm[(bh * nunits + k) * R + r];
+        if (mk == NEG_INF) continue;
+        const float e = std::exp(mk - M);
+        L += e * pl[(bh * nunits + k) * R + r];
+        axpy(e, pacc.data() + ((bh * nunits + k) * R + r) * D, o, D);
+      }
+      for (int64_t d = 0; d < D; ++d) o[d] /= L;
+    }
+  auto out = at::empty(q_in.sizes(), q_in.options());  // in q's dtype, rounded to nearest even
+  const int64_t N = BH * R * D;
+  if (out.scalar_type() == at::kFloat) {
+    std::memcpy(out.data_ptr<float>(), O, N * sizeof(float));
+  } else if (out.scalar_type() == at::kBFloat16) {
+    at::BFloat16* p = out.data_ptr<at::BFloat16>();
+    for (int64_t x = 0; x < N; ++x) p[x] = at::BFloat16(O[x]);
+  } else {
+    at::Half* p = out.data_ptr<at::Half>();
+    for (int64_t x = 0; x < N; ++x) p[x] = at::Half(O[x]);
+  }
+  return out;
+}
+}  // namespace
+
+// q (B, H, r, D): the r query heads that share KV head h, any float dtype; scale: the softmax scale.
+// bits 8: int8 per token (kc/vc int8 (B,H,T,D), ks/vs (B,H,T,1) f16); bits 4/2: KIVI (kc/vc uint8
+// (B,H,T,D*bits/8), ks/km (B,H,T/G,D) f16, vs/vm (B,H,T,D/gv) f16).  allowed (B, T) bool: the slots the
+// query may see; slot (1,) long: the query's own slot.  rk/rv (B, H, W, D) bf16/f16/f32: the 16-bit window
+// of the `residual` most recent tokens (W = 0: none), slot j holding the latest token congruent to j mod W,
+// and the quantised slots are the first (slot + 1 - residual) // G * G.  -> (B, H, r, D) in q's dtype
+at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t G, int64_t gv,
+                     const at::Tensor& kc, const at::Tensor& ks, const at::Tensor& km, const at::Tensor& vc,
+                     const at::Tensor& vs, const at::Tensor& vm, const at::Tensor& allowed, const at::Tensor& slot_t,
+                     int64_t residual, const at::Tensor& rk, const at::Tensor& rv, int64_t chunk) {
+  const int64_t B = q_in.size(0), H = q_in.size(1), R = q_in.size(2), D = q_in.size(3), T = kc.size(2);
+  TORCH_CHECK(q_in.dim() == 4 && (q_in.scalar_type() == at::kFloat || q_in.scalar_type() == at::kBFloat16 ||
+              q_in.scalar_type() == at::kHalf), "attend_kv: q must be a (B, H, r, D) float tensor");
+  const at::Tensor q_c = q_in.contiguous();
+  std::vector<float> q(B * H * R * D);  // the query in fp32, times the softmax scale
+  for (int64_t x = 0; x < B * H * R; ++x) row_f32(q_c.data_ptr(), q_c.scalar_type(), x, D, q.data() + x * D);
+  for (auto& x : q) x *= static_cast<float>(scale);
+  const int64_t W = rk.numel() ? rk.size(2) : 0;
+  TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_kv: head dim or query heads per KV head too large");
+  TORCH_CHECK(allowed.size(-1) >= T, "attend_kv: the mask is shorter than the cache");
+  const bool kivi = bits != 8;
+  const int64_t per = 8 / bits, nb = D / per, ng = kivi ? D / gv : 1;
+  TORCH_CHECK(!kivi || gv % per == 0, "attend_kv: value group not a multiple of the codes per byte");
+  const int64_t slot = slot_t.item<int64_t>(), grp = kivi ? G : 1;
+  const int64_t n_quant = W ? std::max<int64_t>(0, slot + 1 - residual) / grp * grp : T;
+  const auto allowed_ = allowed.reshape({B, -1}).contiguous();
+  const bool* AL = allowed_.data_ptr<bool>();
+  const int64_t AT = allowed_.size(1);
+  // which slots the query sees: quantised ones below n_quant, window slots holding tokens from n_quant on
+  std::vector<uint8_t> okq(B * T), okr(B * std::max<int64_t>(W, 1));
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) okq[b * T + t] = AL[b * AT + t] && t < n_quant;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t tok = slot - (((slot - j) % W) + W) % W;
+      okr[b * W + j] = tok >= n_quant && tok >= 0 && AL[b * AT + tok];
+    }
+  }
+  chunk = kivi ? std::max<int64_t>(G, chunk / G * G) : chunk;
+  const int64_t nchunk = (T + chunk - 1) / chunk, nunits = nchunk + (W ? 1 : 0);
+  auto kc_ = kc.contiguous(), vc_ = vc.contiguous(), ks_ = ks.contiguous(), vs_ = vs.contiguous();
+  auto km_ = km.contiguous(), vm_ = vm.contiguous(), rk_ = rk.contiguous(), rv_ = rv.contiguous();
+  // per (b, h, unit) and query head: the chunk's softmax maximum and sum, and its weighted values
+  std::vector<float> pm(B * H * nunits * R), pl(B * H * nunits * R), pacc(B * H * nunits * R * D);
+  const float* Q = q.data();
+  // the vector path: whole 16-byte blocks of codes, at most 16 value groups per token
+#ifdef FEWBITS_KV_AVX512
+  const bool fast = D % 16 == 0 && nb % 16 == 0 && (!kivi || ng <= 16);
+#else
+  const bool fast = false;
+#endif
+  const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
+  const uint8_t* KC = static_cast<const uint8_t*>(kc_.data_ptr());
+  const uint8_t* VC = static_cast<const uint8_t*>(vc_.data_ptr());
+  const at::Half *KS = ks_.data_ptr<at::Half>(), *VS = vs_.data_ptr<at::Half>();
+  const at::Half *KM = km_.data_ptr<at::Half>(), *VM = vm_.data_ptr<at::Half>();
+  const uint8_t *OK = okq.data(), *OKR = okr.data();
+  const void *RK = W ? rk_.data_ptr() : nullptr, *RV = W ? rv_.data_ptr() : nullptr;
+  const at::ScalarType rdt = rk.scalar_type();
+
+  at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(Rpad * std::max(chunk, W));
+    // the vector path's per-token value scales and minima in fp32, and the weights times each group's scale
+    std::vector<float> vsf, vmf, wg;
+    if (fast) {
+      vsf.resize(std::max(chunk, W) * ng);
+      vmf.resize(std::max(chunk, W) * ng);
+      wg.resize(ng * Rpad * std::max(chunk, W));
+    }
+    alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
+    alignas(64) float qpl[MAXR * MAXD];  // the vector path: the query in plane order
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t bh = u / nunits, unit = u % nunits, b = bh / H;
+      const float* qh = Q + bh * R * D;
+      const bool ring = unit == nchunk;
+      const int64_t t0 = ring ? 0 : unit * chunk, n = ring ? W : std::min(chunk, T - t0);
+      const uint8_t* okp = ring ? OKR + b * W : OK + b * T + t0;
+      if (!kivi)  // the query in plane order (one plane: itself)
+        for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
+      int64_t cur_g = -1;
+#ifdef FEWBITS_KV_AVX512
+      if (fast && !ring) {  // scores: group by group (KIVI: the query scaled per group), then scale or bias
+        const int64_t span = kivi ? G : n;
+        // plane_idx[b]: the channels of block b of the plane order, (jb * 16 + lane) * per + k; qpl: the query
+        // in plane order
+        __m512i plane_idx[MAXD / 16];
+        for (int64_t k = 0, b = 0; k < per; ++k)
+          for (int64_t jb = 0; jb < nb / 16; ++jb, ++b)
+            plane_idx[b] = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(int(jb * 16)), LANES),
+                                                               _mm512_set1_epi32(int(per))), _mm512_set1_epi32(int(k)));
+        if (kivi)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t b = 0; b < D / 16; ++b)
+              _mm512_storeu_ps(qpl + r * D + b * 16, _mm512_i32gather_ps(plane_idx[b], qh + r * D, 4));
+        for (int64_t i0 = 0; i0 < n; i0 += span) {
+          const int64_t m_ = std::min(span, n - i0), t = t0 + i0;
+          if (kivi) {  // qp = the query times the group's scales, in plane order; bias = the query . minima
+            const int64_t g = t / G;
+            halves(KS + (bh * (T / G) + g) * D, sgf, D);
+            halves(KM + (bh * (T / G) + g) * D, mgf, D);
+            for (int64_t r = 0; r < R; ++r) bias[r] = dot16(qh + r * D, mgf, D);
+            for (int64_t k = 0, b = 0; k < per; ++k)
+              for (int64_t jb = 0; jb < nb / 16; ++jb, ++b) {
+                const __m512 sg = _mm512_i32gather_ps(plane_idx[b], sgf, 4);
+                for (int64_t r = 0; r < R; ++r)
+                  _mm512_storeu_ps(qp + r * D + b * 16, _mm512_mul_ps(_mm512_loadu_ps(qpl + r * D + b * 16), sg));
+              }
+          }
+          const uint8_t* rows = KC + (bh * T + t) * nb;
+          float* so = s.data() + i0;
+          if (bits == 8) scores_fast<8>(rows, nb, okp + i0, m_, qp, R, D, so, n);
+          else if (bits == 4) scores_fast<4>(rows, nb, okp + i0, m_, qp, R, D, so, n);
+          else scores_fast<2>(rows, nb, okp + i0, m_, qp, R, D, so, n);
+          for (int64_t i = 0; i < m_; ++i)
+            for (int64_t r = 0; r < R; ++r) {
+              float& x = so[r * n + i];
+              x = !okp[i0 + i] ? NEG_INF : kivi ? x + bias[r] : x * h2f(KS[bh * T + t + i]);
+            }
+        }
+      } else
+#endif
+      // scores
+      for (int64_t i = 0; i < n; ++i) {
+        float* si = s.data() + i;
+        if (!okp[i]) { for (int64_t r = 0; r < R; ++r) si[r * n] = NEG_INF; continue; }
+        const int64_t t = t0 + i;
+        if (ring) {
+          row_f32(RK, rdt, bh * W + i, D, c);
+          for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qh + r * D, c, D);
+          continue;
+        }
+        unpack_planes(KC + (bh * T + t) * nb, nb, bits, c);
+        if (!kivi) {
+          const float sc = h2f(KS[bh * T + t]);
+          for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qp + r * D, c, D) * sc;
+          continue;
+        }
+        const int64_t g = t / G;
+        if (g != cur_g) {  // the query times this group's per-channel scales (plane order), its minima's bias
+          cur_g = g;
+          halves(KS + (bh * (T / G) + g) * D, sgf, D);
+          halves(KM + (bh * (T / G) + g) * D, mgf, D);
+          for (int64_t r = 0; r < R; ++r) {
+            const float* qr = qh + r * D;
+            bias[r] = dot(qr, mgf, D);
+            for (int64_t j = 0; j < nb; ++j)
+              for (int64_t k = 0; k < per; ++k) qp[r * D + k * nb + j] = qr[j * per + k] * sgf[j * per + k];
+          }
+        }
+        for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qp + r * D, c, D) + bias[r];
+      }
+      // softmax weights within the chunk
+      float m[MAXR], l[MAXR];
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = s.data() + r * n;
+        const float mx = row_max(sr, n);
+        m[r] = mx;
+        l[r] = mx == NEG_INF ? 0.f : exp_sub_sum(sr, n, mx);
+        for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
+        for (int64_t x = 0; x < ng; ++x) vb[r * ng + x] = 0.f;
+      }
+#ifdef FEWBITS_KV_AVX512
+      if (fast && !ring) {  // the weighted sum of values (plane order), int8's scales folded into the weights
+        const int64_t bh_t = bh * T + t0;
+        const uint8_t* rows = VC + bh_t * nb;
+        const at::Half *sv = VS + bh_t * ng, *mv = VM + bh_t * ng;
+        halves(sv, vsf.data(), n * ng);
+        const bool fold = !kivi || gv % (16 * per) == 0;  // every block of 16 codes in one value group
+        const float* w = s.data();
+        if (fold) {  // weights times the value scales, per group; KIVI's minima: sum_i p_i m_i per group
+          const int64_t gs = Rpad * n, n16 = n / 16 * 16;
+          if (kivi) halves(mv, vmf.data(), n * ng);
+          for (int64_t r = 0; r < R; ++r)  // masked tokens weigh exactly 0 (exp_sub_sum left exp(-100))
+            for (int64_t i = 0; i < n; ++i) s[r * n + i] = okp[i] ? s[r * n + i] : 0.f;
+          for (int64_t g = 0; g < ng; ++g) {
+            const __m512i idx = _mm512_add_epi32(_mm512_mullo_epi32(LANES, _mm512_set1_epi32(int(ng))),
+                                                 _mm512_set1_epi32(int(g)));
+            for (int64_t r = 0; r < R; ++r) {
+              const float* sr = s.data() + r * n;
+              float* wr = wg.data() + g * gs + r * n;
+              __m512 vbacc = _mm512_setzero_ps();
+              for (int64_t i = 0; i < n16; i += 16) {
+                const __m512 p = _mm512_loadu_ps(sr + i);
+                _mm512_storeu_ps(wr + i, _mm512_mul_ps(p, _mm512_i32gather_ps(idx, vsf.data() + i * ng, 4)));
+                if (kivi) vbacc = _mm512_fmadd_ps(p, _mm512_i32gather_ps(idx, vmf.data() + i * ng, 4), vbacc);
+              }
+              float b = kivi ? _mm512_reduce_add_ps(vbacc) : 0.f;
+              for (int64_t i = n16; i < n; ++i) {
+                wr[i] = sr[i] * vsf[i * ng + g];
+                if (kivi) b += sr[i] * vmf[i * ng + g];
+              }
+              vb[r * ng + g] = b;
+            }
+          }
+          w = wg.data();
+        }
+        const int64_t gs = Rpad * n, gvv = kivi ? gv : D;
+        if (bits == 8) values_fast<8>(rows, nb, true, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+        else if (bits == 4) values_fast<4>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+        else values_fast<2>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+      } else
+#endif
+      // the weighted sum of values (plane order for codes)
+      for (int64_t i = 0; i < n; ++i) {
+        if (!okp[i]) continue;
+        const int64_t t = t0 + i;
+        if (ring) {
+          row_f32(RV, rdt, bh * W + i, D, c);
+          for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
+          continue;
+        }
+        unpack_planes(VC + (bh * T + t) * nb, nb, bits, c);
+        if (!kivi) {
+          const float sc = h2f(VS[bh * T + t]);
+          for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i] * sc, c, acc + r * D, D);
+          continue;
+        }
+        const at::Half *sv = VS + (bh * T + t) * ng, *mv = VM + (bh * T + t) * ng;
+        const int64_t seg = gv / per;  // channels of one value group within one plane
+        for (int64_t g = 0; g < ng; ++g) {
+          const float sg = h2f(sv[g]), mg = h2f(mv[g]);
+          for (int64_t k = 0; k < per; ++k)
+            for (int64_t x = 0; x < seg; ++x) c[k * nb + g * seg + x] *= sg;
+          for (int64_t r = 0; r < R; ++r) vb[r * ng + g] += s[r * n + i] * mg;
+        }
+        for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
+      }
+      const int64_t base = bh * nunits + unit;
+      for (int64_t r = 0; r < R; ++r) {
+        pm[base * R + r] = m[r];
+        pl[base * R + r] = l[r];
+        float* dst = pacc.data() + (base * R + r) * D;
+        if (ring || !kivi)
+          for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d];
+        else if (fast && gv % (16 * per) != 0)  // minima included
+          for (int64_t j = 0; j < nb; ++j)
+            for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j];
+        else
+          for (int64_t g = 0; g < ng; ++g)  // channel d = j * per + k, value group g: channels g*gv .. g*gv+gv-1
+            for (int64_t j = g * gv / per; j < (g + 1) * gv / per; ++j)
+              for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j] + vb[r * ng + g];
+      }
+    }
+  });
+  return merge_units(q_in, B * H, R, D, nunits, pm, pl, pacc);
+}
+
+// One query token per sequence over a cache of whole rows: q (B, H, r, D) as attend_kv's, k and v (B, H, T, D)
+// bf16, fp16 or fp32 (a 16-bit cache), or int8 codes with ks and vs (B, H, T, 1) their fp16 per-token scales (an
+// int8 cache without a window; else ks and vs are empty); allowed (B, T' >= T) bool, slot (1,) long: the query's
+// own slot (slots after it are never read).  Tokens in chunks of `chunk` run in parallel (one KV head still uses
+// every thread), each chunk's softmax merged at the end; a chunk with no allowed slot is skipped.  Scores are
+// (q . row) * key scale, the weights of the values p * value scale; sums in fp32 -> (B, H, r, D) in q's dtype.
+at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& allowed, const at::Tensor& slot_t,
+                       int64_t chunk) {
+  TORCH_CHECK(q_in.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(),
+              "attend_rows: q (B, H, r, D), k and v (B, H, T, D)");
+  const int64_t B = q_in.size(0), H = q_in.size(1), R = q_in.size(2), D = q_in.size(3), T = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D, "attend_rows: k ", k.sizes(), " does not fit q ",
+              q_in.sizes());
+  TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_rows: head dim or query heads per KV head too large");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attend_rows: k and v of different dtypes");
+  const bool scaled = k.scalar_type() == at::kChar;
+  TORCH_CHECK(!scaled || (ks.numel() == B * H * T && vs.numel() == B * H * T && ks.scalar_type() == at::kHalf &&
+                          vs.scalar_type() == at::kHalf), "attend_rows: int8 rows need fp16 scales (B, H, T, 1)");
+  const at::Tensor ks_ = scaled ? ks.contiguous() : ks, vs_ = scaled ? vs.contiguous() : vs;
+  const at::Half *KS = scaled ? ks_.data_ptr<at::Half>() : nullptr, *VS = scaled ? vs_.data_ptr<at::Half>() : nullptr;
+  TORCH_CHECK(allowed.size(-1) >= T, "attend_rows: the mask is shorter than the cache");
+  const at::Tensor q_c = q_in.contiguous(), k_ = k.contiguous(), v_ = v.contiguous();
+  std::vector<float> q(B * H * R * D);  // the query in fp32, times the softmax scale
+  for (int64_t x = 0; x < B * H * R; ++x) row_f32(q_c.data_ptr(), q_c.scalar_type(), x, D, q.data() + x * D);
+  for (auto& x : q) x *= static_cast<float>(scale);
+  const int64_t n_seen = std::min<int64_t>(T, slot_t.item<int64_t>() + 1);  // slots 0 .. slot
+  const auto allowed_ = allowed.reshape({B, -1}).contiguous();
+  const bool* AL = allowed_.data_ptr<bool>();
+  const int64_t AT = allowed_.size(1);
+  // at least `chunk` tokens a unit, and no more units than ~8 per thread (the merge after them is serial)
+  const int64_t per_bh = std::max<int64_t>(1, 8 * at::get_num_threads() / (B * H));
+  chunk = std::max<int64_t>({1, chunk, (n_seen + per_bh - 1) / per_bh});
+  const int64_t nunits = std::max<int64_t>(1, (n_seen + chunk - 1) / chunk);
+  std::vector<float> pm(B * H * nunits * R, NEG_INF), pl(B * H * nunits * R, 0.f), pacc(B * H * nunits * R * D, 0.f);
+  const void *K = k_.data_ptr(), *V = v_.data_ptr();
+  const at::ScalarType dt = k.scalar_type();
+  const float* Q = q.data();
+  at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(R * chunk);
+    alignas(64) float c[MAXD];
+    for (int64_t u = lo; u < hi; ++u) {
+      const int64_t bh = u / nunits, t0 = (u % nunits) * chunk, b = bh / H;
+      const int64_t n = std::max<int64_t>(0, std::min(chunk, n_seen - t0));
+      const bool* ok = AL + b * AT + t0;
+      bool any = false;
+      for (int64_t i = 0; i < n; ++i) any = any || ok[i];
+      if (!any) continue;  // pm stays -inf: the merge skips this unit
+      const float* qh = Q + bh * R * D;
+      const int64_t base = bh * nunits + u % nunits, row0 = bh * T + t0;
+      float* acc = pacc.data() + base * R * D;
+#ifdef FEWBITS_KV_AVX512
+      if (D % 16 == 0) {
+        if (dt == at::kBFloat16) scores_16(static_cast<const at::BFloat16*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else if (dt == at::kHalf) scores_16(static_cast<const at::Half*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else if (dt == at::kChar) scores_16(static_cast<const int8_t*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else scores_16(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+      } else
+#endif
+      for (int64_t i = 0; i < n; ++i) {  // scores
+        if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
+        row_f32(K, dt, row0 + i, D, c);
+        for (int64_t r = 0; r < R; ++r) s[r * n + i] = dot(qh + r * D, c, D);
+      }
+      if (scaled)  // the keys' per-token scales
+        for (int64_t i = 0; i < n; ++i) {
+          if (!ok[i]) continue;
+          const float sc = h2f(KS[row0 + i]);
+          for (int64_t r = 0; r < R; ++r) s[r * n + i] *= sc;
+        }
+      for (int64_t r = 0; r < R; ++r) {  // softmax within the chunk
+        float* sr = s.data() + r * n;
+        pm[base * R + r] = row_max(sr, n);
+        pl[base * R + r] = exp_sub_sum(sr, n, pm[base * R + r]);
+      }
+      if (scaled)  // the values' per-token scales folded into the weights
+        for (int64_t i = 0; i < n; ++i) {
+          if (!ok[i]) continue;
+          const float sc = h2f(VS[row0 + i]);
+          for (int64_t r = 0; r < R; ++r) s[r * n + i] *= sc;
+        }
+      // the weighted sum of values (a masked slot is skipped: it weighs exactly 0)
+#ifdef FEWBITS_KV_AVX512
+      if (D % 16 == 0) {
+        if (dt == at::kBFloat16) values_16(static_cast<const at::BFloat16*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else if (dt == at::kHalf) values_16(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else if (dt == at::kChar) values_16(static_cast<const int8_t*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else values_16(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < n; ++i) {
+        if (!ok[i]) continue;
+        row_f32(V, dt, row0 + i, D, c);
+        for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
+      }
+    }
+  });
+  return merge_units(q_in, B * H, R, D, nunits, pm, pl, pacc);
+}
+
+namespace {
+// fewbits.kvcache.quant's arithmetic in IEEE single precision (this file is built without -ffast-math, so
+// divisions stay divisions), rounding half to even as torch.round does.
+inline at::Half fp16_scale(float s) {  // _fp16_scale: the scale as fp16, never zero (an all-zero block: 1)
+  const at::Half h(s);
+  return static_cast<float>(h) > 0.f ? h : at::Half(1.f);
+}
+
+// quant_int8_per_token on one token: amax / 127 as an fp16 scale, codes round(x / s) in [-127, 127]
+inline void quant_int8_row(const float* x, int64_t D, int8_t* codes, at::Half* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const at::Half s = fp16_scale(amax / 127.f);
+  const float sf = static_cast<float>(s);
+  for (int64_t d = 0; d < D; ++d)
+    codes[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[d] / sf))));
+  *scale = s;
+}
+
+// _minmax_codes over n values x[i * stride]: scale (max - min) / qmax and minimum as fp16, codes
+// round((x - m) / s) in [0, qmax] into c[i * stride]
+inline void minmax_codes(const float* x, int64_t n, int64_t stride, int64_t qmax, uint8_t* c, at::Half* scale,
+                         at::Half* minv) {
+  float lo = x[0], hi = x[0];
+  for (int64_t i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const at::Half s = fp16_scale((hi - lo) / static_cast<float>(qmax)), m(lo);
+  const float sf = static_cast<float>(s), mf = static_cast<float>(m);
+  for (int64_t i = 0; i < n; ++i)
+    c[i * stride] = static_cast<uint8_t>(
+        std::min(static_cast<float>(qmax), std::max(0.f, std::nearbyint((x[i * stride] - mf) / sf))));
+  *scale = s;
+  *minv = m;
+}
+
+// formats/packing.py's layout: code k of byte j is channel j * per + k, at bits k * bits
+inline void pack_row(const uint8_t* c, int64_t D, int64_t bits, uint8_t* out) {
+  const int64_t per = 8 / bits;
+  for (int64_t j = 0; j < D / per; ++j) {
+    uint8_t byte = 0;
+    for (int64_t k = 0; k < per; ++k) byte |= static_cast<uint8_t>(c[j * per + k] << (k * bits));
+    out[j] = byte;
+  }
+}
+
+void check_buffer(const at::Tensor& t, at::ScalarType dt, const char* name) {
+  TORCH_CHECK(t.scalar_type() == dt, "append_kv: ", name, " must be ", dt, ", got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 4, "append_kv: ", name, " must be a contiguous (B, H, n, m) tensor");
+}
+}  // namespace
+
+// One decode step's write into an int8 or KIVI cache, `LayerKV.step`'s semantics: k, v (B, H, 1, D) in the
+// window's dtype go to window slot `slot` % W (W = rk.size(2); W = 0, rk/rv empty: no window, int8 only, the
+// token is quantised at once); when a whole group of G tokens (int8: one) has just left the window of the
+// `residual` most recent tokens (slot + 1 - residual a positive multiple of G), that group is quantised from
+// the window into its slots of codes and scales.  Buffers as in attend_kv; km/vm unused (empty) for int8.
+void append_kv(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& slot_t, int64_t bits, int64_t G,
+               int64_t gv, int64_t residual, const at::Tensor& rk, const at::Tensor& rv, const at::Tensor& kc,
+               const at::Tensor& ks, const at::Tensor& km, const at::Tensor& vc, const at::Tensor& vs,
+               const at::Tensor& vm) {
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, "append_kv: bits must be 8, 4 or 2, got ", bits);
+  TORCH_CHECK(k_in.dim() == 4 && k_in.size(2) == 1 && v_in.sizes() == k_in.sizes(),
+              "append_kv: k and v must be (B, H, 1, D), got ", k_in.sizes(), " and ", v_in.sizes());
+  TORCH_CHECK(v_in.scalar_type() == k_in.scalar_type(), "append_kv: k and v differ in dtype");
+  const bool kivi = bits != 8;
+  const int64_t B = k_in.size(0), H = k_in.size(1), D = k_in.size(3), BH = B * H;
+  const int64_t per = 8 / bits, nb = D / per, grp = kivi ? G : 1, qmax = (1 << bits) - 1;
+  const int64_t W = rk.numel() ? rk.size(2) : 0;
+  TORCH_CHECK(D <= MAXD && D % per == 0, "append_kv: head dim ", D, " unsupported");
+  TORCH_CHECK(grp >= 1 && (!kivi || (gv >= 1 && D % gv == 0)), "append_kv: bad group sizes G=", G, " gv=", gv);
+  check_buffer(kc, kivi ? at::kByte : at::kChar, "kc");
+  check_buffer(vc, kivi ? at::kByte : at::kChar, "vc");
+  check_buffer(ks, at::kHalf, "ks");
+  check_buffer(vs, at::kHalf, "vs");
+  const int64_t T = kc.size(2);
+  TORCH_CHECK(kc.size(0) == B && kc.size(1) == H && kc.size(3) == nb && vc.sizes() == kc.sizes(),
+              "append_kv: codes of shape ", kc.sizes(), " do not fit k of shape ", k_in.sizes());
+  if (kivi) {
+    check_buffer(km, at::kHalf, "km");
+    check_buffer(vm, at::kHalf, "vm");
+    TORCH_CHECK(T % G == 0 && ks.size(2) == T / G && ks.size(3) == D && km.sizes() == ks.sizes() &&
+                vs.size(2) == T && vs.size(3) == D / gv && vm.sizes() == vs.sizes(),
+                "append_kv: KIVI scales do not fit the codes");
+  } else {
+    TORCH_CHECK(ks.size(2) == T && ks.size(3) == 1 && vs.sizes() == ks.sizes(), "append_kv: int8 scales do not fit");
+  }
+  TORCH_CHECK(W || !kivi, "append_kv: a KIVI cache needs its 16-bit window");
+  if (W) {
+    TORCH_CHECK(rk.scalar_type() == k_in.scalar_type() && rv.scalar_type() == k_in.scalar_type(),
+                "append_kv: k and v must be in the window's dtype ", rk.scalar_type(), ", got ", k_in.scalar_type());
+    TORCH_CHECK(rk.is_contiguous() && rv.is_contiguous() && rk.dim() == 4 && rk.size(0) == B && rk.size(1) == H &&
+                rk.size(3) == D && rv.sizes() == rk.sizes(), "append_kv: the window does not fit k");
+  }
+  const int64_t slot = slot_t.item<int64_t>();
+  TORCH_CHECK(slot >= 0 && slot < T, "append_kv: slot ", slot, " outside the cache's ", T, " slots");
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  const at::ScalarType dt = k.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat, "append_kv: k must be a float tensor");
+  const int64_t es = k.element_size();
+  int64_t g0 = slot;  // the first token quantised by this step
+  if (W) {
+    const int64_t j = slot % W;
+    auto* RK = static_cast<char*>(rk.data_ptr());
+    auto* RV = static_cast<char*>(rv.data_ptr());
+    const auto *K = static_cast<const char*>(k.data_ptr()), *V = static_cast<const char*>(v.data_ptr());
+    for (int64_t bh = 0; bh < BH; ++bh) {
+      std::memcpy(RK + (bh * W + j) * D * es, K + bh * D * es, D * es);
+      std::memcpy(RV + (bh * W + j) * D * es, V + bh * D * es, D * es);
+    }
+    const int64_t left = slot + 1 - residual;  // tokens that have left the window
+    if (left < grp || left % grp != 0) return;  // no group completed by this step
+    g0 = left - grp;
+  }
+  std::vector<float> xk(grp * D), xv(grp * D);
+  std::vector<uint8_t> ck(grp * D), cv(grp * D);
+  const void *SK = W ? rk.data_ptr() : k.data_ptr(), *SV = W ? rv.data_ptr() : v.data_ptr();
+  uint8_t *KC = static_cast<uint8_t*>(kc.data_ptr()), *VC = static_cast<uint8_t*>(vc.data_ptr());
+  at::Half *KS = ks.data_ptr<at::Half>(), *VS = vs.data_ptr<at::Half>();
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    for (int64_t i = 0; i < grp; ++i) {
+      const int64_t row = W ? bh * W + (g0 + i) % W : bh;
+      row_f32(SK, dt, row, D, xk.data() + i * D);
+      row_f32(SV, dt, row, D, xv.data() + i * D);
+    }
+    if (!kivi) {
+      const int64_t t = bh * T + g0;
+      quant_int8_row(xk.data(), D, reinterpret_cast<int8_t*>(KC) + t * D, KS + t);
+      quant_int8_row(xv.data(), D, reinterpret_cast<int8_t*>(VC) + t * D, VS + t);
+      continue;
+    }
+    at::Half *KM = km.data_ptr<at::Half>(), *VM = vm.data_ptr<at::Half>();
+    const int64_t sg = (bh * (T / G) + g0 / G) * D;  // keys: one scale and minimum per channel of the group
+    for (int64_t d = 0; d < D; ++d) minmax_codes(xk.data() + d, grp, D, qmax, ck.data() + d, KS + sg + d, KM + sg + d);
+    const int64_t ng = D / gv;  // values: per token, per group of gv channels
+    for (int64_t i = 0; i < grp; ++i) {
+      const int64_t t = bh * T + g0 + i;
+      for (int64_t g = 0; g < ng; ++g)
+        minmax_codes(xv.data() + i * D + g * gv, gv, 1, qmax, cv.data() + i * D + g * gv, VS + t * ng + g,
+                     VM + t * ng + g);
+      pack_row(ck.data() + i * D, D, bits, KC + t * nb);
+      pack_row(cv.data() + i * D, D, bits, VC + t * nb);
+    }
+  }
+}
+
+TORCH_LIBRARY(fewbits_kv, m) {
+  m.def("attend_kv(Tensor q, float scale, int bits, int G, int gv, Tensor kc, Tensor ks, Tensor km, Tensor vc, "
+        "Tensor vs, Tensor vm, Tensor allowed, Tensor slot, int residual, Tensor rk, Tensor rv, int chunk) -> Tensor");
+  m.impl("attend_kv", c10::DispatchKey::CPU, &attend_kv);
+  m.def("attend_rows(Tensor q, float scale, Tensor k, Tensor v, Tensor ks, Tensor vs, Tensor allowed, Tensor slot, "
+        "int chunk) -> Tensor");
+  m.impl("attend_rows", c10::DispatchKey::CPU, &attend_rows);
+  m.def("append_kv(Tensor k, Tensor v, Tensor slot, int bits, int G, int gv, int residual, Tensor(a!) rk, "
+        "Tensor(b!) rv, Tensor(c!) kc, Tensor(d!) ks, Tensor(e!) km, Tensor(f!) vc, Tensor(g!) vs, "
+        "Tensor(h!) vm) -> ()");
+  m.impl("append_kv", c10::DispatchKey::CPU, &append_kv);
+}

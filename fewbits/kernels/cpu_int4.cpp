@@ -1,0 +1,501 @@
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define FB_FAST 1
+#include <immintrin.h>
+#else
+#define FB_FAST 0
+#endif
+#if FB_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FB_AMX 1
+#include <ATen/cpu/Utils.h>
+#else
+#define FB_AMX 0
+#endif
+
+namespace {
+constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
+// 64-byte chunks ahead of the one read that the one-row paths prefetch (the blocks are contiguous, so this runs
+// into the next block at a block's end)
+constexpr int64_t PREFETCH_CHUNKS = 32;
+// rows of x from which the AMX path runs (fewer: vdpbf16ps, which decodes less per call)
+constexpr int64_t AMX_MIN_ROWS = 3;
+
+struct Args {
+  const uint16_t* codes;  // (NB, K/8, 32)
+  const void* scales;     // (NB, G, 16) fp16 or fp32
+  const void* zeros;      // like scales, or nullptr (symmetric)
+  bool half;
+  int64_t K, group, G, bits, N;
+  const uint16_t* x;      // (M, K) bf16 bits
+  const float* xsum;      // (M, G) group sums of x, or nullptr
+  uint16_t* y;            // (M, N) bf16 bits
+};
+
+inline float bf2f(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
+inline uint16_t f2bf(float f) {  // round to nearest even (NaN stays NaN)
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+inline float table_value(const void* t, bool half, int64_t i) {
+  return half ? float(static_cast<const at::Half*>(t)[i]) : static_cast<const float*>(t)[i];
+}
+
+// ---------------------------------------------------------------- portable path: plain loops, same layout
+void block_portable(const Args& a, int64_t b, int64_t m0, int64_t mt) {
+  float y[MT][R] = {};
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const float off = float(1 << (a.bits - 1));
+  const int64_t cpg = a.group / KC;
+  for (int64_t g = 0; g < a.G; ++g) {
+    float acc[MT][2 * R] = {};  // lane p = 2 i + h
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      const uint16_t* w = cb + c * 32;
+      for (int j = 0; j < 4; ++j) {
+        float v[2 * R];
+        for (int p = 0; p < 2 * R; ++p) v[p] = float((w[p] >> (4 * j)) & 15) - off;
+        for (int64_t m = 0; m < mt; ++m) {
+          const uint16_t* xr = a.x + (m0 + m) * a.K + c * KC + 2 * j;
+          const float x0 = bf2f(xr[0]), x1 = bf2f(xr[1]);
+          for (int p = 0; p < 2 * R; p += 2) { acc[m][p] += v[p] * x0; acc[m][p + 1] += v[p + 1] * x1; }
+        }
+      }
+    }
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t t = (b * a.G + g) * R + i;
+      const float s = table_value(a.scales, a.half, t), z = a.zeros ? table_value(a.zeros, a.half, t) : 0.f;
+      for (int64_t m = 0; m < mt; ++m) {
+        float sum = acc[m][2 * i] + acc[m][2 * i + 1];
+        if (a.zeros) sum -= z * a.xsum[(m0 + m) * a.G + g];
+        y[m][i] += sum * s;
+      }
+    }
+  }
+  for (int64_t m = 0; m < mt; ++m)
+    for (int64_t i = 0; i < R; ++i) a.y[(m0 + m) * a.N + b * R + i] = f2bf(y[m][i]);
+}
+
+// block b's rows, dequantised to bf16 and transposed: wt[k * ldw + col0 + i] = bf16(s * (c - o))
+void dequant_portable(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64_t col0) {
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const float off = float(1 << (a.bits - 1));
+  const int64_t cpg = a.group / KC;
+  for (int64_t g = 0; g < a.G; ++g) {
+    float s[R], z[R];
+    for (int64_t i = 0; i < R; ++i) {
+      s[i] = table_value(a.scales, a.half, (b * a.G + g) * R + i);
+      z[i] = a.zeros ? table_value(a.zeros, a.half, (b * a.G + g) * R + i) : 0.f;
+    }
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c)
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < 2; ++h) {
+          uint16_t* dst = wt + (c * KC + 2 * j + h) * ldw + col0;
+          for (int64_t i = 0; i < R; ++i)
+            dst[i] = f2bf(((float((cb[c * 32 + 2 * i + h] >> (4 * j)) & 15) - off) - z[i]) * s[i]);
+        }
+  }
+}
+
+#if FB_FAST
+inline __m512 load16(const void* t, bool half, int64_t i) {
+  if (half) {
+    const at::Half* h = static_cast<const at::Half*>(t) + i;
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(t) + i);
+}
+
+inline __m512i code_table(int64_t bits) {  // bf16 of (c - 2^(bits-1)) for c = 0..15, twice
+  alignas(64) uint16_t t[32];
+  for (int c = 0; c < 32; ++c) t[c] = f2bf(float(c & 15) - float(1 << (bits - 1)));
+  return _mm512_load_si512(t);
+}
+
+inline __m512i bcast_pair(const uint16_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+
+template <int T>
+void block_fast(const Args& a, int64_t b, int64_t m0, __m512i tab) {
+  constexpr int NA = T == 1 ? 4 : (T == 2 ? 2 : 1);  // accumulators per row: independent dpbf16 chains
+  __m512 y[T];
+  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t cpg = a.group / KC;
+  const uint16_t* xr[T];
+  for (int t = 0; t < T; ++t) xr[t] = a.x + (m0 + t) * a.K;
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 acc[T][NA];
+    for (int t = 0; t < T; ++t)
+      for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_ps();
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
+      const __m512i wd = _mm512_loadu_si512(cb + c * 32);
+      __m512i w[4];
+      w[0] = _mm512_permutexvar_epi16(wd, tab);
+      w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab);
+      w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab);
+      w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab);
+      const int64_t k = c * KC;
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < 4; ++j)
+          acc[t][j % NA] = _mm512_dpbf16_ps(acc[t][j % NA], (__m512bh)w[j], (__m512bh)bcast_pair(xr[t] + k + 2 * j));
+    }
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    for (int t = 0; t < T; ++t) {
+      __m512 sum = acc[t][0];
+      for (int n = 1; n < NA; ++n) sum = _mm512_add_ps(sum, acc[t][n]);
+      if (a.zeros)
+        sum = _mm512_fnmadd_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
+      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
+void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab) {
+  switch (mt) {
+    case 1: block_fast<1>(a, b, m0, tab); break;
+    case 2: block_fast<2>(a, b, m0, tab); break;
+    case 3: block_fast<3>(a, b, m0, tab); break;
+    case 4: block_fast<4>(a, b, m0, tab); break;
+    case 5: block_fast<5>(a, b, m0, tab); break;
+    case 6: block_fast<6>(a, b, m0, tab); break;
+    case 7: block_fast<7>(a, b, m0, tab); break;
+    default: block_fast<8>(a, b, m0, tab); break;
+  }
+}
+
+#if defined(__AVX512VNNI__)
+#define FB_A8 1
+// int8 activations (path 3): x quantised per row and block of 32 columns (fewbits.kernels.act8), stored per
+// 8-column chunk in the order the nibbles come out of a chunk's 32-bit lanes (columns 0 4 1 5, then 2 6 3 7),
+// so one vpdpbusd multiplies 16 rows' 4 codes (unsigned) by 4 broadcast activations (signed).
+struct A8 {
+  const int8_t* xq;   // (M, K) permuted per chunk
+  const float* xs;    // (M, K/32) block scales
+  const float* qsum;  // (M, G) sum over the group's blocks of xs * sum(xq): the zero term's sum of x
+};
+
+@Q8_BLOCK@
+void quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xs, float* qsum) {
+  const int64_t nb = K / 32, G = K / group;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) qsum[m * G + g] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[32];
+      for (int k = 0; k < 32; ++k) v[k] = bf2f(x[m * K + b * 32 + k]);
+      int8_t q[32];
+      const float d = fb_q8_block(v, 32, q);  // fewbits.kernels.act8
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) sum += q[k];
+      static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 8; ++i) xq[m * K + b * 32 + c * 8 + i] = q[c * 8 + order[i]];
+      xs[m * nb + b] = d;
+      qsum[m * G + (b * 32) / group] += d * float(sum);
+    }
+  }
+}
+
+template <int T>
+void block_a8(const Args& a, const A8& q, int64_t b, int64_t m0) {
+  constexpr int NA = T == 1 ? 2 : 1;  // int32 accumulators per row (lo and hi nibbles apart at one row)
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t nb = a.K / 32, bpg = a.group / 32;
+  const float off = float(1 << (a.bits - 1));
+  __m512 y[T];
+  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 f[T];
+    for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
+    for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
+      __m512i acc[T][NA];
+      for (int t = 0; t < T; ++t)
+        for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_si512();
+      for (int64_t c = xb * 4; c < xb * 4 + 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
+        const __m512i wd = _mm512_loadu_si512(cb + c * 32);
+        const __m512i lo = _mm512_and_si512(wd, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wd, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xp = q.xq + (m0 + t) * a.K + c * KC;
+          int32_t x0, x1;
+          std::memcpy(&x0, xp, 4);
+          std::memcpy(&x1, xp + 4, 4);
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, _mm512_set1_epi32(x0));
+          acc[t][NA - 1] = _mm512_dpbusd_epi32(acc[t][NA - 1], hi, _mm512_set1_epi32(x1));
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i s32 = NA == 2 ? _mm512_add_epi32(acc[t][0], acc[t][NA - 1]) : acc[t][0];
+        f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(q.xs[(m0 + t) * nb + xb]), f[t]);
+      }
+    }
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
+    for (int t = 0; t < T; ++t) {  // s * (sum c xq xs - o * sum xq xs)
+      const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.qsum[(m0 + t) * a.G + g]), f[t]);
+      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
+void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
+  switch (mt) {
+    case 1: block_a8<1>(a, q, b, m0); break;
+    case 2: block_a8<2>(a, q, b, m0); break;
+    case 3: block_a8<3>(a, q, b, m0); break;
+    default: block_a8<4>(a, q, b, m0); break;
+  }
+}
+#else
+#define FB_A8 0
+#endif
+
+#if FB_AMX
+struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+
+bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
+
+// tiles: 0 = C (mt x 16 fp32), 1 = A (mt x 32 bf16 of x), 2 = B (16 pairs of k x 16 output rows)
+void tile_config(int64_t mt) {
+  alignas(64) TileConfig c{};
+  c.palette = 1;
+  c.rows[0] = uint8_t(mt); c.colsb[0] = 64;
+  c.rows[1] = uint8_t(mt); c.colsb[1] = 64;
+  c.rows[2] = 16; c.colsb[2] = 64;
+  _tile_loadconfig(&c);
+}
+
+// as block_fast, for mt <= 16 rows of x through AMX: per 32 columns the 4 chunks' decoded registers are
+// the B tile (pair rows 4 q + j), x's columns the A tile; each group's C tile is scaled like block_fast's sums.
+// group % 32 == 0.  bbuf: 2 x 512 words (two B tiles, so decoding the next overlaps the last's load), cbuf: 256
+void block_amx(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab, uint16_t* bbuf, float* cbuf) {
+  alignas(64) float yacc[AMX_MT * R];
+  for (int64_t i = 0; i < mt * R; ++i) yacc[i] = 0.f;
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const uint16_t* xb = a.x + m0 * a.K;
+  int64_t step = 0;
+  for (int64_t g = 0; g < a.G; ++g) {
+    _tile_zero(0);
+    for (int64_t k0 = g * a.group; k0 < (g + 1) * a.group; k0 += 32, ++step) {
+      uint16_t* B = bbuf + (step & 1) * 512;
+      for (int64_t q = 0; q < 4; ++q) {
+        const __m512i wd = _mm512_loadu_si512(cb + (k0 / KC + q) * 32);
+        _mm512_store_si512(B + (4 * q + 0) * 32, _mm512_permutexvar_epi16(wd, tab));
+        _mm512_store_si512(B + (4 * q + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab));
+        _mm512_store_si512(B + (4 * q + 2) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab));
+        _mm512_store_si512(B + (4 * q + 3) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab));
+      }
+      _tile_loadd(2, B, 64);
+      _tile_loadd(1, xb + k0, a.K * 2);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, cbuf, 64);
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < mt; ++t) {
+      __m512 sum = _mm512_load_ps(cbuf + t * R);
+      if (a.zeros) sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
+      _mm512_store_ps(yacc + t * R, _mm512_fmadd_ps(sum, s, _mm512_load_ps(yacc + t * R)));
+    }
+  }
+  for (int64_t t = 0; t < mt; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(yacc + t * R)));
+}
+#endif
+
+inline __m512 bf16_lo(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+
+void dequant_fast(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64_t col0, __m512i tab) {
+  alignas(64) uint16_t sp[32];
+  for (int p = 0; p < 32; ++p) sp[p] = uint16_t(p < 16 ? 2 * p : 2 * (p - 16) + 1);  // even words, then odd
+  const __m512i split = _mm512_load_si512(sp);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t cpg = a.group / KC;
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
+    for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+      const __m512i wd = _mm512_permutexvar_epi16(split, _mm512_loadu_si512(cb + c * 32));
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4 * j), tab);
+        const __m512 lo = _mm512_mul_ps(_mm512_sub_ps(bf16_lo(_mm512_castsi512_si256(v)), z), s);
+        const __m512 hi = _mm512_mul_ps(_mm512_sub_ps(bf16_lo(_mm512_extracti64x4_epi64(v, 1)), z), s);
+        uint16_t* dst = wt + (c * KC + 2 * j) * ldw + col0;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + ldw), (__m256i)_mm512_cvtneps_pbh(hi));
+      }
+    }
+  }
+}
+#endif
+
+Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+               int64_t bits) {
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 32 && codes.scalar_type() == at::kShort && codes.is_contiguous(),
+              "q4: codes must be a contiguous int16 tensor (blocks, in_features/8, 32)");
+  TORCH_CHECK(bits >= 1 && bits <= 4, "q4: bits must be 1..4, got ", bits);
+  const int64_t NB = codes.size(0), K = codes.size(1) * KC;
+  TORCH_CHECK(group > 0 && group % KC == 0 && K % group == 0, "q4: group ", group,
+              " must be a multiple of 8 that divides in_features ", K);
+  const int64_t G = K / group;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == NB && scales.size(1) == G && scales.size(2) == R &&
+              scales.is_contiguous() && (scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat),
+              "q4: scales must be contiguous fp16/fp32 (blocks, groups, 16)");
+  const bool has_z = zeros.numel() > 0;
+  TORCH_CHECK(!has_z || (zeros.sizes() == scales.sizes() && zeros.scalar_type() == scales.scalar_type() &&
+                         zeros.is_contiguous()), "q4: zeros must be empty or shaped and typed like scales");
+  Args a{};
+  a.codes = reinterpret_cast<const uint16_t*>(codes.data_ptr<int16_t>());
+  a.scales = scales.data_ptr();
+  a.zeros = has_z ? zeros.data_ptr() : nullptr;
+  a.half = scales.scalar_type() == at::kHalf;
+  a.K = K; a.group = group; a.G = G; a.bits = bits; a.N = NB * R;
+  return a;
+}
+}  // namespace
+
+// 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process); +4: the
+// int8-activation path (AVX512-VNNI) is built
+int64_t q4_isa() {
+  int64_t isa = FB_FAST;
+#if FB_AMX
+  if (amx_ready()) isa = 2;
+#endif
+#if FB_FAST
+  isa += 4 * FB_A8;
+#endif
+  return isa;
+}
+
+// (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
+// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8
+// (blocks of 32 columns) through vpdpbusd at every row count where the group is a multiple of 32 (else path 0).
+at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
+                 int64_t group, int64_t bits, int64_t path) {
+  const int64_t portable = path == 1;
+  Args a = make_args(codes, scales, zeros, group, bits);
+  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == a.K && x_in.scalar_type() == at::kBFloat16,
+              "q4_mm: x must be bf16 (M, ", a.K, "), got ", x_in.sizes(), " ", x_in.scalar_type());
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), NB = codes.size(0);
+  auto y = at::empty({M, a.N}, x.options());
+  if (M == 0 || a.N == 0) return y;
+  const bool fast = FB_FAST && !portable;
+  std::vector<float> xs;
+  if (a.zeros) {  // the group sums of x, for the zero term
+    xs.resize(M * a.G);
+    const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < a.G; ++g) {
+        float s = 0.f;
+        for (int64_t k = g * a.group; k < (g + 1) * a.group; ++k) s += bf2f(X[m * a.K + k]);
+        xs[m * a.G + g] = s;
+      }
+    a.xsum = xs.data();
+  }
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if FB_AMX
+  const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
+#else
+  const bool amx = false;
+#endif
+#if FB_FAST && FB_A8
+  const bool a8 = fast && path == 3 && a.group % 32 == 0;
+  std::vector<int8_t> xq;
+  std::vector<float> xsb, qsum;
+  A8 q{};
+  if (a8) {
+    xq.resize(M * a.K); xsb.resize(M * (a.K / 32)); qsum.resize(M * a.G);
+    quantize_x(a.x, M, a.K, a.group, xq.data(), xsb.data(), qsum.data());
+    q = A8{xq.data(), xsb.data(), qsum.data()};
+  }
+#endif
+  (void)amx;
+  at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+#if FB_FAST
+    const __m512i tab = code_table(a.bits);
+#endif
+#if FB_AMX
+    if (amx) {
+      alignas(64) uint16_t bbuf[2 * 512];
+      alignas(64) float cbuf[AMX_MT * R];
+      int64_t configured = -1;
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_MT) {
+          const int64_t mt = std::min(AMX_MT, M - m0);
+          if (mt != configured) { tile_config(mt); configured = mt; }
+          block_amx(a, b, m0, mt, tab, bbuf, cbuf);
+        }
+      _tile_release();
+      return;
+    }
+#endif
+#if FB_FAST && FB_A8
+    if (a8) {
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t m0 = 0; m0 < M; m0 += 4) block_a8_rows(a, q, b, m0, std::min<int64_t>(4, M - m0));
+      return;
+    }
+#endif
+    for (int64_t b = lo; b < hi; ++b)
+      for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t mt = std::min(MT, M - m0);
+#if FB_FAST
+        if (fast) { block_fast_rows(a, b, m0, mt, tab); continue; }
+#endif
+        block_portable(a, b, m0, mt);
+      }
+  });
+  return y;
+}
+
+// the packed weight as a dense bf16 (NB*16, K) matrix, decoded as q4_mm decodes it (tests and debugging)
+at::Tensor q4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
+                      int64_t bits, int64_t portable) {
+  Args a = make_args(codes, scales, zeros, group, bits);
+  const int64_t NB = codes.size(0);
+  auto wt = at::empty({a.K, a.N}, at::TensorOptions().dtype(at::kBFloat16));
+  uint16_t* W = reinterpret_cast<uint16_t*>(wt.data_ptr<at::BFloat16>());
+  const bool fast = FB_FAST && !portable;
+  at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
+#if FB_FAST
+    const __m512i tab = code_table(a.bits);
+#endif
+    for (int64_t b = lo; b < hi; ++b) {
+#if FB_FAST
+      if (fast) { dequant_fast(a, b, W, a.N, b * R, tab); continue; }
+#endif
+      dequant_portable(a, b, W, a.N, b * R);
+    }
+  });
+  return wt.t().contiguous();
+}
+
+TORCH_LIBRARY(fewbits_q4, m) {
+  m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int path) -> "
+        "Tensor");
+  m.def("q4_dequant(Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int portable) -> Tensor");
+  m.def("q4_isa() -> int");
+  m.impl("q4_mm", c10::DispatchKey::CPU, &q4_mm);
+  m.impl("q4_dequant", c10::DispatchKey::CPU, &q4_dequant);
+  m.impl("q4_isa", c10::DispatchKey::CatchAll, &q4_isa);
+}

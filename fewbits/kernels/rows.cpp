@@ -1,0 +1,474 @@
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(FEWBITS_ROWS_PORTABLE)
+#define ROWS_AVX512 1
+#include <immintrin.h>
+#elif defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE_NOF16C)
+#include <immintrin.h>
+#endif
+#ifndef ROWS_NS
+#define ROWS_NS fewbits_rows
+#endif
+
+namespace {
+constexpr int64_t MAXM = 8;     // rows of x per pass over the weight
+constexpr int64_t BLOCK = 32;   // output channels per parallel unit
+// rows of weight ahead whose same columns a pass prefetches (the hardware prefetcher misses the pattern of R rows
+// read side by side)
+constexpr int64_t PREFETCH_ROWS = 16;
+
+enum Kind { BF16 = 0, F16 = 1, I8 = 2 };
+
+// ---------------------------------------------------------------- portable: loops the compiler vectorises
+// One weight row widened to fp32 (K floats), then M dot products with x (fp32, M x K).
+inline void widen_row(const void* w, Kind kind, int64_t K, float* dst) {
+  if (kind == BF16) {
+    const uint16_t* s = static_cast<const uint16_t*>(w);
+    for (int64_t k = 0; k < K; ++k) { uint32_t u = static_cast<uint32_t>(s[k]) << 16; std::memcpy(dst + k, &u, 4); }
+  } else if (kind == I8) {
+    const int8_t* s = static_cast<const int8_t*>(w);
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(s[k]);
+  } else {
+    const at::Half* s = static_cast<const at::Half*>(w);
+    int64_t k = 0;
+#if defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE_NOF16C)
+    for (; k + 8 <= K; k += 8)
+      _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + k))));
+#endif
+    for (; k < K; ++k) dst[k] = static_cast<float>(s[k]);
+  }
+}
+
+template <int M>
+void rows_portable(const float* __restrict x, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0,
+                   int64_t n1, float* __restrict out, int64_t N, float* __restrict buf) {
+  for (int64_t n = n0; n < n1; ++n) {
+    widen_row(w + n * ld_bytes, kind, K, buf);
+    float acc[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K;
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += xm[k] * buf[k];
+      acc[m] = s;
+    }
+    for (int m = 0; m < M; ++m) out[m * N + n] = acc[m];
+  }
+}
+
+#ifdef ROWS_AVX512
+// ---------------------------------------------------------------- AVX-512
+inline __m512 widen_bf16(const uint16_t* p, __mmask16 mk) {  // up to 16 bf16 -> fp32 (a 16-bit shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
+}
+
+// R output channels at once, M rows of x: M * R accumulators, each loaded weight vector used M times.
+// bf16 x bf16 (x as bf16, M x K): 32 columns a step through dpbf16 (exact products, fp32 sums).
+template <int M, int R>
+inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* w, int64_t ld, float* acc_out) {
+#ifdef __AVX512BF16__
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512i wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm512_loadu_si512(w + r * ld + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_loadu_si512(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 mk = static_cast<__mmask32>((1ull << (K - k)) - 1);
+    __m512i wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mk, w + r * ld + k);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+#else
+  // AVX-512 without BF16: widen both (x as fp32 would be faster, but this CPU class is rare)
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 mk = K - k >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * ld + k, mk);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = widen_bf16(x + m * K + k, mk);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+#endif
+}
+
+// fp16 or int8 weights widened to fp32, x fp32 (M x K): 16 columns a step.
+template <Kind KIND>
+inline __m512 widen16(const void* w, int64_t k, __mmask16 mk, bool full) {
+  if (KIND == F16) {
+    const at::Half* p = static_cast<const at::Half*>(w) + k;
+    const __m256i h = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : _mm256_maskz_loadu_epi16(mk, p);
+    return _mm512_cvtph_ps(h);
+  }
+  const int8_t* p = static_cast<const int8_t*>(w) + k;
+  const __m128i b = full ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(mk, p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+}
+
+template <Kind KIND, int M, int R>
+inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes, float* acc_out) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
+      if ((k * (KIND == I8 ? 1 : 2)) % 64 == 0)  // once per cache line of the weight row
+        _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * (KIND == I8 ? 1 : 2), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
+    __m512 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) wv[r] = widen16<KIND>(w + r * ld_bytes, k, mk, false);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 xv = _mm512_maskz_loadu_ps(mk, x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// channels per block for M rows: as many accumulators as the 32 vector registers allow
+template <int M> constexpr int chans() { return M == 1 ? 8 : (M == 2 ? 6 : (M <= 4 ? 4 : 3)); }
+
+template <int M>
+void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
+                 float* __restrict out, int64_t N) {
+  constexpr int R = chans<M>();
+  float acc[M * R];
+  const int64_t esz = kind == I8 ? 1 : 2;
+  int64_t n = n0;
+  auto one = [&](auto rtag, int64_t n) {
+    constexpr int RR = decltype(rtag)::value;
+    const char* wn = w + n * ld_bytes;
+    if (kind == BF16) block_bf16<M, RR>(static_cast<const uint16_t*>(xv), K, reinterpret_cast<const uint16_t*>(wn),
+                                        ld_bytes / esz, acc);
+    else if (kind == F16) block_f32<F16, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+    else block_f32<I8, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
+  };
+  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+}
+
+#ifdef __AVX512VNNI__
+#define ROWS_A8 1
+// int8 weights x int8 activations (int8_mm_a8): xu = codes + 128 (unsigned, M x K), d (M x K/32) their block
+// scales.  Per 64 columns: vpdpbusd(xu, w) - vpdpbusd(128, w) = sum of codes * w over each lane's 4 columns,
+// exact in int32; lanes 0-7 hold the first block of 32 columns, 8-15 the second, scaled in fp32 by its d.
+template <int M, int R>
+inline void block_a8(const uint8_t* __restrict xu, const float* __restrict d, int64_t K, const int8_t* w, int64_t ld,
+                     float* acc_out) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const __m512i c128 = _mm512_set1_epi8(static_cast<char>(0x80)), zero = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 64) {
+    const bool full = K - k >= 64;  // else 32 columns (K is a multiple of 32)
+    const __mmask64 mk = full ? ~0ull : 0xFFFFFFFFull;
+    __m512i wv[R], corr[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm512_maskz_loadu_epi8(mk, w + r * ld + k);
+      corr[r] = _mm512_dpbusd_epi32(zero, c128, wv[r]);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(mk, xu + m * K + k);
+      const float* dm = d + m * (K / 32) + k / 32;
+      const __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(dm[0]), _mm256_set1_ps(full ? dm[1] : 0.f), 1);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512i t = _mm512_sub_epi32(_mm512_dpbusd_epi32(zero, xv, wv[r]), corr[r]);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), dv, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+template <int M>
+void rows_a8(const uint8_t* xu, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t n0, int64_t n1,
+             float* __restrict out, int64_t N) {
+  constexpr int R = chans<M>();
+  float acc[M * R];
+  int64_t n = n0;
+  auto one = [&](auto rtag, int64_t n) {
+    constexpr int RR = decltype(rtag)::value;
+    block_a8<M, RR>(xu, d, K, w + n * ld, ld, acc);
+    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
+  };
+  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+}
+#endif
+#endif
+#ifndef ROWS_A8
+#define ROWS_A8 0
+#endif
+
+@Q8_BLOCK@
+// the portable int8-activation product, and the operator's reference order of operations: per row of x and
+// block of 32 columns the exact integer sum, times d, summed in fp32
+void rows_a8_portable(const int8_t* xq, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t M,
+                      int64_t n0, int64_t n1, float* out, int64_t N) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        int32_t s = 0;
+        for (int64_t k = b * 32; k < b * 32 + 32; ++k) s += int32_t(xq[m * K + k]) * int32_t(w[n * ld + k]);
+        acc += float(s) * d[m * (K / 32) + b];
+      }
+      out[m * N + n] = acc;
+    }
+}
+
+// out (M x N, fp32) = x (M x K) . w (N x K, row stride ld_bytes)^T for M <= MAXM
+template <int M>
+void run_rows(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t N, float* out) {
+  at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+    const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
+#ifdef ROWS_AVX512
+    rows_avx512<M>(xv, w, ld_bytes, kind, K, n0, n1, out, N);
+#else
+    std::vector<float> buf(K);
+    rows_portable<M>(static_cast<const float*>(xv), w, ld_bytes, kind, K, n0, n1, out, N, buf.data());
+#endif
+  });
+}
+
+using RowsFn = void (*)(const void*, const char*, int64_t, Kind, int64_t, int64_t, float*);
+constexpr RowsFn ROWS[MAXM] = {run_rows<1>, run_rows<2>, run_rows<3>, run_rows<4>,
+                               run_rows<5>, run_rows<6>, run_rows<7>, run_rows<8>};
+
+// out (M x N fp32) for any M: passes of up to MAXM rows over the weight; x (M x K) of xsize bytes an element
+void matmul_rows(const void* x, int64_t M, int64_t K, int64_t xsize, const char* w, int64_t ld_bytes, Kind kind,
+                 int64_t N, float* out) {
+  const char* xp = static_cast<const char*>(x);
+  const int64_t xrow = K * xsize;
+  for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+    const int64_t mm = std::min(MAXM, M - m0);
+    ROWS[mm - 1](xp + m0 * xrow, w, ld_bytes, kind, K, N, out + m0 * N);
+  }
+}
+
+// a float tensor's values as fp32 in a plain buffer (a decode call's x, scales, corrections: no torch temporaries,
+// whose allocation and dispatch cost more than these few kilobytes)
+std::vector<float> as_float(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  std::vector<float> v(c.numel());
+  if (c.scalar_type() == at::kFloat) std::memcpy(v.data(), c.data_ptr<float>(), v.size() * 4);
+  else if (c.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* p = c.data_ptr<at::BFloat16>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = float(p[i]);
+  } else if (c.scalar_type() == at::kHalf) {
+    const at::Half* p = c.data_ptr<at::Half>();
+    for (size_t i = 0; i < v.size(); ++i) v[i] = float(p[i]);
+  } else {
+    const at::Tensor f = c.to(at::kFloat);
+    std::memcpy(v.data(), f.data_ptr<float>(), v.size() * 4);
+  }
+  return v;
+}
+
+// y (M x N) in `like`'s dtype = acc * scales[n] (+ xsum[m] * corr[n]), rounded once
+at::Tensor finish(const std::vector<float>& acc, int64_t M, int64_t N, const float* scales, const float* xsum,
+                  const float* corr, const at::Tensor& like) {
+  at::Tensor y = at::empty({M, N}, like.options());
+  auto value = [&](int64_t m, int64_t n) {
+    float v = acc[m * N + n];
+    if (scales) v *= scales[n];
+    if (corr) v += xsum[m] * corr[n];
+    return v;
+  };
+  if (y.scalar_type() == at::kBFloat16) {
+    at::BFloat16* o = y.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = at::BFloat16(value(m, n));
+  } else if (y.scalar_type() == at::kHalf) {
+    at::Half* o = y.data_ptr<at::Half>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = at::Half(value(m, n));
+  } else if (y.scalar_type() == at::kFloat) {
+    float* o = y.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = value(m, n);
+  } else {
+    at::Tensor f = at::empty({M, N}, like.options().dtype(at::kFloat));
+    float* o = f.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = value(m, n);
+    return f.to(like.scalar_type());
+  }
+  return y;
+}
+
+std::vector<float> row_sums(const std::vector<float>& x, int64_t M, int64_t K) {
+  std::vector<float> s(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) for (int64_t k = 0; k < K; ++k) s[m] += x[m * K + k];
+  return s;
+}
+
+void check_w(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, op, ": x and w must be 2-D, got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.size(1) == w.size(1), op, ": x has ", x.size(1), " columns, w has ", w.size(1));
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) == 1, op, ": w's rows must be contiguous");
+  TORCH_CHECK(!x.is_cuda() && !w.is_cuda(), op, ": CPU tensors only");
+}
+}  // namespace
+
+// x (M, K), w (N, K): both bf16 or both fp16 -> (M, N) in their dtype
+at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
+  check_w(x, w, "dense_mm");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              "dense_mm: x and w must both be bf16 or both fp16, got ", x.scalar_type(), " and ", w.scalar_type());
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  const Kind kind = w.scalar_type() == at::kBFloat16 ? BF16 : F16;
+  std::vector<float> acc(M * N);
+  if (M && N) {
+    const char* W = static_cast<const char*>(w.data_ptr());
+#ifdef ROWS_AVX512
+    if (kind == BF16) {  // bf16 pairs straight into dpbf16
+      const at::Tensor xc = x.contiguous();
+      matmul_rows(xc.data_ptr(), M, K, 2, W, w.stride(0) * 2, kind, N, acc.data());
+    } else {
+      const std::vector<float> xf = as_float(x);
+      matmul_rows(xf.data(), M, K, 4, W, w.stride(0) * 2, kind, N, acc.data());
+    }
+#else
+    const std::vector<float> xf = as_float(x);
+    matmul_rows(xf.data(), M, K, 4, W, w.stride(0) * 2, kind, N, acc.data());
+#endif
+  }
+  return finish(acc, M, N, nullptr, nullptr, nullptr, x);
+}
+
+// x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                   const c10::optional<at::Tensor>& corr) {
+  check_w(x, q, "int8_mm");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm: q must be int8, got ", q.scalar_type());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
+  const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
+  TORCH_CHECK(scales.numel() == N, "int8_mm: ", N, " output channels but ", scales.numel(), " scales");
+  const bool has_c = corr.has_value() && corr->defined();
+  TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
+  const std::vector<float> xf = as_float(x), sc = as_float(scales);
+  const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
+                                                                                           : std::vector<float>();
+  std::vector<float> acc(M * N);
+  if (M && N) matmul_rows(xf.data(), M, K, 4, static_cast<const char*>(q.data_ptr()), q.stride(0), I8, N, acc.data());
+  return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
+}
+
+// as int8_mm, with x rounded to int8 per row and block of 32 columns (fewbits.kernels.act8) and multiplied in
+// integers; in_features must be a multiple of 32
+at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& corr) {
+  check_w(x, q, "int8_mm_a8");
+  TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm_a8: q must be int8, got ", q.scalar_type());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm_a8: x must be a float tensor, got ", x.scalar_type());
+  const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "int8_mm_a8: in_features ", K, " is not a multiple of 32 (the activations' blocks)");
+  TORCH_CHECK(scales.numel() == N, "int8_mm_a8: ", N, " output channels but ", scales.numel(), " scales");
+  const bool has_c = corr.has_value() && corr->defined();
+  TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm_a8: ", N, " output channels but ", corr->numel(),
+              " corrections");
+  const std::vector<float> xf = as_float(x), sc = as_float(scales);
+  const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
+                                                                                           : std::vector<float>();
+  const float* X = xf.data();
+  std::vector<int8_t> xq(M * K);
+  std::vector<uint8_t> xu(M * K);
+  std::vector<float> d(M * (K / 32));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / 32; ++b) {
+      d[m * (K / 32) + b] = fb_q8_block(X + m * K + b * 32, 32, xq.data() + m * K + b * 32);
+      for (int64_t k = m * K + b * 32; k < m * K + b * 32 + 32; ++k) xu[k] = uint8_t(int32_t(xq[k]) + 128);
+    }
+  std::vector<float> acc(M * N);
+  float* O = acc.data();
+  const int8_t* W = static_cast<const int8_t*>(q.data_ptr());
+  const int64_t ld = q.stride(0);
+  if (M && N) {
+    for (int64_t m0 = 0; m0 < M; m0 += MAXM) {
+      const int64_t mm = std::min(MAXM, M - m0);
+      at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+        const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
+#if ROWS_A8
+        const uint8_t* xm = xu.data() + m0 * K;
+        const float* dm = d.data() + m0 * (K / 32);
+        float* om = O + m0 * N;
+        switch (mm) {
+          case 1: rows_a8<1>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 2: rows_a8<2>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 3: rows_a8<3>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 4: rows_a8<4>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 5: rows_a8<5>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 6: rows_a8<6>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          case 7: rows_a8<7>(xm, dm, W, ld, K, n0, n1, om, N); break;
+          default: rows_a8<8>(xm, dm, W, ld, K, n0, n1, om, N); break;
+        }
+#else
+        rows_a8_portable(xq.data() + m0 * K, d.data() + m0 * (K / 32), W, ld, K, mm, n0, n1, O + m0 * N, N);
+#endif
+      });
+    }
+  }
+  return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
+}
+
+// whether int8_mm_a8 runs vpdpbusd here (else its plain loops)
+int64_t a8_fast() { return ROWS_A8; }
+
+TORCH_LIBRARY(ROWS_NS, m) {
+  m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.def("a8_fast() -> int");
+  m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
+  m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
+  m.impl("int8_mm_a8", c10::DispatchKey::CPU, &int8_mm_a8);
+  m.impl("a8_fast", c10::DispatchKey::CatchAll, &a8_fast);
+}
