@@ -116,13 +116,17 @@ def build_set(spec: str, shapes: tuple[tuple[int, int], ...], min_bytes: int = 0
 
 
 class StepCall:
-    """One matmul call of a decode step: a layer's own forward, or a fused projection (its parts' outputs)."""
+    """One matmul call of a decode step, made as the step makes it: a layer (`fewbits.decode.step.linear16`) or a
+    fused projection (`step._fused`: its parts' outputs); a 16-bit one on `fewbits_rows::dense_mm` at few rows."""
 
     def __init__(self, fn: Callable[[torch.Tensor], object], shape: tuple[int, int], name: str) -> None:
-        self.fn, self.shape, self.name = fn, shape, name
+        self.fn, self.shape, self.name = fn, shape, name  # fn: the layer or the `FusedLinear`
 
     def __call__(self, x: torch.Tensor) -> object:
-        return self.fn(x)
+        from fewbits.decode.fuse import FusedLinear
+        from fewbits.decode.step import _fused, linear16
+
+        return _fused(self.fn, x) if isinstance(self.fn, FusedLinear) else linear16(self.fn, x)
 
 
 def _layer_module(spec: str, shape: tuple[int, int], seed: int, device: str | torch.device) -> torch.nn.Module:
@@ -163,7 +167,8 @@ def build_step_set(spec: str, layer: tuple[tuple[str, tuple[int, int]], ...], mi
     """The matmul calls of one decoder layer as the compiled decode step makes them: `layer` is (name, (out, in))
     per linear; each layer is built as the model holds it (`_layer_module`, through the dispatcher) and, with
     `fuse`, q/k/v and gate/up are fused by `fewbits.decode.fuse.fuse_group` (one call where its rule lets the
-    parts fuse, the parts' own calls where not).  Copies are whole layers, to at least `min_bytes`.  `shapes`
+    parts fuse, the parts' own calls where not), each called as the step calls it (`StepCall`).  Copies are whole
+    layers, to at least `min_bytes`.  `shapes`
     of the result are the calls' (out, in); `kernel_names` say which kernels ran and which groups fused."""
     from fewbits.decode.fuse import fuse_group
 

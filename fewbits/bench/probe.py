@@ -149,7 +149,9 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
                                "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
         results[f] = res
         del body, tiny  # free the copies before the next format's (a GPU holds one format's at a time)
-    head = build_set("bf16", (head_shape(spec),), min_bytes, device=device)
+    # the 16-bit LM head as the step calls it (compiled: `linear16`, `dense_mm` at few rows on a CPU)
+    head = build_step_set("bf16", (("lm_head", head_shape(spec)),), min_bytes, device=device) if fused else \
+        build_set("bf16", (head_shape(spec),), min_bytes, device=device)
     for m in rows:
         xs = step_inputs((head_shape(spec),), m, device=device)
         t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 2),

@@ -451,3 +451,22 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
     assert {(s, d) for s, _, _, d in graphs} == {("bf16", 1), ("bf16", 3), ("int8", 3), (kivi, 3)}
     assert {(b, c) for s, b, c, d in graphs if s == "int8"} == {(1, 96), (8, 96)}  # no window: 2 graphs
     assert len({g for g in graphs if g[0] == kivi}) == 4 and len({g for g in graphs if g[0] == "bf16"}) == 6
+
+
+def test_step_set_calls_16_bit_layers_on_the_steps_operator():
+    """A 16-bit layer's and a fused 16-bit projection's probe calls at one row run `fewbits_rows::dense_mm`, as
+    the compiled step's (`fewbits.decode.step.linear16`), not torch's matmul."""
+    from torch.profiler import profile
+
+    from fewbits.bench.gemv import build_step_set
+    from fewbits.kernels import rows
+
+    if not rows.enabled():
+        pytest.skip(f"no rows operators: {rows.why_not()}")
+    ws = build_step_set("bf16", LAYER, min_bytes=0)
+    x = {k: torch.randn(1, 1, k).to(torch.bfloat16) for k in (64, 128)}
+    for call in ws.kernels:
+        with profile() as p:
+            call(x[call.shape[1]])
+        names = {e.name for e in p.events()}
+        assert "fewbits_rows::dense_mm" in names and "aten::linear" not in names, (call.shape, names)
