@@ -14,9 +14,12 @@ import click
 @click.option("--kv", default="bf16", show_default=True, help="KV-cache format")
 @click.option("--threads", type=click.IntRange(0, 1024), default=0, help="torch threads (0: torch's choice)")
 @click.option("--device", default="cpu", show_default=True)
+@click.option("--activations", type=click.Choice(["16", "q8"]), default="16", show_default=True,
+              help="q8: kernels that can round the activations to int8 per block of 32 columns do (llama.cpp's "
+                   "Q8_0; CPU with AVX512-VNNI), 16: weight-only kernels")
 @click.option("--eager", is_flag=True, help="the model's own eager forward instead of the compiled step")
 def generate_cmd(model: str, prompt: str, new_tokens: int, weights: str, lm_head: str | None, kv: str, threads: int,
-                 device: str, eager: bool) -> None:
+                 device: str, activations: str, eager: bool) -> None:
     """Greedy decode of PROMPT; prints the text, then compile time (apart), prefill time and decode tokens/s."""
     import torch
 
@@ -40,7 +43,7 @@ def generate_cmd(model: str, prompt: str, new_tokens: int, weights: str, lm_head
     if threads:
         torch.set_num_threads(threads)
     tok = load_model(model, dtype="bf16")[1]
-    m, kernels = load_quantized(model, weights, device=dev, lm_head=lm_head)
+    m, kernels = load_quantized(model, weights, device=dev, lm_head=lm_head, activations=activations)
     ids = tok(prompt, return_tensors="pt").input_ids
     run = generate if eager else generate_static
     res = run(m, ids, new_tokens, kv=kv, eos_token_id=tok.eos_token_id)

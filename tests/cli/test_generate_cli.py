@@ -26,3 +26,23 @@ def test_bad_options_are_refused(args: list[str], needle: str, monkeypatch: pyte
 def test_listed_with_the_commands() -> None:
     res = CliRunner().invoke(main, ["generate", "--help"])
     assert res.exit_code == 0 and "--eager" in res.output and "compiled" in res.output
+
+
+def test_activations_reach_the_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--activations q8 is passed to `load_quantized` (which lets the dispatcher pick the int8-activation kernels);
+    an unknown value is refused before any model is loaded."""
+    import fewbits.bench.decode as decode
+    import fewbits.models.loading as loading
+
+    seen: dict = {}
+
+    def fake_load(*args, **kw):  # noqa: ANN002, ANN003, ANN202
+        seen.update(kw)
+        raise RuntimeError("stop after the kernel choice")
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(decode, "load_quantized", fake_load)
+    res = CliRunner().invoke(main, ["generate", "smollm2-135m", "--weights", "int4-g32", "--activations", "q8"])
+    assert seen.get("activations") == "q8", res.output
+    res = CliRunner().invoke(main, ["generate", "smollm2-135m", "--activations", "q4"])
+    assert res.exit_code == 2 and "q4" in res.output
