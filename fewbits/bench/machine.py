@@ -18,11 +18,11 @@ from fewbits.generate import synchronizer
 def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch.device = "cpu",
                      chunk: int = 16 << 20) -> float:
     """Bytes/s of a read-only sum over `nbytes` on `device`: the fastest of the sums over its `chunk`-byte
-    slices, read one after the other (`trials` passes over the whole buffer, which is larger than the
-    last-level cache, so that each slice is read from memory).  Short samples, of which the fastest counts,
-    as `timing.py` takes them: on a host that other processes share, a sum over the whole buffer is almost
-    never left alone for its whole length (here 1-2 GB/s in one sum of 1 GiB under load, against 11 GB/s
-    in slices of 16 MiB)."""
+    slices, read one after the other (`trials` passes over the whole buffer: one larger than the last-level
+    cache is read from memory, a smaller one from that cache, see `bandwidth_curve`).  Short samples, of
+    which the fastest counts, as `timing.py` takes them: on a host that other processes share, a sum over the
+    whole buffer is almost never left alone for its whole length (here 1-2 GB/s in one sum of 1 GiB under
+    load, against 11 GB/s in slices of 16 MiB)."""
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     sync = synchronizer(device)
     x.sum()
@@ -37,6 +37,25 @@ def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch
             sync()
             best = max(best, p.numel() * 4 / (time.perf_counter() - t0))
     return best
+
+
+#: working-set sizes of the bandwidth curve (32 MiB .. 512 MiB; the 1 GiB point is `memory_bandwidth`'s own)
+CURVE_SIZES = tuple(1 << s for s in range(25, 30))
+
+
+def bandwidth_curve(sizes: tuple[int, ...] = CURVE_SIZES, trials: int = 5, device: str | torch.device = "cpu",
+                    memory: tuple[int, float] | None = None) -> tuple[tuple[float, float], ...]:
+    """[(bytes, bytes/s)]: `memory_bandwidth` over a working set of each of `sizes` (a buffer that fits the
+    last-level cache is read from there, faster than from memory; a decode step re-reads its weights every
+    step), plus `memory` ((bytes, bytes/s) of memory itself) as the last point.  Made non-increasing in size:
+    a smaller set is read at least as fast as a larger one (a dip is another process's load)."""
+    pts = [(float(n), memory_bandwidth(n, trials, device)) for n in sizes]
+    if memory is not None:
+        pts.append((float(memory[0]), float(memory[1])))
+    pts.sort()
+    for i in range(len(pts) - 2, -1, -1):
+        pts[i] = (pts[i][0], max(pts[i][1], pts[i + 1][1]))
+    return tuple(pts)
 
 
 def matmul_rates(n: int = 1024, device: str | torch.device = "cpu") -> dict[str, float]:

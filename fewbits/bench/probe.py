@@ -3,15 +3,18 @@
 What is measured (the fastest of interleaved samples, see `timing.py`):
 
 1. memory bandwidth: a read-only reduction over a buffer larger than the last-level cache
-   (best of several trials, the roofline's beta);
+   (best of several trials, the roofline's beta), and over working sets of 32-512 MiB (`bandwidth_curve`:
+   a step whose weights fit the last-level cache re-reads them from there, here 53 GB/s at 64 MiB against
+   25 GB/s from memory);
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
-3. GEMV per weight format at the model's decode shapes: every linear layer of the model (LM head
-   included, in bf16 as fewbits keeps it) once per pass, replicated beyond the cache, through the
-   kernel dispatcher (on the compiled path as its step calls them: q/k/v and gate/up fused where
-   `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in) inputs, as the model passes them; the fastest of
-   samples that each cover a whole step's linears), and the same calls on a tiny shape.  Bandwidth efficiency
-   of a family = bytes / (time - time of the tiny calls) / beta (the 16-bit LM head every format keeps at
-   its own: head bytes / head time / beta); where 8 rows take longer than 1 row
+3. GEMV per weight format at the model's decode shapes: every linear layer of the model, then the LM head
+   (in bf16 as fewbits keeps it, timed apart), once per sample over one copy of the model's weights as the
+   step re-reads them (`gemv_passes`), through the kernel dispatcher (on the compiled path as its step calls
+   them: q/k/v and gate/up fused where `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in)
+   inputs, as the model passes them; the fastest of samples that each cover a whole step's linears), and the
+   same calls on a tiny shape.  Bandwidth efficiency of a family = bytes / (time - time of the tiny calls) /
+   beta at the pass's working set (the 16-bit LM head every format keeps at its own: head bytes / head time /
+   beta); where 8 rows take longer than 1 row
    the pass is compute-limited, and compute efficiency = FLOPs / (time x peak); a quantised family's cost
    per linear call is its tiny calls' time less the time the skeleton step (4.) spends in its own 16-bit
    linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
@@ -33,9 +36,11 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them; measured
    at streams of 0.5-8 L2 sizes, the refill curve the cost model interpolates (it is not a ramp that
-   stops at the L2 size: here 1 MiB 0.14 ms, 2 MiB 0.23, 4 MiB 0.26, 8 MiB 0.32 per layer).  It is
+   stops at the L2 size: eager, here 1 MiB 0.14 ms, 2 MiB 0.23, 4 MiB 0.26, 8 MiB 0.32 per layer).  It is
    why a batch-1 step seems to pay more per cached byte than a batch-8 one: a small batch's cache
-   evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.
+   evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.  The
+   compiled path measures its own, far smaller refill (`fewbits.bench.refill.CompiledRefill`: a 16-bit
+   matmul of x bytes before each layer's norm, inside compiled skeletons at the model's depth).
 
 On a CUDA device (``device="cuda"``) the same measurements run there, each sample ending with a device
 synchronisation: the bandwidth over a buffer many times the GPU's L2 cache, the GEMMs at 8192 (and FP8
@@ -54,11 +59,19 @@ import numpy as np
 import torch
 
 from fewbits.bench.gemv import build_set, inputs_for
-from fewbits.bench.machine import device_description, l2_cache_bytes, matmul_rates, memory_bandwidth
+from fewbits.bench.machine import (
+    CURVE_SIZES,
+    bandwidth_curve,
+    device_description,
+    l2_cache_bytes,
+    matmul_rates,
+    memory_bandwidth,
+)
 from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost
+from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve  # noqa: F401 (probe's API)
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
-from fewbits.cost.profile import DEFAULT, Profile, format_family
+from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth, format_family
 from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
 from fewbits.generate import synchronizer
 from fewbits.kvcache.format import parse_kv_format
@@ -66,8 +79,10 @@ from fewbits.models.spec import ModelSpec
 
 WEIGHT_SPECS = ("bf16", "int8", "int4-g64", "fp8-e4m3")
 KV_SPECS = ("bf16", "fp8-e4m3", "int8", "int4", "int2")
-#: stream sizes (x the L2 size) at which the probe measures the refill curve
+#: stream sizes (x the L2 size) at which the probe measures the refill curve (eager path; the compiled path, two
+#: graphs of the model's depth per size, at fewer)
 REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
+COMPILED_REFILL_SIZES = (1.0, 2.0, 4.0)
 
 
 def _clamp(x: float) -> float:
@@ -105,7 +120,7 @@ def named_layer_shapes(spec: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ..
     return tuple(out)
 
 
-def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows: tuple[int, ...] = (1, 8),
+def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None = None, rows: tuple[int, ...] = (1, 8),
                 rounds: int = 30, device: str | torch.device = "cpu", fused: bool = False
                 ) -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's calls) at 1 and 8 rows,
@@ -117,6 +132,15 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
     never finds all its layers at their quietest), and the inputs are (rows, 1, in) as in the model (a 16-bit
     linear on a 3-d input costs ~5-7 us more per call than on a 2-d one here).
 
+    Each sample runs a whole step's weights as the step does: every layer's linears, then the 16-bit LM head
+    (timed apart), over one copy of the model (`min_bytes` None: the step's own footprint, read again at the
+    next step as a decode re-reads its weights; a model that fits the last-level cache is read from there:
+    SmolLM2 int4-g64, 2 threads, 480 MB of L3 shared with other machines, ran its kernel ~2.6 ms a step inside
+    the compiled step and ~3.9 ms over a pool of 600 MB) or over copies of at least `min_bytes` bytes.  Each
+    format's `pool_bytes` is that working set (linears and head): its efficiency is relative to the bandwidth
+    there (`fewbits.bench.machine.bandwidth_curve`).  The first format's head timings are the 16-bit head's
+    ("lm_head_bf16"; `build_profile` measures "bf16" first); every format records its own (`t_head_s`).
+
     `fused`: the calls of the compiled decode step (`gemv.build_step_set`): each layer built as the quantised
     model holds it, through the dispatcher, with q/k/v and gate/up fused into one matmul each where
     `fewbits.decode.fuse` fuses them (one 960 x 576 matmul reads its bytes at another rate than three
@@ -127,36 +151,59 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int, rows:
     results: dict[str, dict[str, Any]] = {}
     sync = synchronizer(device)
     on_gpu = torch.device(device).type != "cpu"
+
+    def build(f: str, pool: int) -> Any:
+        return build_step_set(f, named_layer_shapes(spec), pool, device=device) if fused else \
+            build_set(f, shapes, pool, device=device)
+
+    head_set = build_step_set("bf16", (("lm_head", head_shape(spec)),), 0 if min_bytes is None else min_bytes,
+                              device=device) if fused else \
+        build_set("bf16", (head_shape(spec),), 0 if min_bytes is None else min_bytes, device=device)
     for f in formats:
-        body = build_step_set(f, named_layer_shapes(spec), min_bytes, device=device) if fused else \
-            build_set(f, shapes, min_bytes, device=device)
+        body = build(f, 0)  # one layer: its bytes size the pool
+        pool = min_bytes if min_bytes is not None else body.nbytes * spec.n_layers
+        if pool > body.nbytes:
+            body = build(f, pool)
         calls = body.shapes  # one layer's calls: fused groups count once
         per_step = len(calls) * spec.n_layers
-        tiny = build_set(f, (TINY,) * len(calls), 0, device=device)
+        # the same calls on a tiny shape, made the same way (the step's Python path when `fused`: ~11 us a call
+        # here against ~6 us for the bare kernels, whose difference had been counted as bytes)
+        tiny = build_step_set(f, tuple((n, TINY) for n, _ in named_layer_shapes(spec)), 0, device=device) \
+            if fused else build_set(f, (TINY,) * len(calls), 0, device=device)
         res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers,
-                               "calls": per_step}
+                               "calls": per_step,
+                               "pool_bytes": body.nbytes * body.copies + head_set.nbytes * head_set.copies}
         for m in rows:
             xs = step_inputs(tuple(calls) + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16, device)
-            # one sample = the linears of one step (the next copies, cold), or the same calls on tiny shapes
-            t = time_interleaved({"body": body.sampler(xs, per_step), "tiny": tiny.sampler(xs, per_step)},
-                                 min_time=0.0, rounds=rounds, sync=sync)
-            t_body = t["body"]
+            hx = step_inputs((head_shape(spec),), m, device=device)
+            linears, head = body.sampler(xs, per_step), head_set.sampler(hx, 1)
+            parts: dict[str, list[float]] = {"body": [], "head": []}
+
+            def step(linears: Any = linears, head: Any = head, parts: dict[str, list[float]] = parts) -> None:
+                t0 = time.perf_counter()
+                linears()
+                sync()
+                t1 = time.perf_counter()
+                head()
+                sync()
+                parts["body"].append(t1 - t0)
+                parts["head"].append(time.perf_counter() - t1)
+
+            # one sample = the linears of one step and the head, or the same linears' calls on tiny shapes
+            t = time_interleaved({"body": step, "tiny": tiny.sampler(xs, per_step)}, min_time=0.0, rounds=rounds,
+                                 sync=sync)
+            t_body, t_head = min(parts["body"]), min(parts["head"])
             t_calls = t["tiny"]
             # the bytes' share of the pass: on a CPU the calls' own cost adds to it; on a GPU the host launches
             # the next calls while the device streams, so the whole pass is the device's (host_overlap)
             t_bytes = t_body if on_gpu else max(t_body - t_calls, 1e-9)
-            res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": t_bytes,
+            res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": t_bytes, "t_head_s": t_head,
                                "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
         results[f] = res
+        if "lm_head_bf16" not in results:
+            results["lm_head_bf16"] = {"bytes": head_set.nbytes, "pool_bytes": res["pool_bytes"],
+                                       **{f"rows{m}": {"t_s": res[f"rows{m}"]["t_head_s"]} for m in rows}}
         del body, tiny  # free the copies before the next format's (a GPU holds one format's at a time)
-    # the 16-bit LM head as the step calls it (compiled: `linear16`, `dense_mm` at few rows on a CPU)
-    head = build_step_set("bf16", (("lm_head", head_shape(spec)),), min_bytes, device=device) if fused else \
-        build_set("bf16", (head_shape(spec),), min_bytes, device=device)
-    for m in rows:
-        xs = step_inputs((head_shape(spec),), m, device=device)
-        t = time_interleaved({"head": head.sampler(xs, 1)}, min_time=0.0, rounds=max(5, rounds // 2),
-                             sync=sync)["head"]
-        results.setdefault("lm_head_bf16", {"bytes": head.nbytes})[f"rows{m}"] = {"t_s": t}
     return results
 
 
@@ -177,50 +224,6 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
         return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, context: int = 128, steps: int = 8,
-                rounds: int = 3, best: dict[bool, float] | None = None) -> float:
-    """Seconds per layer that a batch-1 decode step of `model` (a skeleton) loses outside the streaming
-    itself when every decoder layer first streams `stream_bytes` bytes of its own through the core (as a
-    real model's weights or a large batch's cache do): the fastest step minus its streaming time, with
-    and without the streams, in interleaved rounds, divided by the layers.  `best` ({streaming: fastest
-    rest}) carries the fastest figures over calls, for rounds interleaved with other measurements."""
-    from fewbits.generate import generate
-
-    layers = list(model.model.layers)
-    bufs = [torch.ones(max(stream_bytes, 4) // 4) for _ in layers]
-    spent: list[float] = []  # streaming time of each forward pass
-    on = [False]
-
-    def start(_mod: Any, _args: Any) -> None:
-        spent.append(0.0)
-
-    def stream(i: int) -> Any:
-        def hook(_mod: Any, _args: Any) -> None:
-            if on[0]:
-                t0 = time.perf_counter()
-                bufs[i].sum()
-                spent[-1] += time.perf_counter() - t0
-        return hook
-
-    handles = [model.register_forward_pre_hook(start)]
-    handles += [layer.register_forward_pre_hook(stream(i)) for i, layer in enumerate(layers)]
-    g = torch.Generator().manual_seed(1)
-    best = best if best is not None else {}
-    try:
-        for _ in range(rounds):
-            for flag in (False, True):
-                on[0] = flag
-                spent.clear()
-                ids = torch.randint(0, spec.vocab_size, (1, context), generator=g)
-                res = generate(model, ids, steps + 1, kv="bf16")
-                rest = [t - s for t, s in zip(res.decode_step_s, spent[1:], strict=False)]  # spent[0]: prefill
-                best[flag] = min(best.get(flag, float("inf")), *rest)
-    finally:
-        for h in handles:
-            h.remove()
-    return (best[True] - best[False]) / len(layers)
-
-
 #: skeleton depths of the compiled path's steps: every KV format at the last, the 16-bit cache at each (the fit
 #: splits the fixed cost into a part per step and a part per layer, and scales it to the model's depth)
 COMPILED_DEPTHS = (2, 6)
@@ -229,7 +232,7 @@ COMPILED_DEPTHS = (2, 6)
 def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
                refill_bytes: int | None = None, measure_refill: bool = True,
-               refill_sizes: tuple[float, ...] = REFILL_SIZES, device: str | torch.device = "cpu",
+               refill_sizes: tuple[float, ...] | None = None, device: str | torch.device = "cpu",
                compiled: bool = False, depths: tuple[int, ...] | None = None,
                log: Any = None) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
@@ -245,9 +248,10 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     store copies the window every step); E: the time per layer the step's small operations lose when a
     layer's stream of x bytes of 16-bit keys and values (`attention_layer_bytes`) evicts their working set
     from a core cache of X bytes (`l2_cache_bytes`; `refill_bytes` overrides it, 0 leaves E out), E min(1,
-    x / X).  E is measured directly (`refill_cost`: every layer streams 2 X bytes of its own) and the fit
-    is over t - E L min(1, x / X); with `measure_refill` False it is fitted with the rest (a fitted E < 0
-    is refitted as 0).  The refill is also measured at streams of `refill_sizes` x X bytes (the refill
+    x / X).  E is measured directly (eager `refill_cost`, compiled `CompiledRefill`: every layer streams
+    2 X bytes of its own) and the fit is over t - E L min(1, x / X); with `measure_refill` False it is fitted
+    with the rest (a fitted E < 0 is refitted as 0).  The refill is also measured at streams of
+    `refill_sizes` x X bytes (default `REFILL_SIZES` eager, `COMPILED_REFILL_SIZES` compiled: the refill
     curve E(x) the cost model interpolates; the fit then subtracts L E(x) instead).  On a device other
     than the CPU the refill is a core-cache effect that does not apply: E is left out.
 
@@ -260,8 +264,8 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     by default), so the fixed costs are that path's (one graph, no Python per layer).  Each (KV format,
     batch, cache length, depth) is one graph, compiled once (or loaded from the on-disk cache, where the
     same skeleton was compiled before) before its timed steps; a shallow skeleton compiles in a fraction of
-    the model's depth's time, the reason for the depths.  The refill, which hooks into the layers, stays
-    eager, at the model's depth."""
+    the model's depth's time, the reason for the depths.  The refill is measured on the compiled path too
+    (`CompiledRefill`, one graph per stream size at the model's depth; eager: `refill_cost`'s hooks)."""
     import dataclasses
 
     from fewbits.generate import generate
@@ -274,11 +278,12 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     specs = {d: dataclasses.replace(spec, n_layers=d) if d != spec.n_layers else spec for d in depths}
     models = {d: skeleton_model(specs[d], device) for d in depths}
     main = depths[-1]
-    refill_model = models.get(spec.n_layers) or skeleton_model(spec, device)
     g = torch.Generator().manual_seed(0)
     fastest: dict[tuple[str, int, int, int], float] = {}
     on_cpu = torch.device(device).type == "cpu"
     x_cache = 0 if not on_cpu else l2_cache_bytes() if refill_bytes is None else refill_bytes
+    if refill_sizes is None:
+        refill_sizes = COMPILED_REFILL_SIZES if compiled else REFILL_SIZES
     rests: dict[float, dict[bool, float]] = {f: {} for f in (2.0, *refill_sizes)}
     refill = None
     curve: list[tuple[float, float]] = []
@@ -291,14 +296,27 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
         if not compiled or (d == main and (s == kv_specs[0] or parse_kv_format(s).residual > 0)):
             return [(b, c) for b in batches for c in contexts]
         return [(b, max(contexts)) for b in batches]
+    refill_model: torch.nn.Module | None = None
+    compiled_refill = None
+    if measure_refill and x_cache > 0:
+        if compiled:  # the refill of the compiled step: its own skeletons with streams, at the model's depth
+            t0 = time.perf_counter()
+            compiled_refill = CompiledRefill(lambda: skeleton_model(spec, device),
+                                             {f: int(f * x_cache) for f in rests}, spec.vocab_size, steps=steps)
+            say(f"  refill: {len(rests)} {spec.n_layers}-layer skeletons streaming {min(rests):g}-{max(rests):g} "
+                f"L2 sizes a layer: {time.perf_counter() - t0:.0f} s (compiling included)")
+        else:
+            refill_model = models.get(spec.n_layers) or skeleton_model(spec, device)
     for r in range(rounds):
         # streams of twice the L2 size: past the knee, where a real model's layer weights (2-7 MB for SmolLM2)
         # and a large batch's cache lie (the loss keeps growing slowly beyond X: a stream of X alone undercounts)
-        if measure_refill and x_cache > 0:
+        if compiled_refill is not None:
+            compiled_refill.measure(rests)
+        elif refill_model is not None:
             for f in rests:  # E(x): the loss grows ~linearly to about 2 X here, then slowly (1.8 MB <-> 7 MB: 2x)
-                e = refill_cost(refill_model, spec, int(f * x_cache), steps=steps, rounds=1, best=rests[f])
-                if f == 2.0:
-                    refill = max(e, 0.0)
+                refill_cost(refill_model, spec, int(f * x_cache), steps=steps, rounds=1, best=rests[f])
+        if measure_refill and x_cache > 0:
+            refill = max((rests[2.0][True] - rests[2.0][False]) / spec.n_layers, 0.0)
             curve = refill_curve(x_cache, rests, spec.n_layers)
         for s, d in runs:
             kvf = parse_kv_format(s)
@@ -313,20 +331,6 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             if r == 0:
                 say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
     return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill, curve if len(refill_sizes) else None)
-
-
-def refill_curve(x_cache: int, rests: dict[float, dict[bool, float]], n_layers: int) -> list[tuple[float, float]]:
-    """[(stream bytes, refill seconds per layer)] from `refill_cost`'s fastest steps ({streaming: seconds})
-    per stream size (a multiple of `x_cache`), sorted by bytes, clamped at 0 and made non-decreasing (a
-    longer stream evicts at least as much; a dip is noise)."""
-    out: list[tuple[float, float]] = []
-    top = 0.0
-    for f in sorted(rests):
-        r = rests[f]
-        if True in r and False in r:
-            top = max(top, (r[True] - r[False]) / n_layers)
-            out.append((float(int(f * x_cache)), top))
-    return out
 
 
 def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[int | str, ...], float],
@@ -416,9 +420,14 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     return out
 
 
-def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: float, log: Any = print
-                        ) -> dict[str, Any]:
-    """The `Profile` fields that the skeleton sweep (`step_costs`) measures, from its fit and the bandwidth."""
+def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: float, log: Any = print,
+                        bw_at: Any = None) -> dict[str, Any]:
+    """The `Profile` fields that the skeleton sweep (`step_costs`) measures, from its fit and the bandwidth.
+
+    `bw_at(bytes)`: the bandwidth at a working set (the probe's `bandwidth_curve`).  A cache's efficiency is
+    relative to it at the largest cache the skeleton read (its steps read little else), as the step model reads
+    the cache at the bandwidth of the whole step's working set: SmolLM2 at batch 8 and 512 tokens paid ~96 ms per
+    GB of cache beside its weights, the skeleton ~42 ms per GB from the last-level cache."""
     base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
     overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
     kv_eff: dict[str, float] = {}
@@ -428,13 +437,15 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
     for s, r in kv.items():
         kvf = parse_kv_format(s)
         fam = format_family(kvf.cost_format(spec.head_dim))
-        kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * bw)) if r["s_per_byte"] > 0 else 1.0)
+        largest = max((float(pt[2]) for pt in r.get("points", [])), default=0.0)
+        beta = bw_at(largest) if bw_at is not None and largest > 0 else bw
+        kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * beta)) if r["s_per_byte"] > 0 else 1.0)
         extra = ""
         if r is not base:
             kv_extra.setdefault(fam, (r["fixed_s"] - base["fixed_s"]) / spec.n_layers)
         if kvf.residual > 0:
             w = r.get("window_s_per_byte", 0.0)
-            kv_window.setdefault(fam, _clamp(1.0 / (w * bw)) if w > 0 else 1.0)
+            kv_window.setdefault(fam, _clamp(1.0 / (w * beta)) if w > 0 else 1.0)
             kv_dequant.setdefault(fam, r.get("quantized_s", 0.0) / spec.n_layers)
             extra = (f"; window {w * 1e12:.3f} ms per GB, +{r.get('quantized_s', 0.0) * 1e3:.2f} ms once it "
                      "holds quantised tokens")
@@ -456,7 +467,7 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
 
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
-                  kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int = 600 << 20,
+                  kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int | None = None,
                   log: Any = print, bandwidth_bytes: int | None = None, matmul_n: int | None = None,
                   kv_contexts: tuple[int, int] = (128, 512), device: str | torch.device = "cpu",
                   compiled: bool = True) -> Profile:
@@ -464,7 +475,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
 
     bandwidth_bytes / matmul_n default to 1 GiB / 1024 on the CPU and 4 GiB / 8192 on a GPU (whose L2
     cache is tens of MB and whose GEMMs need large tiles to reach their peak).  The size arguments exist
-    so that tests can run the whole probe on small buffers in seconds.  `compiled`: the decode steps (4.) on
+    so that tests can run the whole probe on small buffers in seconds.  `min_bytes`: the GEMV passes' pools
+    (`gemv_passes`; None: the model's own footprint per format).  `compiled`: the decode steps (4.) on
     the compiled static-cache path that `fewbits bench` runs by default (False: the eager path)."""
     t_start = time.perf_counter()
     on_cpu = torch.device(device).type == "cpu"
@@ -473,6 +485,10 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     log(f"memory bandwidth ({device}) ...")
     bw = memory_bandwidth(bandwidth_bytes, device=device)
     log(f"  {bw / 1e9:.1f} GB/s")
+    curve = bandwidth_curve(tuple(n for n in CURVE_SIZES if n < bandwidth_bytes), device=device,
+                            memory=(bandwidth_bytes, bw))
+    if len(curve) > 1:
+        log("  over a working set of " + ", ".join(f"{b / 2**20:.0f} MiB {v / 1e9:.1f}" for b, v in curve) + " GB/s")
     log("matmul rates ...")
     rates = matmul_rates(matmul_n, device)
     log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
@@ -496,11 +512,12 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     skel_lin = None if compiled else skeleton_linear_cost(spec, device=device)
     if skel_lin is not None:
         log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
-    bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(spec, passes, bw, rates["bf16"], log, skel_lin)
+    bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(
+        spec, passes, bw, rates["bf16"], log, skel_lin, bw_at=lambda n: curve_bandwidth(curve, bw, n))
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
-    fields = step_profile_fields(spec, kv, bw, log)
+    fields = step_profile_fields(spec, kv, bw, log, bw_at=lambda n: curve_bandwidth(curve, bw, n))
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     for low in ("int8", "fp8"):  # low-precision units count only where they beat 16-bit maths
         if rates.get(low, 0) > rates["bf16"]:
@@ -515,7 +532,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, compute_efficiency=comp_eff,
-                   linear_call_overhead_s=call_extra,
+                   linear_call_overhead_s=call_extra, bandwidth_curve=curve if len(curve) > 1 else (),
                    **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
                    low_precision_compute="int8" in peak or "fp8" in peak, host_overlap=not on_cpu, device=dev,

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -14,7 +15,8 @@ from fewbits.models.spec import ModelSpec
 
 
 def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: float, peak_bf16: float,
-                        log: Any = print, skeleton_linears_s: float | None = None
+                        log: Any = print, skeleton_linears_s: float | None = None,
+                        bw_at: Callable[[float], float] | None = None
                         ) -> tuple[dict[str, float], float, dict[str, float], dict[str, float]]:
     """From `gemv_passes`: (bandwidth efficiency per family, of the 16-bit LM head, compute efficiency per
     family, extra seconds per linear call per family).  The 16-bit linears ("float") and the LM head every
@@ -24,8 +26,12 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     quantised family is its tiny calls' time less what the skeleton step (which every prediction starts
     from) spends in its own 16-bit linears: `skeleton_linears_s` where measured (`skeleton_linear_cost`,
     ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else the 16-bit tiny
-    calls' time (0.8 ms here)."""
+    calls' time (0.8 ms here).  `bw_at(bytes)`: the bandwidth at a pass's working set (its `pool_bytes`, see
+    `gemv_passes`), which its efficiency is relative to; else `bw`."""
     from fewbits.bench.probe import _clamp, head_shape, layer_shapes
+
+    def beta(r: dict[str, Any]) -> float:
+        return bw_at(float(r["pool_bytes"])) if bw_at is not None and r.get("pool_bytes") else bw
 
     bw_eff: dict[str, float] = {}
     comp_eff: dict[str, float] = {}
@@ -38,7 +44,7 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
         calls = r.get("calls", len(layer_shapes(spec)) * spec.n_layers)  # linear calls per step
         fam = format_family(parse_format(f))
         t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
-        bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / bw))
+        bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / beta(r)))
         if fam != "float":  # the skeleton step below already pays a 16-bit call per linear
             base = passes["bf16"]["rows1"]["t_calls_s"] if skeleton_linears_s is None else skeleton_linears_s
             call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - base) / calls)
@@ -50,7 +56,7 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
             f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
     log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
         f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
-    return bw_eff, _clamp(h["bytes"] / h["rows1"]["t_s"] / bw), comp_eff, call_extra
+    return bw_eff, _clamp(h["bytes"] / h["rows1"]["t_s"] / beta(h)), comp_eff, call_extra
 
 
 class _ZeroLinear(torch.nn.Module):

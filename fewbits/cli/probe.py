@@ -12,14 +12,16 @@ import click
               help="where to write the profile JSON")
 @click.option("--name", default="this-machine", show_default=True, help="profile and device name")
 @click.option("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-@click.option("--min-mb", type=float, default=600.0, show_default=True,
-              help="replicate weights to at least this many MB per format (more than the last-level cache)")
+@click.option("--min-mb", type=float, default=None,
+              help="cycle the GEMV passes' weights through copies of this many MB per format (default: the "
+                   "model's own footprint, its linears and 16-bit LM head, as a decode step re-reads them)")
 @click.option("--device", default="cpu", show_default=True,
               help="what to measure: cpu, or a CUDA device (cuda, cuda:1) for a GPU's profile")
 @click.option("--eager", is_flag=True,
               help="measure the per-step costs on the eager decode path (`fewbits bench --eager`) instead of "
                    "the compiled one")
-def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, device: str, eager: bool) -> None:
+def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float | None, device: str,
+              eager: bool) -> None:
     """Measure memory bandwidth, matmul rates, GEMV per format at decode shapes, KV-cache reads and the
     per-step overhead; write them as a profile that `fewbits plan --profile FILE` and `fewbits bench` load.
     The per-step costs are those of the compiled decode step `fewbits bench` runs (unless --eager)."""
@@ -42,7 +44,7 @@ def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float, d
         check_output(output, overwrite=True, kind="file")  # before minutes of measuring
     except OSError as exc:
         raise click.ClickException(str(exc)) from None
-    prof = build_profile(spec, name=name, min_bytes=int(min_mb * 2**20), log=click.echo, device=dev,
-                         compiled=not eager)
+    prof = build_profile(spec, name=name, min_bytes=None if min_mb is None else int(min_mb * 2**20),
+                         log=click.echo, device=dev, compiled=not eager)
     save_profile(prof, output)
     click.echo(f"wrote {output} ({prof.measured['probe_seconds']:.0f} s of measurement)")

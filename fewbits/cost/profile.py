@@ -34,6 +34,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "cache_refill_bytes": 2097152,          #   stream evicted, x min(1, layer bytes / cache_refill_bytes)
       "cache_refill_curve": [[1048576, 1.1e-4], [4194304, 2.7e-4]],  # measured [layer bytes, seconds per
                                               #   layer] points; when given, replaces the line above
+      "bandwidth_curve": [[67108864, 4.6e10], [268435456, 2.8e10]],  # measured [working-set bytes, read
+                                              #   bytes/s]: a step whose weights and cache fit the last-level
+                                              #   cache reads its weights faster than device.bandwidth
       "memory_headroom": 0.1,                 # fraction of device memory not available to weights+KV
       "weight_bytes": "exact" | "ideal",      # Format.nbytes(shape) vs Format.bits_per_weight()
       "quantize_lm_head": false, "quantize_embeddings": false,
@@ -57,6 +60,14 @@ several stream sizes (``cache_refill_curve``), it is interpolated linearly betwe
 0 bytes, flat beyond the last point): the loss is not a ramp that stops at the L2 size, it keeps
 growing to about twice that and slowly after.  `fewbits probe` measures them; the
 built-in profiles leave them at zero.
+
+A decode step reads the same weights every step, so where they and the cache fit in the last-level cache
+(a small model on a server CPU with hundreds of MB of L3) the weights stream from there, faster than from
+memory.  ``bandwidth_curve`` holds the read bandwidth the probe measured over working sets of several sizes;
+the step model reads weights and cache at `Profile.bandwidth_at` the step's own bytes (interpolated in log
+bytes, never below ``device.bandwidth``; without a curve, ``device.bandwidth``), and the efficiencies are
+relative to that rate (the probe measures the weights over one copy of the model, the cache in a skeleton
+whose working set is the cache).
 
 Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int8", "int4"
 (int3..int7), "int2", "fp4" (fp4, nf4, mxfp4, nvfp4).  A family missing from a table uses its fallback
@@ -103,6 +114,22 @@ def format_family(fmt: Format) -> str:
     return "fp4"
 
 
+def curve_bandwidth(curve: tuple[tuple[float, float], ...], floor: float, nbytes: float | Any) -> float | Any:
+    """The bandwidth of a [(working-set bytes, bytes/s)] curve at `nbytes` (array or scalar): interpolated in log
+    bytes, its first value below its first point, `floor` (memory's rate) beyond its last point, never below
+    `floor`."""
+    import numpy as np
+
+    x = np.log(np.maximum(np.asarray(nbytes, dtype=float), 1.0))
+    if not curve:
+        bw = np.full(np.shape(x), float(floor))
+    else:
+        xs = np.log([float(b) for b, _ in curve])
+        bw = np.where(x > xs[-1], floor, np.interp(x, xs, [float(v) for _, v in curve]))
+        bw = np.maximum(bw, floor)
+    return float(bw) if np.ndim(nbytes) == 0 else bw
+
+
 @dataclass(frozen=True)
 class Profile:
     """Efficiencies and counting conventions for the step model (see the module docstring)."""
@@ -122,6 +149,7 @@ class Profile:
     cache_refill_s: float = 0.0
     cache_refill_bytes: float = 0.0
     cache_refill_curve: tuple[tuple[float, float], ...] = ()
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
     memory_headroom: float = 0.0
     weight_bytes: str = "exact"
     quantize_lm_head: bool = False
@@ -163,6 +191,11 @@ class Profile:
                 or any(b[0] <= a[0] for a, b in zip(curve, curve[1:], strict=False)):
             raise ProfileError(f"profile {self.name!r}: cache_refill_curve must be [bytes, seconds] pairs, finite, "
                                f">= 0, bytes increasing; got {list(curve)}")
+        bc = self.bandwidth_curve
+        if any(len(pt) != 2 or not all(math.isfinite(v) and v > 0 for v in pt) for pt in bc) \
+                or any(b[0] <= a[0] for a, b in zip(bc, bc[1:], strict=False)):
+            raise ProfileError(f"profile {self.name!r}: bandwidth_curve must be [bytes, bytes/s] pairs, finite, "
+                               f"> 0, bytes increasing; got {list(bc)}")
         if self.overhead_per_seq_s < 0:
             raise ProfileError(f"profile {self.name!r}: overhead_per_seq_s must be >= 0")
         if self.overhead_s < 0 or not 0 <= self.memory_headroom < 1:
@@ -172,6 +205,11 @@ class Profile:
 
     def bw_eff(self, family: str) -> float:
         return _lookup(self.bandwidth_efficiency, family, self.bandwidth_efficiency["float"])
+
+    def bandwidth_at(self, device: DeviceSpec, nbytes: float | Any) -> float | Any:
+        """Read bandwidth (bytes/s) of a step whose working set is `nbytes` (array or scalar): the measured
+        `bandwidth_curve` at that size (`curve_bandwidth`), `device.bandwidth` without a curve."""
+        return curve_bandwidth(self.bandwidth_curve, device.bandwidth, nbytes)
 
     def head_eff(self) -> float:
         """Bandwidth efficiency of the 16-bit parts every weight format keeps (the LM head, a router, norms):
@@ -215,6 +253,7 @@ class Profile:
                 "head_bandwidth_efficiency": self.head_bandwidth_efficiency,
                 "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
                 "cache_refill_curve": [list(pt) for pt in self.cache_refill_curve],
+                "bandwidth_curve": [list(pt) for pt in self.bandwidth_curve],
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
                 "count_norms_and_biases": self.count_norms_and_biases,
@@ -249,6 +288,12 @@ class Profile:
             except (TypeError, ValueError):
                 raise ProfileError(f"{source}: cache_refill_curve must be a list of [bytes, seconds] pairs, "
                                    f"got {vals['cache_refill_curve']!r}") from None
+        if "bandwidth_curve" in vals:
+            try:
+                vals["bandwidth_curve"] = tuple((float(a), float(b)) for a, b in vals["bandwidth_curve"])
+            except (TypeError, ValueError):
+                raise ProfileError(f"{source}: bandwidth_curve must be a list of [bytes, bytes/s] pairs, "
+                                   f"got {vals['bandwidth_curve']!r}") from None
         if vals.get("device") is not None:
             vals["device"] = DeviceSpec.from_dict(vals["device"])
         try:

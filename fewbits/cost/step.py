@@ -319,9 +319,12 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
             dense: np.ndarray, kv_q: np.ndarray, kv_w: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray
             ) -> dict[str, np.ndarray]:
     """The two rooflines of a step (linear layers, attention) and their sum.  The cache's quantised
-    bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's."""
-    t_mem_w = (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / device.bandwidth
-    t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / device.bandwidth
+    bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's.  All
+    of them at `Profile.bandwidth_at` the step's working set (all it reads: faster than memory where it fits
+    the last-level cache; `device.bandwidth` without a measured curve)."""
+    beta = profile.bandwidth_at(device, weight_q + dense + w.head_q + kv_q + kv_w)
+    t_mem_w = (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / beta
+    t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / beta
     t_comp_w = lin_flops / (w.peak * w.eta_c)
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
     t_lin, t_att = np.maximum(t_mem_w, t_comp_w), np.maximum(t_mem_kv, t_comp_kv)

@@ -15,3 +15,25 @@ def test_cpu_figures_are_plausible():
     assert mem == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and "threads" in name
     assert "fp8" not in rates  # FP8 GEMMs are measured on CUDA devices only
     assert l2_cache_bytes() >= 0
+
+
+def test_bandwidth_curve_sorted_with_memorys_point_and_non_increasing(monkeypatch):
+    """A larger working set is never read faster than a smaller one: a dip at a small size is another process's
+    load, raised to the next size's figure; memory's own point ends the curve."""
+    from fewbits.bench import machine
+
+    canned = {32 << 20: 40e9, 64 << 20: 45e9, 128 << 20: 30e9}
+    monkeypatch.setattr(machine, "memory_bandwidth", lambda n, trials=5, device="cpu": canned[n])
+    got = machine.bandwidth_curve((128 << 20, 32 << 20, 64 << 20), memory=(1 << 30, 20e9))
+    assert got == ((32 << 20, 45e9), (64 << 20, 45e9), (128 << 20, 30e9), (1 << 30, 20e9))
+
+
+def test_bandwidth_curve_reads_a_small_working_set_at_least_as_fast_as_memory():
+    small, big = (pt[1] for pt in machine_curve())
+    assert small >= big > 1e8
+
+
+def machine_curve():
+    from fewbits.bench.machine import bandwidth_curve
+
+    return bandwidth_curve((8 << 20,), trials=2, memory=(64 << 20, memory_bandwidth(64 << 20, trials=2)))

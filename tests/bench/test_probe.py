@@ -45,6 +45,9 @@ def _canned(monkeypatch):
         return value
 
     monkeypatch.setattr(probe, "memory_bandwidth", lambda nbytes=0, device="cpu": saw("bandwidth", device, bw))
+    # a working set of 32 MiB is read twice as fast as memory (the last-level cache)
+    monkeypatch.setattr(probe, "bandwidth_curve", lambda sizes=(), device="cpu", memory=None: saw(
+        "curve", device, ((float(32 << 20), 2 * bw), (float(memory[0]), memory[1]))))
     monkeypatch.setattr(probe, "matmul_rates", lambda n=0, device="cpu": saw(
         "matmul", device, {"fp32": 1e11, "bf16": 5e11, "int8": 1e12}))
 
@@ -54,7 +57,7 @@ def _canned(monkeypatch):
         for f, (nbytes, t1, t8, tc) in {"bf16": (8e6, 2e-3, 2e-3, 1e-4), "int8": (4e6, 1e-3, 4e-3, 2.4e-4),
                                         "int4-g64": (2e6, 0.8e-3, 0.85e-3, 1e-4)}.items():
             if f in formats:
-                out[f] = {"kernels": ["k"], "bytes": nbytes,
+                out[f] = {"kernels": ["k"], "bytes": nbytes, **({"pool_bytes": 32 << 20} if f == "int4-g64" else {}),
                           "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1, "flops": 1e6},
                           "rows8": {"t_s": t8 + tc, "t_calls_s": tc, "t_bytes_s": t8, "flops": 8e6}}
         out["lm_head_bf16"] = {"bytes": 1e6, "rows1": {"t_s": 1e-3}, "rows8": {"t_s": 2e-3}}
@@ -84,7 +87,9 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
     assert prof.head_eff() == pytest.approx(1e6 / 1e-3 / bw)
     assert prof.bw_eff("int8") == pytest.approx(4e6 / 1e-3 / bw)
-    assert prof.bw_eff("int4") == pytest.approx(2e6 / 0.8e-3 / bw)
+    # int4's pass cycled a pool of 32 MiB (its footprint), read at the curve's 2 bw: relative to that
+    assert prof.bw_eff("int4") == pytest.approx(2e6 / 0.8e-3 / (2 * bw))
+    assert prof.bandwidth_curve == ((32 << 20, 2 * bw), (1 << 30, bw))
     # int8 takes 4x longer at 8 rows: compute-limited; (8e6 body + 2*8*256*64 head FLOPs) / (6 ms * 5e11)
     assert prof.compute_eff("int8") == pytest.approx((8e6 + 2 * 8 * 256 * 64) / (6e-3 * 5e11))
     assert "int4" not in prof.compute_efficiency  # 0.85 ms vs 0.8 ms: still memory-bound
@@ -98,7 +103,7 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.measured["skeleton_linears_s"] == 1.5e-4
     assert prof.device is not None and prof.device.peak_flops["int8"] == 1e12 and prof.low_precision_compute
     # every measurement ran on the device asked for (the CPU by default), and the profile says which
-    assert _canned.devices == dict.fromkeys(("bandwidth", "matmul", "gemv", "steps", "skeleton"), "cpu")
+    assert _canned.devices == dict.fromkeys(("bandwidth", "curve", "matmul", "gemv", "steps", "skeleton"), "cpu")
     assert prof.measured["device"] == "cpu"
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
     assert layer_shapes(TINY) == layer
@@ -107,7 +112,7 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     loaded = load_profile(str(path))
     assert all(loaded.bw_eff(f) == prof.bw_eff(f) for f in prof.bandwidth_efficiency)
     assert loaded.head_bandwidth_efficiency == prof.head_eff() == pytest.approx(0.1)
-    assert loaded.device == prof.device
+    assert loaded.device == prof.device and loaded.bandwidth_curve == prof.bandwidth_curve
     r = plan(TINY, batch=1, context=128, weights="int8", kv="int8-g16", profile=loaded,
              table_weights=None, table_kv=None)
     assert r.device == prof.device.name and math.isfinite(r.time_s)
@@ -286,10 +291,36 @@ def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
     monkeypatch.setattr(probe, "time_interleaved", fake_interleaved)
     res = probe.gemv_passes(TINY, ("bf16",), 0, rows=(1, 8))
     n_linears = len(layer_shapes(TINY))
-    assert n_linears * TINY.n_layers in per_sample and n_linears not in per_sample
-    assert res["bf16"]["rows1"]["t_s"] == pytest.approx(3e-3)  # one sample = one step: not x n_layers
-    assert res["bf16"]["rows8"]["t_bytes_s"] == pytest.approx(2e-3)
+    assert n_linears * TINY.n_layers in per_sample and n_linears not in per_sample  # one sample = one step
+    assert 1 in per_sample  # and the head, once a sample
+    r = res["bf16"]["rows8"]
+    assert r["t_calls_s"] == pytest.approx(1e-3) and r["t_bytes_s"] == max(r["t_s"] - 1e-3, 1e-9)
+    assert res["lm_head_bf16"]["rows1"]["t_s"] == res["bf16"]["rows1"]["t_head_s"] > 0
     assert all(len(s) == 3 and s[1] == 1 and s[0] in (1, 8) for s in seen_shapes)
+
+
+def test_gemv_passes_cycle_the_models_own_footprint_by_default(monkeypatch):
+    """Each format's pool is the step's own working set: one copy of its linears in the format and of the 16-bit
+    head, run in one sample as the step runs them; an explicit size still wins."""
+    from fewbits.bench import probe
+
+    pools: list[tuple[str, int]] = []
+    real_build = probe.build_set
+
+    def spy_build(spec, shapes, min_bytes=0, seed=0, device="cpu"):
+        pools.append((spec, min_bytes))
+        return real_build(spec, shapes, min(min_bytes, 1 << 16), seed, device)
+
+    monkeypatch.setattr(probe, "build_set", spy_build)
+    monkeypatch.setattr(probe, "time_interleaved", lambda fns, **_: {name: (fn(), 1e-3)[1] for name, fn in fns.items()})
+    res = probe.gemv_passes(TINY, ("int8",), rows=(1,))
+    head = 2 * TINY.vocab_size * TINY.hidden_size
+    layer8 = real_build("int8", layer_shapes(TINY)).nbytes
+    assert ("int8", layer8 * TINY.n_layers) in pools and ("bf16", 0) in pools  # one copy of each
+    assert res["int8"]["pool_bytes"] == layer8 * TINY.n_layers + head == res["lm_head_bf16"]["pool_bytes"]
+    pools.clear()
+    probe.gemv_passes(TINY, ("int8",), 5 << 20, rows=(1,))
+    assert ("int8", 5 << 20) in pools and ("bf16", 5 << 20) in pools
 
 
 def test_refill_curve_per_layer_sorted_and_non_decreasing():
