@@ -302,7 +302,8 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
         if compiled:  # the refill of the compiled step: its own skeletons with streams, at the model's depth
             t0 = time.perf_counter()
             compiled_refill = CompiledRefill(lambda: skeleton_model(spec, device),
-                                             {f: int(f * x_cache) for f in rests}, spec.vocab_size, steps=steps)
+                                             {f: int(f * x_cache) for f in rests}, spec.vocab_size, spec.hidden_size,
+                                             steps=steps)
             say(f"  refill: {len(rests)} {spec.n_layers}-layer skeletons streaming {min(rests):g}-{max(rests):g} "
                 f"L2 sizes a layer: {time.perf_counter() - t0:.0f} s (compiling included)")
         else:

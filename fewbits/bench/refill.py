@@ -7,8 +7,9 @@ pre-hook streams and times itself, and the step's time with the streams, less th
 without them, is the loss.  On the compiled path no hook runs and no stream can be timed inside the step:
 `CompiledRefill` compares two compiled skeletons that stream the same weights with the same matmul calls,
 spread one before each layer's norm or all before the first layer.  The two paths lose very different
-amounts (SmolLM2 skeleton, 2 threads, 2 MiB L2, 4 MiB a layer: ~160 us a layer eager, where thousands of
-Python-level operations refill, against ~20-40 us compiled), which is why the compiled path measures its own.
+amounts (SmolLM2 skeleton, 2 threads, 2 MiB L2, streams of 4 MiB a layer: ~160 us a layer eager, where
+thousands of Python-level operations refill, against 10-16 us compiled), which is why the compiled path
+measures its own.
 """
 
 from __future__ import annotations
@@ -141,16 +142,18 @@ def _stepper(model: torch.nn.Module, vocab: int, context: int, steps: int, g: to
 class CompiledRefill:
     """The refill of the compiled decode step, per layer, at each of `sizes` ({key: bytes a layer streams}).
 
-    Per size, two copies of the skeleton `make()` returns stream the same weights, one of that size per layer,
-    through the same matmul calls: spread, each layer before its own norm (its small operations then find
-    their working set evicted, as after a real layer's linears), or all before the first layer (the other
-    layers' small operations find theirs in the core's cache).  The steps read the same bytes with the same
-    calls, so their difference is the refill of the layers after the first alone: E = (t_spread - t_front)
-    / (L - 1), with no stream time to measure apart and subtract (measuring the streams in a pass of their own
-    found them in another state of the last-level cache than the step did, an error as large as E itself).
+    Per size, two copies of the skeleton `make()` returns stream the same weights, one of that size per layer
+    (`width` columns: the real model's hidden size, so that a stream is a real layer's one-row matmul, not a
+    thin one whose output is as large as its weight), through the same matmul calls: spread, each layer before
+    its own norm (its small operations then find their working set evicted, as after a real layer's linears),
+    or all before the first layer (the other layers' small operations find theirs in the core's cache).  The
+    steps read the same bytes with the same calls, so their difference is the refill of the layers after the
+    first alone: E = (t_spread - t_front) / (L - 1), with no stream time to measure apart and subtract
+    (measuring the streams in a pass of their own found them in another state of the last-level cache than
+    the step did, an error as large as E itself).
     Each graph is compiled once, or loaded from disk like every compiled step."""
 
-    def __init__(self, make: Callable[[], torch.nn.Module], sizes: dict[float, int], vocab: int,
+    def __init__(self, make: Callable[[], torch.nn.Module], sizes: dict[float, int], vocab: int, width: int,
                  context: int = 128, steps: int = 8) -> None:
         g = torch.Generator().manual_seed(1)
         self.runs: dict[float, tuple[Callable[[], None], Callable[[], None]]] = {}
@@ -161,7 +164,6 @@ class CompiledRefill:
             for spread in (True, False):
                 m = make()
                 self.n_layers = len(m.model.layers)
-                width = int(m.config.hidden_size)
                 if spread:
                     dev = next(m.parameters()).device
                     rows = max(1, nbytes // (2 * width))

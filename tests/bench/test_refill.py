@@ -35,10 +35,12 @@ def test_streams_spread_or_front_read_the_same_weights_and_change_no_value():
 
 
 def test_compiled_refill_measures_both_skeletons_per_size():
-    cr = CompiledRefill(lambda: skeleton_model(TINY), {1.0: 1 << 16}, TINY.vocab_size, context=8, steps=2)
+    cr = CompiledRefill(lambda: skeleton_model(TINY), {1.0: 1 << 16}, TINY.vocab_size, TINY.hidden_size, context=8,
+                        steps=2)
     rests: dict[float, dict[bool, float]] = {}
     cr.measure(rests, rounds=2)
     assert set(rests) == {1.0} and set(rests[1.0]) == {True, False}
     assert all(math.isfinite(v) and v > 0 for v in rests[1.0].values())
     spread, front = cr._models
     assert [len(x) for x in _streams(spread)] == [1, 1, 1] and [len(x) for x in _streams(front)] == [3, 0, 0]
+    assert _streams(spread)[0][0].shape == (512, TINY.hidden_size)  # 64 KiB of bf16, the model's width
