@@ -68,7 +68,7 @@ from fewbits.bench.machine import (
     memory_bandwidth,
 )
 from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost
-from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve  # noqa: F401 (probe's API)
+from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth, format_family

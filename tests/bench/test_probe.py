@@ -212,24 +212,6 @@ def test_step_costs_fit_recovers_the_cache_refill(monkeypatch):
     assert again[kivi]["fixed_s"] == pytest.approx(6e-3, rel=1e-6)
 
 
-def test_refill_cost_streams_through_every_layer_and_leaves_no_hooks(monkeypatch):
-    import fewbits.generate
-    from fewbits.bench.probe import refill_cost, skeleton_model
-
-    model = skeleton_model(TINY)
-    seen = []
-    real = fewbits.generate.generate
-
-    def spy(m, ids, n, kv="bf16"):
-        seen.append(n)
-        return real(m, ids, n, kv=kv)
-
-    monkeypatch.setattr(fewbits.generate, "generate", spy)
-    e = refill_cost(model, TINY, 1 << 16, context=8, steps=2, rounds=1)
-    assert math.isfinite(e) and seen == [3, 3]
-    assert not any(m._forward_pre_hooks for m in model.modules())
-
-
 def test_step_costs_fit_recovers_the_kivi_window_rate_and_dequantisation_jump(monkeypatch):
     """A KIVI cache costs more per window byte than the 16-bit cache (copied every step) and a fixed
     dequantisation once its window has overflowed: at prompt 8 it never has, at 96 it has."""

@@ -44,3 +44,21 @@ def test_compiled_refill_measures_both_skeletons_per_size():
     spread, front = cr._models
     assert [len(x) for x in _streams(spread)] == [1, 1, 1] and [len(x) for x in _streams(front)] == [3, 0, 0]
     assert _streams(spread)[0][0].shape == (512, TINY.hidden_size)  # 64 KiB of bf16, the model's width
+
+
+def test_refill_cost_streams_through_every_layer_and_leaves_no_hooks(monkeypatch):
+    import fewbits.generate
+    from fewbits.bench.refill import refill_cost
+
+    model = skeleton_model(TINY)
+    seen = []
+    real = fewbits.generate.generate
+
+    def spy(m, ids, n, kv="bf16"):
+        seen.append(n)
+        return real(m, ids, n, kv=kv)
+
+    monkeypatch.setattr(fewbits.generate, "generate", spy)
+    e = refill_cost(model, TINY, 1 << 16, context=8, steps=2, rounds=1)
+    assert math.isfinite(e) and seen == [3, 3]
+    assert not any(m._forward_pre_hooks for m in model.modules())
