@@ -282,18 +282,13 @@ class Profile:
                   "kv_window_bandwidth_efficiency"):
             if t in vals:
                 vals[t] = {str(k): float(v) for k, v in vals[t].items()}
-        if "cache_refill_curve" in vals:
-            try:
-                vals["cache_refill_curve"] = tuple((float(a), float(b)) for a, b in vals["cache_refill_curve"])
-            except (TypeError, ValueError):
-                raise ProfileError(f"{source}: cache_refill_curve must be a list of [bytes, seconds] pairs, "
-                                   f"got {vals['cache_refill_curve']!r}") from None
-        if "bandwidth_curve" in vals:
-            try:
-                vals["bandwidth_curve"] = tuple((float(a), float(b)) for a, b in vals["bandwidth_curve"])
-            except (TypeError, ValueError):
-                raise ProfileError(f"{source}: bandwidth_curve must be a list of [bytes, bytes/s] pairs, "
-                                   f"got {vals['bandwidth_curve']!r}") from None
+        for t, unit in (("cache_refill_curve", "seconds"), ("bandwidth_curve", "bytes/s")):
+            if t in vals:
+                try:
+                    vals[t] = tuple((float(a), float(b)) for a, b in vals[t])
+                except (TypeError, ValueError):
+                    raise ProfileError(f"{source}: {t} must be a list of [bytes, {unit}] pairs, "
+                                       f"got {vals[t]!r}") from None
         if vals.get("device") is not None:
             vals["device"] = DeviceSpec.from_dict(vals["device"])
         try:
