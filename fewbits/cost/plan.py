@@ -83,6 +83,8 @@ class PlanResult:
     notes: tuple[str, ...] = ()
     table: tuple[TableRow, ...] = ()
     lm_head: str | None = None  # the LM head's own format where it is quantised apart (`plan(lm_head=...)`)
+    bandwidth: float = 0.0  # bytes/s the step reads at (`Profile.bandwidth_at` its working set)
+    memory_bandwidth: float = 0.0  # the device's own (memory's) bytes/s
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -169,7 +171,8 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         memory_need=_f(mem["need"]) * n, memory_capacity=dev.memory_bytes * n, fits=bool(mem["fits"]),
         weights_fit=w.stored <= _f(mem["usable"]), max_batch=int(mem["max_batch"]),
         max_context=int(mem["max_context"]), crossover_tokens=_f(st["weight_bytes"]) / k.per_token,
-        kv_bits_per_value=k.bits, notes=tuple(notes), table=tuple(rows), lm_head=lm_head)
+        kv_bits_per_value=k.bits, notes=tuple(notes), table=tuple(rows), lm_head=lm_head,
+        bandwidth=_f(st["bandwidth"]), memory_bandwidth=dev.bandwidth)
 
 
 def pick_device(device: str | DeviceSpec | None, prof: Profile) -> DeviceSpec:
@@ -237,7 +240,9 @@ def format_breakdown(r: PlanResult) -> str:
              f"  weights read      {_gb(r.weight_bytes)}",
              f"  KV read / written {_gb(r.kv_read_bytes)} / {_gb(r.kv_write_bytes)}",
              f"  FLOPs             {r.flops / 1e12:.3f} TFLOP on {r.precision} units",
-             f"  memory time       {_ms(r.t_memory_s)}",
+             f"  memory time       {_ms(r.t_memory_s)}" + (
+                 f"   (read at {r.bandwidth / 1e9:.1f} GB/s: the step's working set in the last-level cache; "
+                 f"memory {r.memory_bandwidth / 1e9:.1f} GB/s)" if r.bandwidth > r.memory_bandwidth * 1.001 else ""),
              f"  compute time      {_ms(r.t_compute_s)}",
              f"  linear layers     {_ms(r.t_linear_s)}   (the larger of their memory and compute times)",
              f"  attention         {_ms(r.t_attention_s)}",

@@ -331,7 +331,7 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
     # compute-bound: the phases limited by compute take most of the step
     in_compute = np.where(t_comp_w > t_mem_w, t_lin, 0.0) + np.where(t_comp_kv > t_mem_kv, t_att, 0.0)
     return {"t_memory": t_mem_w + t_mem_kv, "t_compute": t_comp_w + t_comp_kv, "t_linear": t_lin,
-            "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att)}
+            "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att), "bandwidth": beta}
 
 
 def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,

@@ -51,3 +51,8 @@ def test_weights_and_cache_stream_at_the_rate_of_the_steps_working_set() -> None
     assert b.t_attention_s == pytest.approx(a.t_attention_s / 2, rel=1e-9) and a.t_attention_s > 0
     small = replace(DEFAULT, name="small", bandwidth_curve=((1e6, 2 * dev.bandwidth),))  # ~110 MB: beyond it
     assert plan(smol, profile=small, **kw).t_linear_s == pytest.approx(a.t_linear_s, rel=1e-12)
+    # the report says the rate it read at, where it is the cache's
+    from fewbits.cost.plan import format_breakdown
+
+    assert b.bandwidth == pytest.approx(2 * dev.bandwidth) and a.bandwidth == b.memory_bandwidth == dev.bandwidth
+    assert "read at 6700.0 GB/s" in format_breakdown(b) and "read at" not in format_breakdown(a)
