@@ -55,7 +55,6 @@ import platform
 import time
 from typing import Any
 
-import numpy as np
 import torch
 
 from fewbits.bench.gemv import build_set, inputs_for
@@ -69,10 +68,10 @@ from fewbits.bench.machine import (
 )
 from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost
 from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve
+from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
-from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth, format_family
-from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
+from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth
 from fewbits.generate import synchronizer
 from fewbits.kvcache.format import parse_kv_format
 from fewbits.models.spec import ModelSpec
@@ -83,10 +82,6 @@ KV_SPECS = ("bf16", "fp8-e4m3", "int8", "int4", "int2")
 #: graphs of the model's depth per size, at fewer)
 REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
 COMPILED_REFILL_SIZES = (1.0, 2.0, 4.0)
-
-
-def _clamp(x: float) -> float:
-    return float(min(1.0, max(1e-3, x)))
 
 
 def layer_shapes(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
@@ -332,139 +327,6 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             if r == 0:
                 say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
     return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill, curve if len(refill_sizes) else None)
-
-
-def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[int | str, ...], float],
-                   steps: int, x_cache: int, refill_s: float | None = None,
-                   refill_curve: list[tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
-    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt[, depth]):
-    seconds} (no depth: the model's own); `refill_s` (E, measured) is taken as given, None fits it; with
-    `refill_curve` (measured E(x), seconds per layer) the fit subtracts L E(x) instead of L E min(1, x / X).
-    A column the measurements cannot tell apart (no quantised bytes, a window that never overflows or always
-    has, a single depth) is left out: its cost is 0.  The figures are for `spec.n_layers` layers."""
-    import dataclasses
-
-    pts = {(k[0], k[1], k[2], k[3] if len(k) > 3 else spec.n_layers): t for k, t in fastest.items()}
-    base_kv = "bf16" if "bf16" in kv_specs else kv_specs[0]
-    rows: list[dict[str, float]] = []
-    ys: list[float] = []
-    stream: list[tuple[float, int]] = []  # (x, L) of each row: a layer's 16-bit keys and values, the depth
-    points: dict[str, list[tuple[int, ...]]] = {s: [] for s in kv_specs}
-    for (s, b, c, depth), t in sorted(pts.items(), key=lambda kv: (kv_specs.index(kv[0][0]), *kv[0][1:])):
-        kvf = parse_kv_format(s)
-        sd = dataclasses.replace(spec, n_layers=depth) if depth != spec.n_layers else spec
-        terms = kv_terms(sd, kvf.full_spec, DEFAULT)
-        L = float(depth)
-        ctx = c + (steps + 1) // 2  # mean context of the timed steps
-        kb = {k: float(v) for k, v in kv_step_bytes(terms, b, ctx).items()}
-        q, w = kb["read_q"] + kb["write_q"], kb["read_w"] + kb["write_w"]
-        x = float(attention_layer_bytes(spec, b * (ctx + 1)))
-        row = {"a0": 1.0, "a1": L, "p0": b - 1.0, "p1": (b - 1.0) * L,
-               "E": L * min(1.0, x / x_cache) if x_cache > 0 else 0.0}
-        if s != base_kv:
-            row[f"x:{s}"] = L
-        if not kvf.is_quantized:  # a 16-bit cache: all of it streams at the 16-bit rate
-            row["s16"] = (q + w) * 1e-9  # bytes in GB: a well-conditioned fit
-        else:
-            row[f"s:{s}"] = q * 1e-9
-            row[f"w:{s}"] = w * 1e-9  # the window: copied every step by the store, its own rate
-            row[f"o:{s}"] = L * float(kvf.quantized_tokens(c + steps) > 0)  # dequantises only then
-        row["_fmt"] = kv_specs.index(s)
-        rows.append(row)
-        stream.append((x, depth))
-        ys.append(t)
-        points[s].append((b, c, q + w, t, depth))  # batch, prompt, bytes, seconds, depth
-    names = [n for n in dict.fromkeys(k for r in rows for k in r) if n != "_fmt"]
-    if len({d for _, d in stream}) < 2:  # one depth: the fixed costs are not split by layer
-        names = [n for n in names if n not in ("a1", "p1")]
-    for n in list(names):  # columns the points cannot identify
-        col = [r.get(n, 0.0) for r in rows]
-        own = [r.get(n, 0.0) for r in rows if n[:2] == "o:" and kv_specs[int(r["_fmt"])] == n[2:]]
-        if not any(col) or (n[:2] == "o:" and all(own)):
-            names.remove(n)
-
-    if refill_curve:  # the measured E(x) per row, all layers
-        cx, cy = [0.0] + [p[0] for p in refill_curve], [0.0] + [p[1] for p in refill_curve]
-        known = [d * float(np.interp(x, cx, cy)) for x, d in stream]
-    else:
-        known = [r["E"] for r in rows]
-
-    def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
-        x = torch.tensor([[r.get(n, 0.0) for n in cols] for r in rows], dtype=torch.float64)
-        y = torch.tensor([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=torch.float64)
-        return dict(zip(cols, torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist(), strict=True))
-
-    no_e = [n for n in names if n != "E"]
-    if refill_curve:
-        refill = refill_s if refill_s is not None else 0.0
-        sol = fit(no_e, 1.0)
-    elif refill_s is not None or "E" not in names:
-        refill = refill_s if "E" in names and refill_s is not None else 0.0
-        sol = fit(no_e, refill)
-    else:
-        sol = fit(names)
-        if sol["E"] < 0:
-            sol = fit(no_e)
-        refill = sol.get("E", 0.0)
-    out: dict[str, dict[str, Any]] = {}
-    s16 = sol.get("s16", 0.0) * 1e-9
-    n = float(spec.n_layers)
-    fixed16 = sol["a0"] + n * sol.get("a1", 0.0)
-    for s in kv_specs:
-        out[s] = {"fixed_s": fixed16 + n * sol.get(f"x:{s}", 0.0),
-                  "per_seq_s": sol.get("p0", 0.0) + n * sol.get("p1", 0.0),
-                  "s_per_byte": sol[f"s:{s}"] * 1e-9 if f"s:{s}" in sol else s16,
-                  "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,
-                  "quantized_s": n * sol.get(f"o:{s}", 0.0), "refill_s": refill, "refill_bytes": x_cache,
-                  "refill_curve": [list(p) for p in refill_curve or []],
-                  "points": points[s]}
-    return out
-
-
-def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: float, log: Any = print,
-                        bw_at: Any = None) -> dict[str, Any]:
-    """The `Profile` fields that the skeleton sweep (`step_costs`) measures, from its fit and the bandwidth.
-
-    `bw_at(bytes)`: the bandwidth at a working set (the probe's `bandwidth_curve`).  A cache's efficiency is
-    relative to it at the largest cache the skeleton read (its steps read little else), as the step model reads
-    the cache at the bandwidth of the whole step's working set: SmolLM2 at batch 8 and 512 tokens paid ~96 ms per
-    GB of cache beside its weights, the skeleton ~42 ms per GB from the last-level cache."""
-    base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
-    overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
-    kv_eff: dict[str, float] = {}
-    kv_extra: dict[str, float] = {}
-    kv_window: dict[str, float] = {}
-    kv_dequant: dict[str, float] = {}
-    for s, r in kv.items():
-        kvf = parse_kv_format(s)
-        fam = format_family(kvf.cost_format(spec.head_dim))
-        largest = max((float(pt[2]) for pt in r.get("points", [])), default=0.0)
-        beta = bw_at(largest) if bw_at is not None and largest > 0 else bw
-        kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * beta)) if r["s_per_byte"] > 0 else 1.0)
-        extra = ""
-        if r is not base:
-            kv_extra.setdefault(fam, (r["fixed_s"] - base["fixed_s"]) / spec.n_layers)
-        if kvf.residual > 0:
-            w = r.get("window_s_per_byte", 0.0)
-            kv_window.setdefault(fam, _clamp(1.0 / (w * beta)) if w > 0 else 1.0)
-            kv_dequant.setdefault(fam, r.get("quantized_s", 0.0) / spec.n_layers)
-            extra = (f"; window {w * 1e12:.3f} ms per GB, +{r.get('quantized_s', 0.0) * 1e3:.2f} ms once it "
-                     "holds quantised tokens")
-        log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
-            f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
-    kv_eff.setdefault("float", 1.0)
-    refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
-    curve = tuple((float(b), float(e)) for b, e in base.get("refill_curve", []))
-    if curve:
-        log("  refill per layer by the bytes it streams: " + ", ".join(
-            f"{b / 2**20:.1f} MiB {e * 1e6:.0f} us" for b, e in curve))
-    if refill > 0:
-        log(f"  a layer streaming >= {refill_bytes / 2**20:.1f} MiB (the L2 cache) costs the step's small "
-            f"operations {refill * 1e6:.1f} us to refill (x {spec.n_layers} layers)")
-    return {"overhead_s": overhead, "overhead_per_seq_s": per_seq, "kv_bandwidth_efficiency": kv_eff,
-            "kv_layer_overhead_s": kv_extra, "kv_quantized_overhead_s": kv_dequant,
-            "kv_window_bandwidth_efficiency": kv_window, "cache_refill_s": refill,
-            "cache_refill_bytes": refill_bytes if refill > 0 else 0.0, "cache_refill_curve": curve}
 
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,

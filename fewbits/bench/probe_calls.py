@@ -28,7 +28,8 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else the 16-bit tiny
     calls' time (0.8 ms here).  `bw_at(bytes)`: the bandwidth at a pass's working set (its `pool_bytes`, see
     `gemv_passes`), which its efficiency is relative to; else `bw`."""
-    from fewbits.bench.probe import _clamp, head_shape, layer_shapes
+    from fewbits.bench.probe import head_shape, layer_shapes
+    from fewbits.bench.stepfit import _clamp
 
     def beta(r: dict[str, Any]) -> float:
         return bw_at(float(r["pool_bytes"])) if bw_at is not None and r.get("pool_bytes") else bw
