@@ -69,9 +69,9 @@ def refill_cost(model: torch.nn.Module, spec: ModelSpec, stream_bytes: int, cont
 
 
 def refill_curve(x_cache: int, rests: dict[float, dict[bool, float]], n_layers: int) -> list[tuple[float, float]]:
-    """[(stream bytes, refill seconds per layer)] from `refill_cost`'s fastest steps ({streaming: seconds})
-    per stream size (a multiple of `x_cache`), sorted by bytes, clamped at 0 and made non-decreasing (a
-    longer stream evicts at least as much; a dip is noise)."""
+    """[(stream bytes, refill seconds per layer)] from the fastest steps of `refill_cost` or `CompiledRefill`
+    ({streaming: seconds}) per stream size (a multiple of `x_cache`), sorted by bytes, clamped at 0 and made
+    non-decreasing (a longer stream evicts at least as much; a dip is noise)."""
     out: list[tuple[float, float]] = []
     top = 0.0
     for f in sorted(rests):

@@ -28,12 +28,12 @@ def test_bandwidth_curve_sorted_with_memorys_point_and_non_increasing(monkeypatc
     assert got == ((32 << 20, 45e9), (64 << 20, 45e9), (128 << 20, 30e9), (1 << 30, 20e9))
 
 
-def test_bandwidth_curve_reads_a_small_working_set_at_least_as_fast_as_memory():
-    small, big = (pt[1] for pt in machine_curve())
-    assert small >= big > 1e8
-
-
-def machine_curve():
+def test_bandwidth_curve_measures_this_machine():
+    """On the real machine: one measured point per size, memory's own point last and unchanged, plausible rates.
+    (That a smaller set is never slower holds by construction; the canned test above checks that rule.)"""
     from fewbits.bench.machine import bandwidth_curve
 
-    return bandwidth_curve((8 << 20,), trials=2, memory=(64 << 20, memory_bandwidth(64 << 20, trials=2)))
+    mem = memory_bandwidth(64 << 20, trials=2)
+    got = bandwidth_curve((8 << 20,), trials=2, memory=(64 << 20, mem))
+    assert [b for b, _ in got] == [8 << 20, 64 << 20] and got[-1][1] == mem
+    assert all(1e8 < v < 1e13 for _, v in got)  # 0.1 GB/s .. 10 TB/s
