@@ -6,9 +6,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(FEWBITS_ROWS_PORTABLE)
 #define ROWS_AVX512 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE)
+#define ROWS_AVX2 1
 #include <immintrin.h>
 #elif defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE_NOF16C)
 #include <immintrin.h>
@@ -62,6 +66,91 @@ void rows_portable(const float* __restrict x, const char* w, int64_t ld_bytes, K
     for (int m = 0; m < M; ++m) out[m * N + n] = acc[m];
   }
 }
+
+// out[m * N + n] for n0 <= n < n1 in blocks of R channels (then single channels): block(rtag, n, acc) fills acc
+// (M x RR) for channels n .. n + RR - 1
+template <int M, int R, class Block>
+inline void channel_blocks(int64_t n0, int64_t n1, float* __restrict out, int64_t N, Block block) {
+  float acc[M * R];
+  auto one = [&](auto rtag, int64_t n) {
+    constexpr int RR = decltype(rtag)::value;
+    block(rtag, n, acc);
+    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
+  };
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+}
+
+#ifdef ROWS_AVX2
+// ---------------------------------------------------------------- AVX2 + FMA (no AVX-512): 8 columns a step
+// bf16, fp16 or int8 weights widened to fp32 and multiplied with x in fp32 (M x K), as the AVX-512 int8 path.
+template <Kind KIND>
+inline __m256 widen8(const char* w, int64_t k) {
+  if (KIND == BF16)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k))), 16));
+  if (KIND == F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k)));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+}
+
+template <Kind KIND>
+inline float scalar_w(const char* w, int64_t k) {
+  if (KIND == BF16) { uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(w)[k]) << 16; float f;
+                      std::memcpy(&f, &u, 4); return f; }
+  if (KIND == F16) return float(reinterpret_cast<const at::Half*>(w)[k]);
+  return float(reinterpret_cast<const int8_t*>(w)[k]);
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <Kind KIND, int M, int R>
+inline void block_avx2(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes, float* acc_out) {
+  constexpr int64_t ESZ = KIND == I8 ? 1 : 2;
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t K8 = K & ~int64_t(7);
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = widen8<KIND>(w + r * ld_bytes, k);
+      if ((k * ESZ) % 64 == 0) _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * ESZ, _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float s = hsum8(acc[m][r]);
+      for (int64_t k = K8; k < K; ++k) s += x[m * K + k] * scalar_w<KIND>(w + r * ld_bytes, k);
+      acc_out[m * R + r] = s;
+    }
+}
+
+// channels per block for M rows: accumulators and widened weights within the 16 vector registers
+template <int M> constexpr int chans2() { return M == 1 ? 4 : (M == 2 ? 4 : (M == 3 ? 3 : (M <= 6 ? 2 : 1))); }
+
+template <int M>
+void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
+               float* __restrict out, int64_t N) {
+  channel_blocks<M, chans2<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
+    constexpr int RR = decltype(rtag)::value;
+    const char* wn = w + n * ld_bytes;
+    if (kind == BF16) block_avx2<BF16, M, RR>(x, K, wn, ld_bytes, acc);
+    else if (kind == F16) block_avx2<F16, M, RR>(x, K, wn, ld_bytes, acc);
+    else block_avx2<I8, M, RR>(x, K, wn, ld_bytes, acc);
+  });
+}
+#endif
 
 #ifdef ROWS_AVX512
 // ---------------------------------------------------------------- AVX-512
@@ -178,21 +267,15 @@ template <int M> constexpr int chans() { return M == 1 ? 8 : (M == 2 ? 6 : (M <=
 template <int M>
 void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
                  float* __restrict out, int64_t N) {
-  constexpr int R = chans<M>();
-  float acc[M * R];
   const int64_t esz = kind == I8 ? 1 : 2;
-  int64_t n = n0;
-  auto one = [&](auto rtag, int64_t n) {
+  channel_blocks<M, chans<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     constexpr int RR = decltype(rtag)::value;
     const char* wn = w + n * ld_bytes;
     if (kind == BF16) block_bf16<M, RR>(static_cast<const uint16_t*>(xv), K, reinterpret_cast<const uint16_t*>(wn),
                                         ld_bytes / esz, acc);
     else if (kind == F16) block_f32<F16, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
     else block_f32<I8, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
-    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
-  };
-  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
-  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+  });
 }
 
 #ifdef __AVX512VNNI__
@@ -234,16 +317,9 @@ inline void block_a8(const uint8_t* __restrict xu, const float* __restrict d, in
 template <int M>
 void rows_a8(const uint8_t* xu, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t n0, int64_t n1,
              float* __restrict out, int64_t N) {
-  constexpr int R = chans<M>();
-  float acc[M * R];
-  int64_t n = n0;
-  auto one = [&](auto rtag, int64_t n) {
-    constexpr int RR = decltype(rtag)::value;
-    block_a8<M, RR>(xu, d, K, w + n * ld, ld, acc);
-    for (int m = 0; m < M; ++m) for (int r = 0; r < RR; ++r) out[m * N + n + r] = acc[m * RR + r];
-  };
-  for (; n + R <= n1; n += R) one(std::integral_constant<int, R>{}, n);
-  for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
+  channel_blocks<M, chans<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
+    block_a8<M, decltype(rtag)::value>(xu, d, K, w + n * ld, ld, acc);
+  });
 }
 #endif
 #endif
@@ -273,8 +349,10 @@ template <int M>
 void run_rows(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t N, float* out) {
   at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
     const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
-#ifdef ROWS_AVX512
+#if defined(ROWS_AVX512)
     rows_avx512<M>(xv, w, ld_bytes, kind, K, n0, n1, out, N);
+#elif defined(ROWS_AVX2)
+    rows_avx2<M>(static_cast<const float*>(xv), w, ld_bytes, kind, K, n0, n1, out, N);
 #else
     std::vector<float> buf(K);
     rows_portable<M>(static_cast<const float*>(xv), w, ld_bytes, kind, K, n0, n1, out, N, buf.data());
@@ -462,13 +540,26 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
 // whether int8_mm_a8 runs vpdpbusd here (else its plain loops)
 int64_t a8_fast() { return ROWS_A8; }
 
+// the vector path dense_mm and int8_mm run here: 2 AVX-512, 1 AVX2 + FMA, 0 the plain loops
+int64_t rows_isa() {
+#if defined(ROWS_AVX512)
+  return 2;
+#elif defined(ROWS_AVX2)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 TORCH_LIBRARY(ROWS_NS, m) {
   m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("a8_fast() -> int");
+  m.def("rows_isa() -> int");
   m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
   m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
   m.impl("int8_mm_a8", c10::DispatchKey::CPU, &int8_mm_a8);
   m.impl("a8_fast", c10::DispatchKey::CatchAll, &a8_fast);
+  m.impl("rows_isa", c10::DispatchKey::CatchAll, &rows_isa);
 }

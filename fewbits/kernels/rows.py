@@ -15,8 +15,11 @@ these operators aim at the bandwidth instead:
 
 Every loaded weight vector is used for all M rows, several output channels are read at once (independent
 accumulators), and the output channels are split between threads (``at::parallel_for``).  Sums are fp32;
-the result is rounded once to x's dtype.  Without AVX-512 (``__AVX512F__``, or the source compiled with
-``FEWBITS_ROWS_PORTABLE``) plain loops run that the compiler vectorises for the machine.
+the result is rounded once to x's dtype.  Three builds of one source, by the CPU (`built_isa`): AVX-512 (the
+above), AVX2 + FMA (8 columns a step, every weight dtype widened to fp32 and multiplied with x in fp32 by
+FMAs: on an AVX2 host 14-17 GB/s for int8 at one row where the plain loops read 8, 4.5-4.9 against 1.9 at
+eight rows), and plain loops the compiler vectorises (no AVX2, or the source compiled with
+``FEWBITS_ROWS_PORTABLE``).
 
 The operators are built once per machine through `fewbits.kernels.native` (`available()`); where that
 fails callers keep torch's operators.  ``FEWBITS_CPU_ROWS=torch`` turns them off (`enabled()`), for
@@ -37,8 +40,22 @@ SRC = Path(__file__).with_name("rows.cpp").read_text()  # the operators' C++ sou
 SRC = SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC)
 NAME = "fewbits_rows"
 MAX_ROWS = 8  # rows of x up to which int8_mm beats torch's int8 operator (benchmarks/bench_rows.py)
-#: weight dtype -> rows of x up to which dense_mm beats torch's matmul (bf16: oneDNN is faster from 4 rows)
-DENSE_MAX_ROWS = {torch.bfloat16: 2, torch.float16: 8}
+
+
+def built_isa() -> int:
+    """The vector path the operators are compiled with on this CPU (``-march=native``): 2 AVX-512 (F, BW, VL),
+    1 AVX2 + FMA + F16C, 0 the plain loops; read from the CPU's flags, so it is known without building (the
+    built library's ``rows_isa()`` says the same)."""
+    flags = set(native.cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return 2
+    return 1 if {"avx2", "fma", "f16c"} <= flags else 0
+
+
+#: weight dtype -> rows of x up to which dense_mm beats torch's matmul (benchmarks/bench_rows.py): with
+#: AVX-512 oneDNN's bf16 matmul is faster from 3 rows; without it oneDNN widens bf16 slowly (2-3 GB/s at 8 rows
+#: against dense_mm's 8-10 on an AVX2 host)
+DENSE_MAX_ROWS = {torch.bfloat16: 2 if built_isa() == 2 else 8, torch.float16: 8}
 
 
 def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -78,6 +95,15 @@ def build_portable() -> bool:
     """Build the plain-C++ path (no AVX-512 intrinsics, compiled with ``-mno-avx512f`` as for an AVX2 CPU) under
     `torch.ops.fewbits_rows_portable`: tests and benchmarks of the path other CPUs run."""
     return build_variant(PORTABLE_NS, ("FEWBITS_ROWS_PORTABLE",), ("-mno-avx512f",))
+
+
+AVX2_NS = "fewbits_rows_avx2"
+
+
+def build_avx2() -> bool:
+    """Build the AVX2 + FMA path (compiled with ``-mno-avx512f``, as for an AVX2 CPU) under
+    `torch.ops.fewbits_rows_avx2`: tests and benchmarks of that path on a CPU that has AVX-512."""
+    return build_variant(AVX2_NS, (), ("-mno-avx512f",))
 
 
 def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...] = ()) -> bool:

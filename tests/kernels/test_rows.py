@@ -28,11 +28,33 @@ def _ops(impl: str):  # noqa: ANN202
         if not rows.build_portable():
             pytest.skip(f"portable variant did not build: {native.why(rows.PORTABLE_NS)}")
         return getattr(torch.ops, rows.PORTABLE_NS)
+    if impl == "avx2":
+        if rows.built_isa() < 1:
+            pytest.skip("this CPU has no AVX2 + FMA + F16C")
+        if rows.built_isa() == 1:
+            return torch.ops.fewbits_rows  # the native build is the AVX2 one
+        if not rows.build_avx2():
+            pytest.skip(f"AVX2 variant did not build: {native.why(rows.AVX2_NS)}")
+        return getattr(torch.ops, rows.AVX2_NS)
     return torch.ops.fewbits_rows
 
 
+IMPLS = ["native", "avx2", "portable"]
+
+
 @needs_ops
-@pytest.mark.parametrize("impl", ["native", "portable"])
+def test_built_path_is_the_one_the_cpu_flags_name() -> None:
+    """`built_isa` (read from /proc/cpuinfo, used to pick dispatch limits before anything is built) names the
+    path the library was compiled with; the variants are what they claim."""
+    assert torch.ops.fewbits_rows.rows_isa() == rows.built_isa()
+    if rows.build_portable():
+        assert getattr(torch.ops, rows.PORTABLE_NS).rows_isa() == 0
+    if rows.built_isa() == 2 and rows.build_avx2():
+        assert getattr(torch.ops, rows.AVX2_NS).rows_isa() == 1
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K", [576, 77])
 def test_dense_equals_fp32_matmul(impl: str, dtype: torch.dtype, K: int) -> None:
@@ -63,7 +85,7 @@ def test_dense_rejects_mixed_dtypes() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("impl", ["native", "portable"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("asym", [False, True])
 @pytest.mark.parametrize("K", [576, 77])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -95,7 +117,7 @@ def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> tor
 
 
 @needs_ops
-@pytest.mark.parametrize("impl", ["native", "portable"])
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("K", [576, 96])
 def test_int8_a8_is_the_integer_product_of_the_activation_blocks(impl: str, K: int) -> None:
     """int8_mm_a8: within one bf16 rounding of the exact integer products (K = 96 ends on half a 64-column
