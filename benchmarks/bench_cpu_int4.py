@@ -4,14 +4,15 @@ path) beside torch's
 each reads, beside a read of memory (`fewbits.bench.machine.memory_bandwidth`).
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/bench_cpu_int4.py [--rows 1,8] [--spec int4-g32,int4-g64]
-        [--models smollm2,gemma3] [--min-mb 256] [--rounds 40] [--portable] [--threads 1 --clock cpu]
+        [--models smollm2,gemma3] [--min-mb 256] [--rounds 40] [--avx2] [--loops] [--threads 1 --clock cpu]
 
 Shapes: the fused q/k/v, o, fused gate/up and down projections of SmolLM2-135M and Gemma-3-270M.  Each kernel's
 weights are replicated until they exceed --min-mb (colder than the last-level cache); every sample multiplies
 by the next ~8 MB of copies, the kernels alternate sample by sample in one process and the fastest sample
-counts (other processes only add time).  "x torch" is the operator's speed over torch's.  --portable adds the
-operator's plain-loop path built without AVX-512 (``-mno-avx512f``, what an AVX2 machine runs), and
---torch-avx2 runs torch's operator in its AVX2 build as well (``ATEN_CPU_CAPABILITY=avx2``, a second process).
+counts (other processes only add time).  "x torch" is the operator's speed over torch's.  --avx2 adds the
+operator built without AVX-512 (``-mno-avx512f``: its AVX2 path, what an AVX2 machine runs), --loops its plain
+loops, and --torch-avx2 runs torch's operator in its AVX2 build as well (``ATEN_CPU_CAPABILITY=avx2``, a second
+process).
 """
 
 from __future__ import annotations
@@ -73,21 +74,25 @@ def _copy_qt(qt):  # noqa: ANN001, ANN202
                    zeros=None if qt.zeros is None else qt.zeros.clone())
 
 
-def _portable_class() -> type | None:
+def _avx2_class() -> type | None:
     """Q4Kernel on the operator built without AVX-512 (its own torch namespace), or None if it cannot build."""
-    src = cpu_int4._SRC.replace("fewbits_q4", "fewbits_q4avx2")
-    if not cpu_int4.native.build("fewbits_q4avx2", src, {}, cflags=[*cpu_int4.native.CFLAGS, "-mno-avx512f"]):
-        print("portable build failed:", cpu_int4.native.why("fewbits_q4avx2"))
+    if not cpu_int4.build_avx2():
+        print("build without AVX-512 failed:", cpu_int4.native.why(cpu_int4.AVX2_NAME))
         return None
 
-    class Portable(cpu_int4.Q4Kernel):
-        name = "q4 portable (no AVX-512)"
+    class Avx2(cpu_int4.Q4Kernel):
+        name = "q4 no AVX-512"
 
         def __init__(self, qt) -> None:  # noqa: ANN001
             super().__init__(qt)
             self._op = torch.ops.fewbits_q4avx2.q4_mm.default
 
-    return Portable
+    return Avx2
+
+
+class _Loops(cpu_int4.Q4Kernel):
+    name = "q4 plain loops"
+    path = 1
 
 
 def main() -> None:
@@ -103,7 +108,9 @@ def main() -> None:
                     help="which of q4, q4a8 (int8 activations, fewer than 3 rows), torch, bf16 to time")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this process's CPU time (a busy shared host; with --threads 1)")
-    ap.add_argument("--portable", action="store_true", help="also the plain-loop path built without AVX-512")
+    ap.add_argument("--avx2", action="store_true",
+                    help="also the operator built without AVX-512 (its AVX2 path, what an AVX2 machine runs)")
+    ap.add_argument("--loops", action="store_true", help="also the operator's plain loops (path 1)")
     ap.add_argument("--torch-avx2", action="store_true", help="also torch's operator in its AVX2 build")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -120,15 +127,18 @@ def main() -> None:
         makers["q4a8"] = cpu_int4.Q4A8Kernel
     if "torch" in kinds:
         makers["torch"] = Int4PackKernel
-    if args.portable:
-        cls = _portable_class()
+    if args.avx2:
+        cls = _avx2_class()
         if cls is not None:
-            makers["q4 portable"] = cls
+            makers["q4 no AVX-512"] = cls
+    if args.loops:
+        makers["q4 plain loops"] = _Loops
     bw = memory_bandwidth(1 << 28)
     isa = "not built"
     if cpu_int4.available():
         code = int(torch.ops.fewbits_q4.q4_isa())
-        isa = {0: "portable", 1: "AVX512-BF16", 2: "AVX512-BF16 + AMX"}[code & 3] + (" + VNNI" if code & 4 else "")
+        isa = ("AVX2 + FMA" if code & 8 else {0: "portable", 1: "AVX512-BF16", 2: "AVX512-BF16 + AMX"}[code & 3]) + (
+            " + VNNI" if code & 4 else "")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, q4 path: "
           f"{isa}, memory read {bw / 1e9:.1f} GB/s, weights >= {args.min_mb:.0f} MB per kernel, "
           f"~{args.sample_mb:.0f} MB per sample, fastest of {args.rounds}")

@@ -12,6 +12,12 @@
 #else
 #define FB_FAST 0
 #endif
+#if !FB_FAST && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FB_AVX2 1
+#include <immintrin.h>
+#else
+#define FB_AVX2 0
+#endif
 #if FB_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FB_AMX 1
 #include <ATen/cpu/Utils.h>
@@ -103,6 +109,92 @@ void dequant_portable(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64
         }
   }
 }
+
+#if FB_AVX2
+// ---------------------------------------------------------------- AVX2 + FMA path (no AVX-512): same layout
+// A chunk's 32-bit lane i holds row i's 8 codes: nibble t = j + 4 h (bits 4t .. 4t + 3) is column 2 j + h.
+// Masking nibble t in place (t < 7) and converting gives code * 16^t, exactly; x's column is pre-scaled by
+// 16^-t (`scaled_x`), so each product is code * x exactly as an fp32 product.  Nibble 7 is shifted down
+// instead (its mask would reach the sign bit).  The codes are not centred: a group's sum over code * x less
+// (2^(bits-1) + zero) * sum(x over the group) is the centred sum (fp32).
+inline int nibble_col(int t) { return 2 * (t % 4) + t / 4; }
+
+// x (M, K) bf16 -> fp32 with column 8 c + nibble_col(t) times 16^-t (t < 7; nibble 7's column unscaled)
+void scaled_x(const uint16_t* x, int64_t M, int64_t K, float* xs) {
+  float f[KC];
+  for (int t = 0; t < KC; ++t) f[nibble_col(t)] = t == 7 ? 1.f : std::ldexp(1.f, -4 * t);
+  for (int64_t i = 0; i < M * K; ++i) xs[i] = bf2f(x[i]) * f[i % KC];
+}
+
+inline __m256 load8(const void* t, bool half, int64_t i) {
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const at::Half*>(t) + i)));
+  return _mm256_loadu_ps(static_cast<const float*>(t) + i);
+}
+
+// rows m0 .. m0 + T - 1 of x (xs: scaled_x's, xsum: (M, G) group sums) times block b's 16 output rows.  H: the
+// chunk halves (8 output rows each) multiplied in one pass, sharing x's broadcasts; NA: accumulators per row and
+// half (independent FMA chains where few rows would leave the FMA latency exposed).
+template <int T, int H, int NA>
+void block_avx2(const Args& a, int64_t b, int64_t m0, const float* xs, const float* xsum) {
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t cpg = a.group / KC;
+  const float off = float(1 << (a.bits - 1));
+  float y[T][R] = {};
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t ti = (b * a.G + g) * R;
+    for (int h0 = 0; h0 < 2; h0 += H) {  // output rows 8 h .. 8 h + 7: the chunk's h-th 32 bytes
+      __m256 acc[T][H][NA];
+      for (int t = 0; t < T; ++t) for (int h = 0; h < H; ++h) for (int n = 0; n < NA; ++n) acc[t][h][n] = _mm256_setzero_ps();
+      for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+        if (h0 == 0) _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
+        __m256i d[H];
+        for (int h = 0; h < H; ++h) d[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cb + c * 32 + (h0 + h) * 16));
+        const float* xc = xs + m0 * a.K + c * KC;
+#pragma GCC unroll 8
+        for (int n = 0; n < KC; ++n) {
+          __m256 v[H];
+          for (int h = 0; h < H; ++h)
+            v[h] = _mm256_cvtepi32_ps(n == 7 ? _mm256_srli_epi32(d[h], 28)
+                                             : _mm256_and_si256(d[h], _mm256_set1_epi32(15 << (4 * n))));
+          const int col = nibble_col(n);
+#pragma GCC unroll 8
+          for (int t = 0; t < T; ++t) {
+            const __m256 xb = _mm256_broadcast_ss(xc + t * a.K + col);
+            for (int h = 0; h < H; ++h) acc[t][h][n % NA] = _mm256_fmadd_ps(v[h], xb, acc[t][h][n % NA]);
+          }
+        }
+      }
+      for (int h = 0; h < H; ++h) {
+        const int64_t r0 = 8 * (h0 + h);
+        const __m256 s = load8(a.scales, a.half, ti + r0);
+        const __m256 o = a.zeros ? _mm256_add_ps(_mm256_set1_ps(off), load8(a.zeros, a.half, ti + r0))
+                                 : _mm256_set1_ps(off);
+        for (int t = 0; t < T; ++t) {
+          __m256 sum = acc[t][h][0];
+          for (int n = 1; n < NA; ++n) sum = _mm256_add_ps(sum, acc[t][h][n]);
+          sum = _mm256_fnmadd_ps(o, _mm256_set1_ps(xsum[(m0 + t) * a.G + g]), sum);
+          _mm256_storeu_ps(y[t] + r0, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(y[t] + r0)));
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < R; ++i) a.y[(m0 + t) * a.N + b * R + i] = f2bf(y[t][i]);
+}
+
+void block_avx2_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, const float* xs, const float* xsum) {
+  switch (mt) {
+    case 1: block_avx2<1, 2, 4>(a, b, m0, xs, xsum); break;
+    case 2: block_avx2<2, 2, 2>(a, b, m0, xs, xsum); break;
+    case 3: block_avx2<3, 2, 1>(a, b, m0, xs, xsum); break;
+    case 4: block_avx2<4, 2, 1>(a, b, m0, xs, xsum); break;
+    default:  // two tiles over the same block (the second decodes it again from L1)
+      block_avx2<4, 2, 1>(a, b, m0, xs, xsum);
+      block_avx2_rows(a, b, m0 + 4, mt - 4, xs, xsum);
+      break;
+  }
+}
+#endif
 
 #if FB_FAST
 inline __m512 load16(const void* t, bool half, int64_t i) {
@@ -373,9 +465,9 @@ Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
 }  // namespace
 
 // 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process); +4: the
-// int8-activation path (AVX512-VNNI) is built
+// int8-activation path (AVX512-VNNI) is built; 8: the AVX2 + FMA path (no AVX-512)
 int64_t q4_isa() {
-  int64_t isa = FB_FAST;
+  int64_t isa = FB_FAST + 8 * FB_AVX2;
 #if FB_AMX
   if (amx_ready()) isa = 2;
 #endif
@@ -399,8 +491,9 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   auto y = at::empty({M, a.N}, x.options());
   if (M == 0 || a.N == 0) return y;
   const bool fast = FB_FAST && !portable;
+  const bool avx2 = FB_AVX2 && !portable;
   std::vector<float> xs;
-  if (a.zeros) {  // the group sums of x, for the zero term
+  if (a.zeros || avx2) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
     xs.resize(M * a.G);
     const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     for (int64_t m = 0; m < M; ++m)
@@ -430,6 +523,14 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   }
 #endif
   (void)amx;
+  (void)avx2;
+#if FB_AVX2
+  std::vector<float> x32;
+  if (avx2) {
+    x32.resize(M * a.K);
+    scaled_x(a.x, M, a.K, x32.data());
+  }
+#endif
   at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
 #if FB_FAST
     const __m512i tab = code_table(a.bits);
@@ -461,6 +562,9 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
         const int64_t mt = std::min(MT, M - m0);
 #if FB_FAST
         if (fast) { block_fast_rows(a, b, m0, mt, tab); continue; }
+#endif
+#if FB_AVX2
+        if (avx2) { block_avx2_rows(a, b, m0, mt, x32.data(), a.xsum); continue; }
 #endif
         block_portable(a, b, m0, mt);
       }

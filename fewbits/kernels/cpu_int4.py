@@ -29,9 +29,17 @@ x reuse each decoded register; more rows are cut into tiles of 8 over the same b
 (``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (3) rows on and for
 groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
 AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once;
-each group's C tile is scaled as above: batch 8 and prefill cost little more than one row.  Elsewhere a
-portable path runs the same layout with plain loops; the dispatcher does not choose it, as torch's operator
-in its AVX2 build was 1.5-1.8x faster than these loops built for AVX2 (``-mno-avx512f``), at 1 and 8 rows.
+each group's C tile is scaled as above: batch 8 and prefill cost little more than one row.
+
+AVX2 path (``__AVX2__`` + FMA + F16C, no AVX-512): two 256-bit loads are a chunk (8 output rows each); a
+32-bit lane holds one row's 8 codes, nibble t in bits 4t..4t+3.  Masking nibble t in place and converting
+gives code * 16^t exactly, and x's column for that nibble is pre-scaled by 16^-t once per call, so one AND, one
+convert and one FMA per 8 weights and row of x, the codes uncentred (a group's sum less (2^(b-1) + zero) *
+sum(x over the group)).  Few rows run several FMA chains and both halves of a chunk per broadcast of x; 5-8
+rows run as two tiles of 4 over the same block (in L1).  On an AVX2 host (EPYC, 2 threads, SmolLM2 shapes,
+`bench_cpu_int4.py --rows 1,8 --models smollm2 --min-mb 128 --kernels q4,torch`): 1.47-2.46x torch's operator
+at one row, 1.27-1.69x at eight.  Elsewhere a portable path runs the same layout with plain loops (``path=1``);
+the dispatcher does not choose it (torch's operator is faster).
 
 `fewbits_q4::q4_mm` is a torch operator with a fake implementation, so a compiled graph keeps it as one node.
 It is compiled once per machine (`fewbits.kernels.native`); where that fails `available()` is False and the
@@ -75,8 +83,18 @@ def available(src: str = _SRC, name: str = NAME, cflags: list[str] | None = None
 
 
 def fast_path() -> bool:
-    """Whether the built operator has the AVX512-BF16 path (else it runs the portable loops)."""
+    """Whether the built operator has a vector path, AVX512-BF16 or AVX2 (else it runs the portable loops)."""
     return available() and bool(torch.ops.fewbits_q4.q4_isa())
+
+
+AVX2_NAME = "fewbits_q4avx2"
+
+
+def build_avx2() -> bool:
+    """Build the operator without AVX-512 (``-mno-avx512f``: its AVX2 path, where the CPU has AVX2) under
+    `torch.ops.fewbits_q4avx2`: tests and benchmarks of that path on a CPU that has AVX-512 (on an AVX2 CPU
+    the main build is that path already)."""
+    return native.build(AVX2_NAME, _SRC.replace(NAME, AVX2_NAME), {}, cflags=[*native.CFLAGS, "-mno-avx512f"])
 
 
 def a8_path() -> bool:
@@ -146,11 +164,12 @@ class Q4Kernel:
         if not available():
             return f"the operator could not be built ({native.why(NAME)})"
         if not fast_path():
-            return "this CPU has no AVX512-BF16: torch's int4 operator is faster than the portable loops"
+            return ("this CPU has neither AVX512-BF16 nor AVX2: torch's int4 operator is faster than the "
+                    "portable loops")
         return None
 
     def __init__(self, qt: QuantizedTensor) -> None:
-        """Repack `qt` (any CPU: without AVX512-BF16 the operator runs its portable loops, which the
+        """Repack `qt` (any CPU: without AVX512-BF16 or AVX2 the operator runs its portable loops, which the
         dispatcher does not choose)."""
         why = self.layout_reason(qt.fmt, tuple(qt.shape))
         if why is not None:

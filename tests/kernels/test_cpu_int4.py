@@ -4,7 +4,8 @@ The operator multiplies the exact centred codes by bf16 activations in fp32 and 
 so against an fp32 product of the same dequantised weight each output is within a bf16 rounding (2^-8
 relative) plus fp32 accumulation-order error (bounded here by 1e-4 x sum_k |x_k w_k|): a wrong code, scale,
 zero point or layout is off by orders of magnitude more.  Every path is checked: the fastest built (AMX from 3
-rows, where the CPU has it), vdpbf16ps alone, and the portable loops.
+rows, where the CPU has it), vdpbf16ps alone, the AVX2 path (its uncentred codes: the centring term is
+subtracted per group) and the portable loops.
 """
 
 from __future__ import annotations
@@ -35,8 +36,22 @@ def _case(spec: str, n: int, k: int, seed: int = 0) -> tuple:
 
 def _kernel(qt, path: str) -> Q4Kernel:  # noqa: ANN001
     k = Q4Kernel(qt)
+    if path == "avx2":  # the AVX2 path: the main build on an AVX2 CPU, else the build without AVX-512
+        if int(torch.ops.fewbits_q4.q4_isa()) & 8:
+            return k
+        if not _has_avx2():
+            pytest.skip("this CPU has no AVX2 + FMA + F16C")
+        if not cpu_int4.build_avx2():
+            pytest.skip(f"no build without AVX-512: {native.why(cpu_int4.AVX2_NAME)}")
+        assert int(torch.ops.fewbits_q4avx2.q4_isa()) & 8, "the build without AVX-512 has no AVX2 path"
+        k._op = torch.ops.fewbits_q4avx2.q4_mm.default
+        return k
     k.path = PATHS[path]
     return k
+
+
+def _has_avx2() -> bool:
+    return {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split())
 
 
 def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -47,7 +62,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert excess <= 0, f"error exceeds the bound by {float(excess):.3g} (max |ref| {float(ref.abs().max()):.3g})"
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("path", [*PATHS, "avx2"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_matches_dequantise_then_matmul(spec: str, path: str) -> None:
     k_in = 192 if spec == "int4-g96" else 256
