@@ -10,6 +10,9 @@
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define FEWBITS_KV_AVX2 1  // the attention over whole rows (attend_rows) in 256-bit vectors
+#include <immintrin.h>
 #endif
 
 namespace {
@@ -62,6 +65,10 @@ inline void halves(const at::Half* src, float* dst, int64_t n) {
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
 #endif
+#ifdef FEWBITS_KV_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
@@ -72,6 +79,12 @@ inline void bf16s(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
     _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+#endif
+#ifdef FEWBITS_KV_AVX2
+  for (; i + 8 <= n; i += 8) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
@@ -93,6 +106,15 @@ inline float row_max(const float* y, int64_t n) {
   __m512 v = _mm512_set1_ps(NEG_INF);
   for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(y + i));
   mx = _mm512_reduce_max_ps(v);
+#endif
+#ifdef FEWBITS_KV_AVX2
+  if (n >= 8) {
+    __m256 v = _mm256_set1_ps(NEG_INF);
+    for (; i + 8 <= n; i += 8) v = _mm256_max_ps(v, _mm256_loadu_ps(y + i));
+    alignas(32) float m8[8];
+    _mm256_store_ps(m8, v);
+    for (float x : m8) mx = std::max(mx, x);
+  }
 #endif
   for (; i < n; ++i) mx = std::max(mx, y[i]);
   return mx;
@@ -123,6 +145,32 @@ inline float exp_sub_sum(float* y, int64_t n, float mx) {
     vs = _mm512_add_ps(vs, e);
   }
   sum = _mm512_reduce_add_ps(vs);
+#endif
+#ifdef FEWBITS_KV_AVX2
+  {  // as above; 2^k built in the exponent bits (x clamped at -87, so k >= -126 stays a normal power of two)
+    const __m256 vmx = _mm256_set1_ps(mx), log2e = _mm256_set1_ps(1.44269504088896341f);
+    const __m256 ln2hi = _mm256_set1_ps(0.693359375f), ln2lo = _mm256_set1_ps(-2.12194440e-4f);
+    __m256 vs = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(y + i), vmx), _mm256_set1_ps(-87.f));
+      __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      __m256 f = _mm256_fnmadd_ps(k, ln2lo, _mm256_fnmadd_ps(k, ln2hi, x));
+      __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(8.3334519073e-3f));
+      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(4.1665795894e-2f));
+      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.6666665459e-1f));
+      p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.0000001201e-1f));
+      p = _mm256_fmadd_ps(p, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.f)));
+      const __m256 two_k = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k),
+                                                                                   _mm256_set1_epi32(127)), 23));
+      const __m256 e = _mm256_mul_ps(p, two_k);
+      _mm256_storeu_ps(y + i, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    alignas(32) float s8[8];
+    _mm256_store_ps(s8, vs);
+    for (float x : s8) sum += x;
+  }
 #endif
   for (; i < n; ++i) { y[i] = std::exp(y[i] - mx); sum += y[i]; }
   return sum;
@@ -298,6 +346,76 @@ void values_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float*
       }
       for (int64_t j = 0; j < rr; ++j)
         for (int64_t v = 0; v < nv; ++v) _mm512_storeu_ps(acc + (r0 + j) * D + d0 + 16 * v, a[j][v]);
+    }
+  }
+}
+#endif
+
+#ifdef FEWBITS_KV_AVX2
+// 8 elements of a 16- or 32-bit float row, or of int8 codes -> fp32
+template <typename E> inline __m256 widen8f(const E* p);
+template <> inline __m256 widen8f<at::BFloat16>(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+template <> inline __m256 widen8f<at::Half>(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+template <> inline __m256 widen8f<float>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 widen8f<int8_t>(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// scores_16 in 256-bit vectors (D a multiple of 8): four query heads per pass over a row, their sums reduced
+// together by horizontal adds
+template <typename E>
+void scores_8(const E* rows, int64_t D, const bool* ok, int64_t n, const float* q, int64_t R, float* s) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
+    const E* row = rows + i * D;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, R - r0);
+      const float* q0 = q + r0 * D;
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 c = widen8f<E>(row + d);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j)
+          if (j < rr) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * D + d), c, a[j]);
+      }
+      // hadd twice: lanes 0-3 of each half hold a[0..3]'s partial sums; the halves added
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      alignas(16) float sums[4];
+      _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+      for (int64_t j = 0; j < rr; ++j) s[(r0 + j) * n + i] = sums[j];
+    }
+  }
+}
+
+// values_16 in 256-bit vectors (D a multiple of 8): four query heads by 16 channels per pass over the rows
+template <typename E>
+void values_8(const E* rows, int64_t D, const bool* ok, int64_t n, const float* w, int64_t R, float* acc) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4) {
+    const int64_t rr = std::min<int64_t>(4, R - r0);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      const int64_t nv = std::min<int64_t>(2, (D - d0) / 8);
+      __m256 a[4][2];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (!ok[i]) continue;
+        const E* row = rows + i * D + d0;
+        const __m256 x0 = widen8f<E>(row), x1 = nv > 1 ? widen8f<E>(row + 8) : _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          if (j >= rr) continue;
+          const __m256 p = _mm256_set1_ps(w[(r0 + j) * n + i]);
+          a[j][0] = _mm256_fmadd_ps(p, x0, a[j][0]);
+          a[j][1] = _mm256_fmadd_ps(p, x1, a[j][1]);
+        }
+      }
+      for (int64_t j = 0; j < rr; ++j)
+        for (int64_t v = 0; v < nv; ++v) _mm256_storeu_ps(acc + (r0 + j) * D + d0 + 8 * v, a[j][v]);
     }
   }
 }
@@ -644,6 +762,13 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
         else if (dt == at::kChar) scores_16(static_cast<const int8_t*>(K) + row0 * D, D, ok, n, qh, R, s.data());
         else scores_16(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
       } else
+#elif defined(FEWBITS_KV_AVX2)
+      if (D % 8 == 0) {
+        if (dt == at::kBFloat16) scores_8(static_cast<const at::BFloat16*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else if (dt == at::kHalf) scores_8(static_cast<const at::Half*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else if (dt == at::kChar) scores_8(static_cast<const int8_t*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+        else scores_8(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
+      } else
 #endif
       for (int64_t i = 0; i < n; ++i) {  // scores
         if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
@@ -674,6 +799,14 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
         else if (dt == at::kHalf) values_16(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
         else if (dt == at::kChar) values_16(static_cast<const int8_t*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
         else values_16(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        continue;
+      }
+#elif defined(FEWBITS_KV_AVX2)
+      if (D % 8 == 0) {
+        if (dt == at::kBFloat16) values_8(static_cast<const at::BFloat16*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else if (dt == at::kHalf) values_8(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else if (dt == at::kChar) values_8(static_cast<const int8_t*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
+        else values_8(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
         continue;
       }
 #endif

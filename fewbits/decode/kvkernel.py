@@ -56,6 +56,16 @@ def available() -> bool:
                                      "fewbits_kv::append_kv": _fake_append}, CFLAGS)
 
 
+AVX2_NAME = "fewbits_attend_kv_avx2"
+
+
+def build_avx2() -> bool:
+    """The operators built without AVX-512 (``-mno-avx512f``: `attend_rows`' 256-bit path, where the CPU has
+    AVX2) under `torch.ops.fewbits_kv_avx2`: tests of that path on a CPU that has AVX-512."""
+    return native.build(AVX2_NAME, _SRC.replace("TORCH_LIBRARY(fewbits_kv,", "TORCH_LIBRARY(fewbits_kv_avx2,"), {},
+                        [*CFLAGS, "-mno-avx512f"])
+
+
 def _fake(q: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(q)
 

@@ -52,8 +52,9 @@ def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
 # 16 codes lies in one value group: int8, int4-g32, int2-g64; else picked per lane: int2-g32, g8); D = 16 / 24:
 # the scalar one.  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps), KIVI's default g32-r128 at
 # 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).  16-bit caches (`attend_rows`):
-# several chunks of CHUNK_ROWS with a partial last one, D = 24 (no whole vectors), fp16.
-CASES = [("bf16", 64, 300, 3), ("bf16", 24, 30, 2), ("fp16", 128, 100, 5),
+# several chunks of CHUNK_ROWS with a partial last one, D = 24 (no whole 512-bit vectors), D = 20 (no whole
+# 256-bit ones either), fp16.
+CASES = [("bf16", 64, 300, 3), ("bf16", 24, 30, 2), ("bf16", 20, 30, 2), ("fp16", 128, 100, 5),
          ("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
          ("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g8-r8", 16, 41, 2), ("int2-g8-r4", 24, 29, 3),
          ("int8", 24, 30, 2), ("int2-g64-r16", 64, 200, 5), ("int4-r16", 128, 100, 4)]
@@ -113,3 +114,48 @@ def test_without_a_compiler_the_torch_path_is_used(monkeypatch: pytest.MonkeyPat
     allowed = mask(layer, 2, 30)
     torch.testing.assert_close(_attend_codes(q, layer, allowed, torch.tensor([29]), 0.2),
                                reference(layer, q, allowed, 30, 0.2), rtol=1e-5, atol=1e-5)
+
+
+def _rows_ops(build: str):  # noqa: ANN202
+    if build == "native":
+        return torch.ops.fewbits_kv
+    if not {"avx2", "fma", "f16c"} <= set(native.cpu_flags().split()):
+        pytest.skip("this CPU has no AVX2 + FMA + F16C")
+    if not kvkernel.build_avx2():
+        pytest.skip(f"no build without AVX-512: {native.why(kvkernel.AVX2_NAME)}")
+    return torch.ops.fewbits_kv_avx2
+
+
+@needs_kernel
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("D", [64, 40])
+def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D: int) -> None:
+    """`attend_rows` called directly, on the main build and on the build without AVX-512 (the 256-bit path):
+    softmax attention over slots 0..slot of whole rows (int8 codes times their per-token scales), masked slots
+    and the slots after the query's own never read (they hold NaN here)."""
+    ops = _rows_ops(build)
+    g = torch.Generator().manual_seed(D)
+    B, H, R, T, slot = 2, 2, 3, 300, 260
+    q = torch.randn(B, H, R, D, generator=g).bfloat16()
+    if dtype == torch.int8:
+        k = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
+        v = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
+        ks = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
+        vs = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
+        kf, vf = k.float() * ks.float(), v.float() * vs.float()
+    else:
+        k, v = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
+        k[:, :, slot + 1:] = float("nan")
+        v[:, :, slot + 1:] = float("nan")
+        ks = vs = torch.empty(0)
+        kf, vf = k.float(), v.float()
+    allowed = torch.ones(B, T, dtype=torch.bool)
+    allowed[1, :5] = False  # a left-padded row
+    scale = D**-0.5
+    got = ops.attend_rows(q, scale, k, v, ks, vs, allowed, torch.tensor([slot]), 64)
+    s = torch.einsum("bhrd,bhtd->bhrt", q.float(), kf[:, :, :slot + 1]) * scale
+    s = s.masked_fill(~allowed[:, None, None, :slot + 1], float("-inf"))
+    ref = torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), vf[:, :, :slot + 1])
+    assert got.dtype == q.dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
