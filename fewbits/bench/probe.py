@@ -84,6 +84,16 @@ REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
 COMPILED_REFILL_SIZES = (1.0, 2.0, 4.0)
 
 
+def sixteen_bit_peaks(rates: dict[str, float], device: str | torch.device) -> dict[str, float]:
+    """The matmul rates the cost model uses as peaks: on a CPU, bf16 and fp16 at least the fp32 rate.  fewbits'
+    CPU decode kernels (`fewbits.kernels.rows`, `cpu_int4`) widen 16-bit and integer weights to fp32 where the
+    CPU has no 16-bit multiply units, and torch's own 16-bit GEMM there can run far below fp32 (1 GFLOP/s
+    against 63 on an AVX2 EPYC), which would make every predicted decode step compute-bound."""
+    if torch.device(device).type != "cpu" or "fp32" not in rates:
+        return dict(rates)
+    return {k: max(v, rates["fp32"]) if k in ("bf16", "fp16") else v for k, v in rates.items()}
+
+
 def layer_shapes(spec: ModelSpec) -> tuple[tuple[int, int], ...]:
     """(out, in) of the linears of one decoder layer (dense models; experts of MoE models are not timed)."""
     shapes = []
@@ -353,8 +363,12 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     if len(curve) > 1:
         log("  over a working set of " + ", ".join(f"{b / 2**20:.0f} MiB {v / 1e9:.1f}" for b, v in curve) + " GB/s")
     log("matmul rates ...")
-    rates = matmul_rates(matmul_n, device)
-    log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
+    measured_rates = matmul_rates(matmul_n, device)
+    log("  " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in measured_rates.items()))
+    rates = sixteen_bit_peaks(measured_rates, device)
+    if rates != measured_rates:
+        log(f"  16-bit weights are multiplied in fp32 here (fewbits' CPU kernels widen them): {rates['fp32'] / 1e9:.0f}"
+            " GFLOP/s for bf16 and fp16")
     log(f"GEMV passes over {spec.name}'s linears{' (as the compiled step calls them)' if compiled else ''} ...")
     t_phase = time.perf_counter()
     passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes, device=device,
@@ -390,7 +404,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                      source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__, "device": str(device),
                 "threads": torch.get_num_threads(), "decode_path": "compiled" if compiled else "eager",
-                "bandwidth": bw, "matmul_flops": rates,
+                "bandwidth": bw, "matmul_flops": measured_rates,
                 "gemv_passes": passes, "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",

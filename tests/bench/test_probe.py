@@ -10,7 +10,7 @@ import torch
 
 from fewbits.bench.decode import BenchRow, format_row, summary
 from fewbits.bench.gemv import build_set, effective_spec
-from fewbits.bench.probe import build_profile, layer_shapes
+from fewbits.bench.probe import build_profile, layer_shapes, sixteen_bit_peaks
 from fewbits.cost.plan import plan
 from fewbits.cost.profile import load_profile, save_profile
 from fewbits.kernels import choose_kernel
@@ -483,3 +483,13 @@ def test_step_set_calls_16_bit_layers_on_the_steps_operator():
             call(x[call.shape[1]])
         names = {e.name for e in p.events()}
         assert "fewbits_rows::dense_mm" in names and "aten::linear" not in names, (call.shape, names)
+
+
+def test_sixteen_bit_peaks_are_at_least_fp32_on_a_cpu_only():
+    """A CPU whose 16-bit GEMM is slower than fp32 (no 16-bit units: fewbits' kernels widen to fp32) gets the fp32
+    rate for bf16 and fp16; faster 16-bit rates, other precisions and a GPU's rates are kept as measured."""
+    slow = {"fp32": 63e9, "bf16": 1e9, "fp16": 1.2e9, "int8": 2e9}
+    assert sixteen_bit_peaks(slow, "cpu") == {"fp32": 63e9, "bf16": 63e9, "fp16": 63e9, "int8": 2e9}
+    fast = {"fp32": 60e9, "bf16": 900e9, "fp16": 50e9}
+    assert sixteen_bit_peaks(fast, "cpu") == {"fp32": 60e9, "bf16": 900e9, "fp16": 60e9}
+    assert sixteen_bit_peaks(slow, "cuda") == slow
