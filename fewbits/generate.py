@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat
 from fewbits.kvcache.hf import QuantizedKVCache, cache_for, cache_kwargs
 
@@ -186,8 +187,9 @@ def generate(
     state = {"mask": mask, "pos": pos[:, -1:]}
 
     def prefill() -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                     **kw).logits[:, -1]
+        with widened():
+            return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                         **kw).logits[:, -1]
 
     def step(nxt: torch.Tensor) -> torch.Tensor:
         state["mask"] = torch.cat([state["mask"], torch.ones(B, 1, dtype=mask.dtype, device=device)], 1)

@@ -37,6 +37,7 @@ from torch import nn
 from fewbits.calib import distributed as dist_util
 from fewbits.calib.stats import HESSIAN_CHUNKS, CalibrationError, InputStats, StopForward, reduce, watch_inputs
 from fewbits.formats.quant import all_finite
+from fewbits.kernels.wide16 import widening
 from fewbits.models.mappings import ArchMapping, find_blocks_path, mapping_for_config
 
 log = logging.getLogger("fewbits.calib")
@@ -139,6 +140,7 @@ class BlockRun:
         return self.block.get_submodule(path)
 
     @torch.no_grad()
+    @widening
     def forward_all(self) -> None:
         """Run every batch through the block, ignoring outputs (hooks collect what they need)."""
         for i, batch in enumerate(self.batches):
@@ -256,6 +258,7 @@ class BlockRun:
         self.recorded.clear()
 
     @torch.no_grad()
+    @widening
     def advance(self) -> list[torch.Tensor]:
         """Outputs of the (now quantised) block for every batch: the next block's inputs."""
         outs = []
@@ -271,6 +274,7 @@ class BlockRun:
 
 
 @torch.no_grad()
+@widening
 def capture_block_inputs(model: nn.Module, blocks: nn.ModuleList, data: torch.Tensor, batches: list[Batch]
                          ) -> tuple[list[torch.Tensor], list[list[dict[str, Any]]]]:
     """Block 0's input hidden states per batch, and per block the keyword arguments per batch."""

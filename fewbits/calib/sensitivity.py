@@ -44,6 +44,7 @@ from torch import nn
 from fewbits.calib import distributed as dist_util
 from fewbits.calib.runner import check_calibration_data, decoder_blocks, iterate_blocks
 from fewbits.calib.stats import CalibrationError
+from fewbits.kernels.wide16 import widening
 from fewbits.methods.common import check_method_format
 
 #: the method whose codes stand in for `method` when measuring sensitivity (all per-layer maths)
@@ -116,6 +117,7 @@ class Fisher:
     weight: torch.Tensor | None = None  # (out, in) float32 sum over sequences of (d log p / d W)^2
 
 
+@widening
 def output_fisher(model: nn.Module, data: torch.Tensor, names: Sequence[str], seed: int = 0) -> dict[str, Fisher]:
     """Per linear in `names`: squared gradients of the summed log-likelihood with respect to its output,
     next tokens drawn from the model itself (see the module's docstring), summed per channel and per token.
@@ -301,6 +303,7 @@ def calibrate(model: nn.Module, data: torch.Tensor, sens: Sensitivity,
 
 
 @torch.no_grad()
+@widening
 def reference_logprobs(model: nn.Module, data: torch.Tensor) -> list[torch.Tensor]:
     """Log-probs (L, V) of the model per calibration sample: the reference `layer_kl` compares against."""
     dev = next(model.parameters()).device
@@ -309,6 +312,7 @@ def reference_logprobs(model: nn.Module, data: torch.Tensor) -> list[torch.Tenso
 
 
 @torch.no_grad()
+@widening
 def layer_kl(model: nn.Module, name: str, w_hat: torch.Tensor, data: torch.Tensor,
              ref: Sequence[torch.Tensor]) -> float:
     """The truth the proxy is checked against: mean KL(ref || model) per token on `data` when only layer

@@ -37,6 +37,7 @@ from fewbits.decode.arch import Arch, describe, unsupported
 from fewbits.decode.cache import LayerKV, make_cache
 from fewbits.decode.fuse import Fused, fuse_projections
 from fewbits.decode.step import forward, rows_on
+from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 log = logging.getLogger("fewbits.decode")
@@ -235,7 +236,8 @@ class StaticDecoder:
         self.valid.zero_()
         self.valid[:, :T] = mask.bool()
         pos = (mask.long().cumsum(-1) - 1).clamp_min(0)
-        logits = forward(self.model, self.arch, self.cache, self.valid, ids, pos, None, fused=self.fused)
+        with widened():  # eager: a prompt's 16-bit products in fp32 where the CPU has no fast 16-bit GEMM
+            logits = forward(self.model, self.arch, self.cache, self.valid, ids, pos, None, fused=self.fused)
         self.length = T
         self.pos = pos[:, -1:].clone()
         return logits

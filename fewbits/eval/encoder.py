@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from fewbits.kernels.wide16 import widened
+
 
 def split_sentences(text: str, n: int = 64, min_words: int = 5, max_words: int = 60) -> list[str]:
     """Up to `n` sentences of `min_words`..`max_words` words from `text`, in order."""
@@ -36,7 +38,7 @@ def sentence_embeddings(model: torch.nn.Module, tokenizer: Any, sentences: Seque
     for i in range(0, len(sentences), batch):
         enc = tokenizer(list(sentences[i:i + batch]), padding=True, truncation=True, max_length=max_length,
                         return_tensors="pt")
-        with torch.inference_mode():
+        with torch.inference_mode(), widened():
             h = model(**enc).last_hidden_state.float()  # (B, T, H)
         m = enc["attention_mask"].unsqueeze(-1).float()  # (B, T, 1)
         outs.append((h * m).sum(1) / m.sum(1).clamp_min(1.0))

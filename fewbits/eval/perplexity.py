@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fewbits.eval.metrics import Accumulated, kl_per_token, log_probs, token_nll, top1_agree
+from fewbits.kernels.wide16 import widened
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def make_windows(tokenizer: Any, texts: Mapping[str, str | Path], seq_len: int =
 
 def model_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Logits (B, L, V) of a causal LM for token ids (B, L), without computing a loss."""
-    with torch.inference_mode():
+    with torch.inference_mode(), widened():
         out = model(input_ids=ids, use_cache=False)
     return out.logits if hasattr(out, "logits") else out[0]
 

@@ -16,11 +16,13 @@ from typing import Any
 import torch
 
 from fewbits.eval.metrics import kl_per_token, log_probs, token_nll, top1_agree
+from fewbits.kernels.wide16 import widening
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 from fewbits.kvcache.hf import cache_for, cache_kwargs
 
 
 @torch.no_grad()
+@widening
 def continuation_logits(model: torch.nn.Module, ids: torch.Tensor, kv: KVFormat | str, prefix: int,
                         chunk: int = 16) -> torch.Tensor:
     """Logits (n_eval, V) predicting ids[prefix : ] with the cache in format `kv`; ids (1, T)."""
