@@ -7,11 +7,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define FEWBITS_KV_AVX2 1  // the attention over whole rows (attend_rows) in 256-bit vectors
+#define FEWBITS_KV_AVX2 1  // attend_rows and attend_kv in 256-bit vectors
 #include <immintrin.h>
 #endif
 
@@ -41,6 +42,14 @@ inline void unpack_planes(const uint8_t* row, int64_t nb, int64_t bits, float* c
     for (int64_t k = 0; k < per; ++k)
       c[k * nb + j] = bits == 8 ? static_cast<float>(static_cast<int8_t>(row[j]))
                                 : static_cast<float>((row[j] >> (k * bits)) & ((1 << bits) - 1));
+}
+
+// f(std::integral_constant<int, B>()) for B = bits (8, 4 or 2): the vector paths' templates, one per code width
+template <typename F>
+inline void by_bits(int64_t bits, F&& f) {
+  if (bits == 8) f(std::integral_constant<int, 8>());
+  else if (bits == 4) f(std::integral_constant<int, 4>());
+  else f(std::integral_constant<int, 2>());
 }
 
 // (built without -ffast-math, so the quantiser below rounds as IEEE does: `omp simd` lets the sums vectorise)
@@ -366,6 +375,15 @@ template <> inline __m256 widen8f<int8_t>(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// out[j * stride] = the sum of a[j]'s lanes for j < rr: hadd twice (lanes 0-3 of each half hold a[0..3]'s partial
+// sums), then the halves added
+inline void sums4(const __m256 a[4], int64_t rr, float* out, int64_t stride) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  alignas(16) float sums[4];
+  _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  for (int64_t j = 0; j < rr; ++j) out[j * stride] = sums[j];
+}
+
 // scores_16 in 256-bit vectors (D a multiple of 8): four query heads per pass over a row, their sums reduced
 // together by horizontal adds
 template <typename E>
@@ -383,11 +401,7 @@ void scores_8(const E* rows, int64_t D, const bool* ok, int64_t n, const float* 
         for (int j = 0; j < 4; ++j)
           if (j < rr) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * D + d), c, a[j]);
       }
-      // hadd twice: lanes 0-3 of each half hold a[0..3]'s partial sums; the halves added
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      alignas(16) float sums[4];
-      _mm_store_ps(sums, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-      for (int64_t j = 0; j < rr; ++j) s[(r0 + j) * n + i] = sums[j];
+      sums4(a, rr, s + r0 * n + i, n);
     }
   }
 }
@@ -416,6 +430,84 @@ void values_8(const E* rows, int64_t D, const bool* ok, int64_t n, const float* 
       }
       for (int64_t j = 0; j < rr; ++j)
         for (int64_t v = 0; v < nv; ++v) _mm256_storeu_ps(acc + (r0 + j) * D + d0 + 8 * v, a[j][v]);
+    }
+  }
+}
+
+// the 8 bytes jb*8 .. jb*8+7 of a row as 32-bit lanes (int8 codes sign-extended), and plane k of them as floats
+template <int BITS>
+inline __m256i byte_block8(const uint8_t* row, int64_t jb) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + jb * 8));
+  return BITS == 8 ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+}
+template <int BITS>
+inline __m256 plane8(__m256i v, int k) {
+  if constexpr (BITS == 8) return _mm256_cvtepi32_ps(v);
+  return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(k * BITS)),
+                                             _mm256_set1_epi32((1 << BITS) - 1)));
+}
+
+// scores_fast in 256-bit vectors (nb a multiple of 8): out[r * stride + i] = qp_r . codes_i (plane order) for
+// the rows with ok[i], four query heads per pass, each block of 8 bytes loaded once for all its planes
+template <int BITS>
+void scores_fast8(const uint8_t* rows, int64_t nb, const uint8_t* ok, int64_t n, const float* qp, int64_t R,
+                  int64_t D, float* out, int64_t stride) {
+  constexpr int PER = 8 / BITS;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ok[i]) continue;
+    const uint8_t* row = rows + i * nb;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, R - r0);
+      const float* q0 = qp + r0 * D;
+      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t jb = 0; jb < nb / 8; ++jb) {
+        const __m256i v = byte_block8<BITS>(row, jb);
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) {
+          const __m256 c = plane8<BITS>(v, k);
+          const int64_t o = k * nb + jb * 8;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j)
+            if (j < rr) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * D + o), c, a[j]);
+        }
+      }
+      sums4(a, rr, out + r0 * stride + i, stride);
+    }
+  }
+}
+
+// values_fast in 256-bit vectors for blocks of 8 bytes that lie in one value group (the scales folded into the
+// weights: w + g * gstride holds group g's weights; nb a multiple of 8, gv = D for int8): acc[r * D + plane-order
+// index] = sum_i w_g[r * stride + i] * codes_i over the rows with ok[i].  A pass over the rows takes one block
+// and all its planes for RR query heads (PER * RR accumulators: 4, 8, 8 registers for int8, int4, int2)
+template <int BITS>
+void values_fast8(const uint8_t* rows, int64_t nb, int64_t gv, const uint8_t* ok, int64_t n, const float* w,
+                  int64_t stride, int64_t gstride, int64_t R, int64_t D, float* acc) {
+  constexpr int PER = 8 / BITS, RR = PER >= 4 ? 2 : 4;
+  for (int64_t r0 = 0; r0 < R; r0 += RR) {
+    const int64_t rr = std::min<int64_t>(RR, R - r0);
+    for (int64_t jb = 0; jb < nb / 8; ++jb) {
+      const float* w0 = w + r0 * stride + jb * 8 * PER / gv * gstride;
+      __m256 a[PER][RR];
+#pragma GCC unroll 4
+      for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j) a[k][j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) {
+        if (!ok[i]) continue;
+        const __m256i v = byte_block8<BITS>(rows + i * nb, jb);
+        __m256 p[RR];
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j) p[j] = _mm256_set1_ps(j < rr ? w0[j * stride + i] : 0.f);
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) {
+          const __m256 x = plane8<BITS>(v, k);
+#pragma GCC unroll 4
+          for (int j = 0; j < RR; ++j) a[k][j] = _mm256_fmadd_ps(p[j], x, a[k][j]);
+        }
+      }
+      for (int k = 0; k < PER; ++k)
+        for (int64_t j = 0; j < rr; ++j) _mm256_storeu_ps(acc + (r0 + j) * D + k * nb + jb * 8, a[k][j]);
     }
   }
 }
@@ -505,8 +597,13 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   // the vector path: whole 16-byte blocks of codes, at most 16 value groups per token
 #ifdef FEWBITS_KV_AVX512
   const bool fast = D % 16 == 0 && nb % 16 == 0 && (!kivi || ng <= 16);
+  constexpr int64_t VBLOCK = 16;  // bytes of codes per vector block
+#elif defined(FEWBITS_KV_AVX2)  // (blocks of 8 bytes; only blocks within one value group: fold always)
+  const bool fast = D % 8 == 0 && nb % 8 == 0 && (!kivi || gv % (8 * per) == 0);
+  constexpr int64_t VBLOCK = 8;
 #else
   const bool fast = false;
+  constexpr int64_t VBLOCK = 1;
 #endif
   const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
   const uint8_t* KC = static_cast<const uint8_t*>(kc_.data_ptr());
@@ -537,6 +634,26 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       if (!kivi)  // the query in plane order (one plane: itself)
         for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
       int64_t cur_g = -1;
+      // KIVI: qp = the query times group g's per-channel key scales, in plane order; bias = the query . minima
+      const auto group_query = [&](int64_t g) {
+        halves(KS + (bh * (T / G) + g) * D, sgf, D);
+        halves(KM + (bh * (T / G) + g) * D, mgf, D);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* qr = qh + r * D;
+          bias[r] = dot(qr, mgf, D);
+          for (int64_t j = 0; j < nb; ++j)
+            for (int64_t k = 0; k < per; ++k) qp[r * D + k * nb + j] = qr[j * per + k] * sgf[j * per + k];
+        }
+      };
+      // the vector paths' raw scores of tokens i0 .. i0+m-1 -> int8: times the key scale, KIVI: plus the bias;
+      // masked: -inf
+      const auto finish_scores = [&](float* so, int64_t i0, int64_t m, int64_t t) {
+        for (int64_t i = 0; i < m; ++i)
+          for (int64_t r = 0; r < R; ++r) {
+            float& x = so[r * n + i];
+            x = !okp[i0 + i] ? NEG_INF : kivi ? x + bias[r] : x * h2f(KS[bh * T + t + i]);
+          }
+      };
 #ifdef FEWBITS_KV_AVX512
       if (fast && !ring) {  // scores: group by group (KIVI: the query scaled per group), then scale or bias
         const int64_t span = kivi ? G : n;
@@ -567,14 +684,20 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           }
           const uint8_t* rows = KC + (bh * T + t) * nb;
           float* so = s.data() + i0;
-          if (bits == 8) scores_fast<8>(rows, nb, okp + i0, m_, qp, R, D, so, n);
-          else if (bits == 4) scores_fast<4>(rows, nb, okp + i0, m_, qp, R, D, so, n);
-          else scores_fast<2>(rows, nb, okp + i0, m_, qp, R, D, so, n);
-          for (int64_t i = 0; i < m_; ++i)
-            for (int64_t r = 0; r < R; ++r) {
-              float& x = so[r * n + i];
-              x = !okp[i0 + i] ? NEG_INF : kivi ? x + bias[r] : x * h2f(KS[bh * T + t + i]);
-            }
+          by_bits(bits, [&](auto B) { scores_fast<B.value>(rows, nb, okp + i0, m_, qp, R, D, so, n); });
+          finish_scores(so, i0, m_, t);
+        }
+      } else
+#elif defined(FEWBITS_KV_AVX2)
+      if (fast && !ring) {  // scores group by group (KIVI: the query scaled per group), then scale or bias
+        const int64_t span = kivi ? G : n;
+        for (int64_t i0 = 0; i0 < n; i0 += span) {
+          const int64_t m_ = std::min(span, n - i0), t = t0 + i0;
+          if (kivi) group_query(t / G);
+          const uint8_t* rows = KC + (bh * T + t) * nb;
+          float* so = s.data() + i0;
+          by_bits(bits, [&](auto B) { scores_fast8<B.value>(rows, nb, okp + i0, m_, qp, R, D, so, n); });
+          finish_scores(so, i0, m_, t);
         }
       } else
 #endif
@@ -595,17 +718,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           continue;
         }
         const int64_t g = t / G;
-        if (g != cur_g) {  // the query times this group's per-channel scales (plane order), its minima's bias
-          cur_g = g;
-          halves(KS + (bh * (T / G) + g) * D, sgf, D);
-          halves(KM + (bh * (T / G) + g) * D, mgf, D);
-          for (int64_t r = 0; r < R; ++r) {
-            const float* qr = qh + r * D;
-            bias[r] = dot(qr, mgf, D);
-            for (int64_t j = 0; j < nb; ++j)
-              for (int64_t k = 0; k < per; ++k) qp[r * D + k * nb + j] = qr[j * per + k] * sgf[j * per + k];
-          }
-        }
+        if (g != cur_g) group_query(cur_g = g);
         for (int64_t r = 0; r < R; ++r) si[r * n] = dot(qp + r * D, c, D) + bias[r];
       }
       // softmax weights within the chunk
@@ -654,9 +767,31 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           w = wg.data();
         }
         const int64_t gs = Rpad * n, gvv = kivi ? gv : D;
-        if (bits == 8) values_fast<8>(rows, nb, true, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
-        else if (bits == 4) values_fast<4>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
-        else values_fast<2>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+        by_bits(bits, [&](auto B) {
+          values_fast<B.value>(rows, nb, fold, sv, mv, ng, gvv, okp, n, w, n, gs, R, D, acc);
+        });
+      } else
+#elif defined(FEWBITS_KV_AVX2)
+      if (fast && !ring) {  // the weighted sum of values (plane order), the value scales folded into the weights
+        const int64_t bh_t = bh * T + t0, gs = Rpad * n;
+        halves(VS + bh_t * ng, vsf.data(), n * ng);
+        if (kivi) halves(VM + bh_t * ng, vmf.data(), n * ng);
+        for (int64_t r = 0; r < R; ++r) {
+          float* sr = s.data() + r * n;
+          for (int64_t i = 0; i < n; ++i) sr[i] = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
+          for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
+            float* wr = wg.data() + g * gs + r * n;
+            float b = 0.f;
+            for (int64_t i = 0; i < n; ++i) {
+              wr[i] = sr[i] * vsf[i * ng + g];
+              if (kivi) b += sr[i] * vmf[i * ng + g];
+            }
+            vb[r * ng + g] = b;
+          }
+        }
+        const uint8_t* rows = VC + bh_t * nb;
+        const int64_t gvv = kivi ? gv : D;
+        by_bits(bits, [&](auto B) { values_fast8<B.value>(rows, nb, gvv, okp, n, wg.data(), n, gs, R, D, acc); });
       } else
 #endif
       // the weighted sum of values (plane order for codes)
@@ -691,7 +826,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         float* dst = pacc.data() + (base * R + r) * D;
         if (ring || !kivi)
           for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d];
-        else if (fast && gv % (16 * per) != 0)  // minima included
+        else if (fast && gv % (VBLOCK * per) != 0)  // minima included (AVX-512 blocks across value groups)
           for (int64_t j = 0; j < nb; ++j)
             for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j];
         else

@@ -48,21 +48,31 @@ def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
     return allowed
 
 
-# D = 64: the vector path (whole 16-byte rows of codes; value scales folded into the weights where a block of
-# 16 codes lies in one value group: int8, int4-g32, int2-g64; else picked per lane: int2-g32, g8); D = 16 / 24:
-# the scalar one.  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps), KIVI's default g32-r128 at
-# 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).  16-bit caches (`attend_rows`):
-# several chunks of CHUNK_ROWS with a partial last one, D = 24 (no whole 512-bit vectors), D = 20 (no whole
-# 256-bit ones either), fp16.
+# D = 64: the 512-bit path (whole 16-byte blocks of codes; value scales folded into the weights where a block
+# of 16 codes lies in one value group: int8, int4-g32, int2-g64; else picked per lane: int2-g32, g8, int4-g16);
+# the 256-bit path takes 8-byte blocks within one value group (int8 with a window, int4-g16/g32, int2-g32/g64),
+# the plain loops the rest (D = 16 / 24, g8).  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps),
+# KIVI's default g32-r128 at 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).
+# 16-bit caches (`attend_rows`): several chunks of CHUNK_ROWS with a partial last one, D = 24 (no whole 512-bit
+# vectors), D = 20 (no whole 256-bit ones either), fp16.
 CASES = [("bf16", 64, 300, 3), ("bf16", 24, 30, 2), ("bf16", 20, 30, 2), ("fp16", 128, 100, 5),
          ("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
          ("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g8-r8", 16, 41, 2), ("int2-g8-r4", 24, 29, 3),
-         ("int8", 24, 30, 2), ("int2-g64-r16", 64, 200, 5), ("int4-r16", 128, 100, 4)]
+         ("int8", 24, 30, 2), ("int2-g64-r16", 64, 200, 5), ("int4-r16", 128, 100, 4), ("int4-g16-r8", 64, 41, 3)]
 
 
 @needs_kernel
+@pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kv,D,n,r", CASES)
-def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int) -> None:
+def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int, build: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The main build, and the 256-bit vector paths (built without AVX-512 where the main build has it)."""
+    if build == "avx2":
+        ops = _rows_ops("avx2")
+        if ops is torch.ops.fewbits_kv:
+            pytest.skip("the main build is the AVX2 one")
+        for op in ("attend_kv", "attend_rows"):
+            monkeypatch.setattr(torch.ops.fewbits_kv, op, getattr(ops, op))
     layer = filled(kv, D, n)
     assert layer.kernel
     q = torch.randn(2, 2 * r, 1, D, generator=torch.Generator().manual_seed(7)).bfloat16()
