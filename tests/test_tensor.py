@@ -100,7 +100,11 @@ def test_all_zero_groups_stay_zero():
         torch.testing.assert_close(d[1, :32], w[1, :32], rtol=2e-3, atol=0)
 
 
-SYMMETRIC = [s for s in EXAMPLE_SPECS if parse_format(s).symmetric]
+# llama.cpp's K-quant quantisers search a grid of candidate scales per sub-block (make_qkx2_quants, make_qx_quants)
+# that need not hold the scale the values came from, so requantising is not a fixed point there by design
+# (q5_k moved in 120 of 480 small cases, rows 1-3 x groups 1-4 x seeds 0-39); the other formats derive the scale
+# from the absmax alone
+SYMMETRIC = [s for s in EXAMPLE_SPECS if parse_format(s).symmetric and not s.endswith("_k")]
 
 
 @settings(max_examples=25, deadline=None)
