@@ -14,10 +14,25 @@ not installed.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`-n N`), each worker gets its share of the cores as torch threads (and as
+    OMP_NUM_THREADS for the processes tests start), unless OMP_NUM_THREADS is set: torch's OpenMP threads spin
+    while they wait, and more busy threads than cores slowed whole tests several times over."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers:
+        return
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // int(workers)))
+    os.environ["OMP_NUM_THREADS"] = threads
+    import torch
+
+    torch.set_num_threads(int(threads))
 
 
 def _packaged_dir(name: str) -> Path:
