@@ -428,8 +428,13 @@ void values_8(const E* rows, int64_t D, const bool* ok, int64_t n, const float* 
           a[j][1] = _mm256_fmadd_ps(p, x1, a[j][1]);
         }
       }
-      for (int64_t j = 0; j < rr; ++j)
-        for (int64_t v = 0; v < nv; ++v) _mm256_storeu_ps(acc + (r0 + j) * D + d0 + 8 * v, a[j][v]);
+      // (indices fixed at compile time, so that the accumulators stay in registers)
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        if (j >= rr) continue;
+        _mm256_storeu_ps(acc + (r0 + j) * D + d0, a[j][0]);
+        if (nv > 1) _mm256_storeu_ps(acc + (r0 + j) * D + d0 + 8, a[j][1]);
+      }
     }
   }
 }
@@ -506,8 +511,11 @@ void values_fast8(const uint8_t* rows, int64_t nb, int64_t gv, const uint8_t* ok
           for (int j = 0; j < RR; ++j) a[k][j] = _mm256_fmadd_ps(p[j], x, a[k][j]);
         }
       }
-      for (int k = 0; k < PER; ++k)
-        for (int64_t j = 0; j < rr; ++j) _mm256_storeu_ps(acc + (r0 + j) * D + k * nb + jb * 8, a[k][j]);
+#pragma GCC unroll 4
+      for (int k = 0; k < PER; ++k)  // (indices fixed at compile time: the accumulators stay in registers)
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j)
+          if (j < rr) _mm256_storeu_ps(acc + (r0 + j) * D + k * nb + jb * 8, a[k][j]);
     }
   }
 }
@@ -624,7 +632,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       wg.resize(ng * Rpad * std::max(chunk, W));
     }
     alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
-    alignas(64) float qpl[MAXR * MAXD];  // the vector path: the query in plane order
+    alignas(64) float qpl[MAXR * MAXD], sgp[MAXD];  // the query and a group's key scales in plane order
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t bh = u / nunits, unit = u % nunits, b = bh / H;
       const float* qh = Q + bh * R * D;
@@ -634,20 +642,30 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       if (!kivi)  // the query in plane order (one plane: itself)
         for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
       int64_t cur_g = -1;
+      bool in_planes = false;  // qpl holds this unit's query in plane order
       // KIVI: qp = the query times group g's per-channel key scales, in plane order; bias = the query . minima
       const auto group_query = [&](int64_t g) {
         halves(KS + (bh * (T / G) + g) * D, sgf, D);
         halves(KM + (bh * (T / G) + g) * D, mgf, D);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* qr = qh + r * D;
-          bias[r] = dot(qr, mgf, D);
+        const auto to_planes = [&](const float* x, float* y) {  // channel j * per + k -> k * nb + j
           for (int64_t j = 0; j < nb; ++j)
-            for (int64_t k = 0; k < per; ++k) qp[r * D + k * nb + j] = qr[j * per + k] * sgf[j * per + k];
+            for (int64_t k = 0; k < per; ++k) y[k * nb + j] = x[j * per + k];
+        };
+        if (!in_planes)
+          for (int64_t r = 0; r < R; ++r) to_planes(qh + r * D, qpl + r * D);
+        in_planes = true;
+        to_planes(sgf, sgp);
+        for (int64_t r = 0; r < R; ++r) {
+          bias[r] = dot(qh + r * D, mgf, D);
+          const float* ql = qpl + r * D;
+          float* qo = qp + r * D;
+#pragma omp simd
+          for (int64_t x = 0; x < D; ++x) qo[x] = ql[x] * sgp[x];
         }
       };
       // the vector paths' raw scores of tokens i0 .. i0+m-1 -> int8: times the key scale, KIVI: plus the bias;
       // masked: -inf
-      const auto finish_scores = [&](float* so, int64_t i0, int64_t m, int64_t t) {
+      [[maybe_unused]] const auto finish_scores = [&](float* so, int64_t i0, int64_t m, int64_t t) {
         for (int64_t i = 0; i < m; ++i)
           for (int64_t r = 0; r < R; ++r) {
             float& x = so[r * n + i];
@@ -774,17 +792,22 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
 #elif defined(FEWBITS_KV_AVX2)
       if (fast && !ring) {  // the weighted sum of values (plane order), the value scales folded into the weights
         const int64_t bh_t = bh * T + t0, gs = Rpad * n;
-        halves(VS + bh_t * ng, vsf.data(), n * ng);
-        if (kivi) halves(VM + bh_t * ng, vmf.data(), n * ng);
+        for (int64_t i = 0; i < n; ++i)  // the value scales and minima group by group: vsf[g * n + i]
+          for (int64_t g = 0; g < ng; ++g) {
+            vsf[g * n + i] = h2f(VS[(bh_t + i) * ng + g]);
+            vmf[g * n + i] = kivi ? h2f(VM[(bh_t + i) * ng + g]) : 0.f;
+          }
         for (int64_t r = 0; r < R; ++r) {
           float* sr = s.data() + r * n;
           for (int64_t i = 0; i < n; ++i) sr[i] = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
           for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
             float* wr = wg.data() + g * gs + r * n;
+            const float *sg = vsf.data() + g * n, *mg = vmf.data() + g * n;
             float b = 0.f;
+#pragma omp simd reduction(+ : b)
             for (int64_t i = 0; i < n; ++i) {
-              wr[i] = sr[i] * vsf[i * ng + g];
-              if (kivi) b += sr[i] * vmf[i * ng + g];
+              wr[i] = sr[i] * sg[i];
+              b += sr[i] * mg[i];
             }
             vb[r * ng + g] = b;
           }
