@@ -36,7 +36,7 @@ from fewbits.decode import precompiled
 from fewbits.decode.arch import Arch, describe, unsupported
 from fewbits.decode.cache import LayerKV, make_cache
 from fewbits.decode.fuse import Fused, fuse_projections
-from fewbits.decode.step import forward, rows_on
+from fewbits.decode.step import WIDEN, forward, rows_on
 from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
@@ -166,7 +166,7 @@ class StaticDecoder:
         key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
                                                     "max_len": self.max_len, "options": options,
                                                     "fused": self.fused is not None,
-                                                    "rows": rows_on(),
+                                                    "rows": rows_on(), "widen": [str(d) for d in WIDEN],
                                                     "kv_ops": (self.cache[0].kernel, self.cache[0].native_append)})
         path = cache_dir / "fewbits-steps" / f"{key}.bin"
         import torch._inductor.config as icfg

@@ -15,7 +15,7 @@ from fewbits.decode import kvkernel
 from fewbits.decode.arch import Arch
 from fewbits.decode.cache import NEG, LayerKV
 from fewbits.decode.fuse import Fused, LayerFusion
-from fewbits.kernels import rows
+from fewbits.kernels import rows, wide16
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -100,14 +100,33 @@ def rows_on() -> bool:
     return rows.enabled()
 
 
+#: 16-bit dtypes whose CPU matmul torch runs in generic loops on this CPU (`fewbits.kernels.wide16`), read once
+#: at import so that a compiled step sees a constant
+WIDEN: tuple[torch.dtype, ...] = tuple(d for d in wide16.HALF if not wide16.native_gemm(d))
+#: rows up to which a dtype in WIDEN runs as dense_mm tiles (of `rows.DENSE_MAX_ROWS` rows, each reading the 16-bit
+#: weight in place): a bf16 SmolLM2 step at batch 16 on an AVX2 EPYC took 332 ms through torch and 295 ms widened
+#: (its 135M weights converted to fp32 every step); from here on a GEMM in fp32 converts once per many rows
+TILE_MAX_ROWS = 64
+
+
 def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x @ w.T (+ bias) through ``fewbits_rows::dense_mm`` (the weight read in place) where it applies: a CPU,
-    16-bit x and w of one dtype, at most `rows.DENSE_MAX_ROWS[dtype]` rows of x, no gradient recorded (the
-    operator has no backward), the operators built (`rows_on`); else None."""
-    if (x.device.type != "cpu" or x.dtype != w.dtype or x.numel() // x.shape[-1] > rows.DENSE_MAX_ROWS.get(w.dtype, 0)
-            or (w.requires_grad and torch.is_grad_enabled()) or not rows_on()):
+    """x @ w.T (+ bias) on a CPU for 16-bit x and w of one dtype, no gradient recorded: up to
+    `rows.DENSE_MAX_ROWS[dtype]` rows of x through ``fewbits_rows::dense_mm`` (the weight read in place; the
+    operators built, `rows_on`); for a dtype in `WIDEN`, up to `TILE_MAX_ROWS` rows as dense_mm tiles and
+    beyond in fp32 rounded once (as `wide16.linear`); else None."""
+    if x.device.type != "cpu" or x.dtype != w.dtype or (w.requires_grad and torch.is_grad_enabled()):
         return None
-    y = torch.ops.fewbits_rows.dense_mm(x.reshape(-1, x.shape[-1]), w)
+    n, most = x.numel() // x.shape[-1], rows.DENSE_MAX_ROWS.get(w.dtype, 0)
+    wide = w.dtype in WIDEN
+    if n > most and not (wide and n <= TILE_MAX_ROWS and rows_on()):
+        if not wide or n < wide16.MIN_ROWS:
+            return None
+        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+    if not rows_on():
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.cat([torch.ops.fewbits_rows.dense_mm(t, w) for t in x2.split(most)]) if n > most else \
+        torch.ops.fewbits_rows.dense_mm(x2, w)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], y.shape[-1])

@@ -36,13 +36,35 @@ def test_few_rows_run_the_operator(dtype: torch.dtype, bias: bool) -> None:
 
 
 @needs_ops
-def test_many_rows_and_other_dtypes_run_the_module() -> None:
+def test_many_rows_and_other_dtypes_run_the_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(step, "WIDEN", ())  # a CPU with fast 16-bit GEMMs
     lin = _lin(torch.bfloat16)
     x = torch.randn(rows.DENSE_MAX_ROWS[torch.bfloat16] + 1, 77).to(torch.bfloat16)
     assert torch.equal(step.linear16(lin, x), lin(x))
     lin32 = _lin(torch.float32)
     x32 = torch.randn(2, 77)
     assert torch.equal(step.linear16(lin32, x32), lin32(x32))
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_many_rows_without_fast_16bit_gemm(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where torch's 16-bit CPU matmul is generic loops (`step.WIDEN`): up to TILE_MAX_ROWS rows as dense_mm tiles
+    (each tile's rows the operator's own result), more rows in fp32 rounded once; eager and compiled alike."""
+    monkeypatch.setattr(step, "WIDEN", (dtype,))
+    monkeypatch.setattr(step, "TILE_MAX_ROWS", 20)
+    lin = _lin(dtype, bias=True)
+    most = rows.DENSE_MAX_ROWS[dtype]
+    x = torch.randn(2, 9, 77).to(dtype)  # 18 rows: tiles of `most` rows and a partial one
+    x2 = x.reshape(18, 77)
+    tiles = torch.cat([torch.ops.fewbits_rows.dense_mm(x2[i:i + most], lin.weight) for i in range(0, 18, most)])
+    assert torch.equal(step.linear16(lin, x), (tiles + lin.bias).view(2, 9, 150))
+    big = torch.randn(3, 9, 77).to(dtype)  # 27 rows: one fp32 GEMM
+    want = (big.float() @ lin.weight.float().T + lin.bias.float()).to(dtype)
+    assert torch.equal(step.linear16(lin, big), want)
+    for t in (x, big):
+        compiled = torch.compile(lambda t: step.linear16(lin, t), fullgraph=True, backend="aot_eager")
+        assert torch.equal(compiled(t), step.linear16(lin, t))
 
 
 def test_training_runs_the_module() -> None:
