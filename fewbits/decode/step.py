@@ -113,7 +113,7 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     """x @ w.T (+ bias) on a CPU for 16-bit x and w of one dtype, no gradient recorded: up to
     `rows.DENSE_MAX_ROWS[dtype]` rows of x through ``fewbits_rows::dense_mm`` (the weight read in place; the
     operators built, `rows_on`); for a dtype in `WIDEN`, up to `TILE_MAX_ROWS` rows as dense_mm tiles and
-    beyond in fp32 rounded once (as `wide16.linear`); else None."""
+    beyond in fp32 rounded once (`wide16.fp32_linear`); else None."""
     if x.device.type != "cpu" or x.dtype != w.dtype or (w.requires_grad and torch.is_grad_enabled()):
         return None
     n, most = x.numel() // x.shape[-1], rows.DENSE_MAX_ROWS.get(w.dtype, 0)
@@ -121,7 +121,7 @@ def _dense(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch
     if n > most and not (wide and n <= TILE_MAX_ROWS and rows_on()):
         if not wide or n < wide16.MIN_ROWS:
             return None
-        return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+        return wide16.fp32_linear(x, w, bias)
     if not rows_on():
         return None
     x2 = x.reshape(-1, x.shape[-1])

@@ -58,11 +58,14 @@ def _widen(a: torch.Tensor, b: torch.Tensor) -> bool:
             and a.dim() >= 1 and a.numel() // max(a.shape[-1], 1) >= MIN_ROWS)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, w, bias)`, in fp32 and rounded to x's dtype where `_widen` says so."""
-    if not _widen(x, w):
-        return F.linear(x, w, bias)
+def fp32_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)` computed in fp32 and rounded to x's dtype once."""
     return F.linear(x.float(), w.float(), None if bias is None else bias.float()).to(x.dtype)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, w, bias)`, as `fp32_linear` where `_widen` says so."""
+    return fp32_linear(x, w, bias) if _widen(x, w) else F.linear(x, w, bias)
 
 
 _LINEAR = {F.linear, torch._C._nn.linear}

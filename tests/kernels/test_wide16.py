@@ -62,7 +62,7 @@ def test_widened_products_are_the_fp32_products_rounded_once(no_native, dtype):
     assert ((got["F.linear"].double() - exact).abs() <= ulp).all()
 
 
-def test_few_rows_and_fp32_are_left_to_torch(no_native):
+def test_few_rows_and_fp32_are_left_to_torch(no_native, monkeypatch):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(16, 32, generator=g).bfloat16()
     few = torch.randn(wide16.MIN_ROWS - 1, 32, generator=g).bfloat16()
@@ -72,13 +72,10 @@ def test_few_rows_and_fp32_are_left_to_torch(no_native):
     assert torch.equal(y_few, F.linear(few, w)) and torch.equal(y32, F.linear(x32, w32))
     calls = []
     orig = F.linear
-    wide16.F.linear = lambda *a, **k: calls.append(a[0].dtype) or orig(*a, **k)  # what wide16.linear calls
-    try:
-        wide16.linear(few, w)
-        wide16.linear(torch.randn(20, 32).bfloat16(), w)
-    finally:
-        wide16.F.linear = orig
-    assert calls == [torch.bfloat16, torch.float32]
+    monkeypatch.setattr(wide16.F, "linear", lambda *a, **k: calls.append(a[0].dtype) or orig(*a, **k))
+    wide16.linear(few, w)
+    wide16.linear(torch.randn(20, 32).bfloat16(), w)
+    assert calls == [torch.bfloat16, torch.float32]  # the dtype each product ran in
 
 
 def test_nothing_is_widened_outside_the_context_or_where_the_cpu_has_the_gemm(flags, monkeypatch):
