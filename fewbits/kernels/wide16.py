@@ -27,8 +27,9 @@ from torch.overrides import TorchFunctionMode
 
 from fewbits.kernels.native import cpu_flags
 
-#: rows of the left operand from which widening pays (an AVX2 EPYC, (1536, 576) bf16 weight: 0.5x at 1-2 rows,
-#: 0.7x at 4, 1.1x at 8, 2.3x at 16, 4.2x at 128, 6.5x at 1536)
+#: rows of the left operand from which widening pays, about (an AVX2 EPYC, (1536, 576) weight, an ad-hoc run and
+#: `benchmarks/bench_wide16.py`: bf16 0.2-0.5x at 1-2 rows, 0.4-0.7x at 4, 0.7-1.1x at 8, 1.4-2.3x at 16, 4.2-4.5x
+#: at 128, 6.5x at 1536; fp16 1.1x at 8, 1.8x at 16)
 MIN_ROWS = 8
 HALF = (torch.bfloat16, torch.float16)
 
