@@ -266,97 +266,6 @@ void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i t
   }
 }
 
-#if defined(__AVX512VNNI__)
-#define FB_A8 1
-// int8 activations (path 3): x quantised per row and block of 32 columns (fewbits.kernels.act8), stored per
-// 8-column chunk in the order the nibbles come out of a chunk's 32-bit lanes (columns 0 4 1 5, then 2 6 3 7),
-// so one vpdpbusd multiplies 16 rows' 4 codes (unsigned) by 4 broadcast activations (signed).
-struct A8 {
-  const int8_t* xq;   // (M, K) permuted per chunk
-  const float* xs;    // (M, K/32) block scales
-  const float* qsum;  // (M, G) sum over the group's blocks of xs * sum(xq): the zero term's sum of x
-};
-
-@Q8_BLOCK@
-void quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xs, float* qsum) {
-  const int64_t nb = K / 32, G = K / group;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) qsum[m * G + g] = 0.f;
-    for (int64_t b = 0; b < nb; ++b) {
-      float v[32];
-      for (int k = 0; k < 32; ++k) v[k] = bf2f(x[m * K + b * 32 + k]);
-      int8_t q[32];
-      const float d = fb_q8_block(v, 32, q);  // fewbits.kernels.act8
-      int32_t sum = 0;
-      for (int k = 0; k < 32; ++k) sum += q[k];
-      static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-      for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < 8; ++i) xq[m * K + b * 32 + c * 8 + i] = q[c * 8 + order[i]];
-      xs[m * nb + b] = d;
-      qsum[m * G + (b * 32) / group] += d * float(sum);
-    }
-  }
-}
-
-template <int T>
-void block_a8(const Args& a, const A8& q, int64_t b, int64_t m0) {
-  constexpr int NA = T == 1 ? 2 : 1;  // int32 accumulators per row (lo and hi nibbles apart at one row)
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
-  const int64_t nb = a.K / 32, bpg = a.group / 32;
-  const float off = float(1 << (a.bits - 1));
-  __m512 y[T];
-  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < a.G; ++g) {
-    __m512 f[T];
-    for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
-    for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
-      __m512i acc[T][NA];
-      for (int t = 0; t < T; ++t)
-        for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_si512();
-      for (int64_t c = xb * 4; c < xb * 4 + 4; ++c) {
-        _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
-        const __m512i wd = _mm512_loadu_si512(cb + c * 32);
-        const __m512i lo = _mm512_and_si512(wd, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wd, 4), low4);
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xp = q.xq + (m0 + t) * a.K + c * KC;
-          int32_t x0, x1;
-          std::memcpy(&x0, xp, 4);
-          std::memcpy(&x1, xp + 4, 4);
-          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, _mm512_set1_epi32(x0));
-          acc[t][NA - 1] = _mm512_dpbusd_epi32(acc[t][NA - 1], hi, _mm512_set1_epi32(x1));
-        }
-      }
-      for (int t = 0; t < T; ++t) {
-        const __m512i s32 = NA == 2 ? _mm512_add_epi32(acc[t][0], acc[t][NA - 1]) : acc[t][0];
-        f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(q.xs[(m0 + t) * nb + xb]), f[t]);
-      }
-    }
-    const int64_t ti = (b * a.G + g) * R;
-    const __m512 s = load16(a.scales, a.half, ti);
-    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
-    for (int t = 0; t < T; ++t) {  // s * (sum c xq xs - o * sum xq xs)
-      const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.qsum[(m0 + t) * a.G + g]), f[t]);
-      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
-    }
-  }
-  for (int t = 0; t < T; ++t)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
-}
-
-void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
-  switch (mt) {
-    case 1: block_a8<1>(a, q, b, m0); break;
-    case 2: block_a8<2>(a, q, b, m0); break;
-    case 3: block_a8<3>(a, q, b, m0); break;
-    default: block_a8<4>(a, q, b, m0); break;
-  }
-}
-#else
-#define FB_A8 0
-#endif
-
 #if FB_AMX
 struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
@@ -439,6 +348,182 @@ void dequant_fast(const Args& a, int64_t b, uint16_t* wt, int64_t ldw, int64_t c
 }
 #endif
 
+#if (FB_FAST && defined(__AVX512VNNI__)) || FB_AVX2
+#define FB_A8 1
+// int8 activations (path 3): x quantised per row and block of 32 columns (fewbits.kernels.act8), stored per
+// 8-column chunk in the order the nibbles come out of a chunk's 32-bit lanes (columns 0 4 1 5, then 2 6 3 7):
+// a lane's low nibbles meet the chunk's first 4 activations, its high nibbles the next 4.
+struct A8 {
+  const int8_t* xq;   // (M, K) permuted per chunk
+  const float* xs;    // (M, K/32) block scales
+  const float* qsum;  // (M, G) sum over the group's blocks of xs * sum(xq): the zero term's sum of x
+};
+
+@Q8_BLOCK@
+void quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* xq, float* xs, float* qsum) {
+  const int64_t nb = K / 32, G = K / group;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) qsum[m * G + g] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      float v[32];
+      for (int k = 0; k < 32; ++k) v[k] = bf2f(x[m * K + b * 32 + k]);
+      int8_t q[32];
+      const float d = fb_q8_block(v, 32, q);  // fewbits.kernels.act8
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) sum += q[k];
+      static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+      for (int c = 0; c < 4; ++c)
+        for (int i = 0; i < 8; ++i) xq[m * K + b * 32 + c * 8 + i] = q[c * 8 + order[i]];
+      xs[m * nb + b] = d;
+      qsum[m * G + (b * 32) / group] += d * float(sum);
+    }
+  }
+}
+#else
+#define FB_A8 0
+#endif
+
+#if FB_A8 && FB_AVX2
+// int8 activations on AVX2 (no vpdpbusd): the codes (unsigned, <= 15) times 4 broadcast activations (|q| <= 127)
+// by vpmaddubsw, pairs summed into int16 lanes (<= 2 * 15 * 127); a lane's low and high nibbles and the 4 chunks
+// of a 32-column block added in int16 (<= 16 * 15 * 127 = 30480: no wrap, exact), then vpmaddwd by ones to one
+// int32 per output row, converted and scaled by the block's d in fp32.  H: chunk halves (8 output rows each) per
+// pass, sharing the broadcasts of x.
+template <int T, int H>
+void block_a8_avx2(const Args& a, const A8& q, int64_t b, int64_t m0) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t nb = a.K / 32, bpg = a.group / 32;
+  const float off = float(1 << (a.bits - 1));
+  const int8_t* xr[T];
+  for (int t = 0; t < T; ++t) xr[t] = q.xq + (m0 + t) * a.K;
+  float y[T][R] = {};
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t ti = (b * a.G + g) * R;
+#pragma GCC unroll 2
+    for (int h0 = 0; h0 < 2; h0 += H) {
+      __m256 f[T][H];
+      for (int t = 0; t < T; ++t) for (int h = 0; h < H; ++h) f[t][h] = _mm256_setzero_ps();
+      for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
+        __m256i acc[T][H];
+        for (int t = 0; t < T; ++t) for (int h = 0; h < H; ++h) acc[t][h] = _mm256_setzero_si256();
+        const uint16_t* cx = cb + xb * 4 * 32;
+        if (h0 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(cx + PREFETCH_CHUNKS * 32), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + 1) * 32), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + 2) * 32), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + 3) * 32), _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int cc = 0; cc < 4; ++cc) {
+          __m256i lo[H], hi[H];
+          for (int h = 0; h < H; ++h) {
+            const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cx + cc * 32 + (h0 + h) * 16));
+            lo[h] = _mm256_and_si256(d, low4);
+            hi[h] = _mm256_and_si256(_mm256_srli_epi16(d, 4), low4);
+          }
+          const int64_t col = xb * 32 + cc * KC;
+#pragma GCC unroll 4
+          for (int t = 0; t < T; ++t) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xr[t] + col, 4);
+            std::memcpy(&x1, xr[t] + col + 4, 4);
+            const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
+            for (int h = 0; h < H; ++h)
+              acc[t][h] = _mm256_add_epi16(acc[t][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], b0),
+                                                                       _mm256_maddubs_epi16(hi[h], b1)));
+          }
+        }
+        for (int t = 0; t < T; ++t) {
+          const __m256 dv = _mm256_set1_ps(q.xs[(m0 + t) * nb + xb]);
+          for (int h = 0; h < H; ++h)
+            f[t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[t][h], ones)), dv, f[t][h]);
+        }
+      }
+      for (int h = 0; h < H; ++h) {  // s * (sum c xq xs - o * sum xq xs)
+        const int64_t r0 = 8 * (h0 + h);
+        const __m256 s = load8(a.scales, a.half, ti + r0);
+        const __m256 o = a.zeros ? _mm256_add_ps(_mm256_set1_ps(off), load8(a.zeros, a.half, ti + r0))
+                                 : _mm256_set1_ps(off);
+        for (int t = 0; t < T; ++t) {
+          const __m256 sum = _mm256_fnmadd_ps(o, _mm256_set1_ps(q.qsum[(m0 + t) * a.G + g]), f[t][h]);
+          _mm256_storeu_ps(y[t] + r0, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(y[t] + r0)));
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    for (int i = 0; i < R; ++i) a.y[(m0 + t) * a.N + b * R + i] = f2bf(y[t][i]);
+}
+
+void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
+  switch (mt) {
+    case 1: block_a8_avx2<1, 2>(a, q, b, m0); break;
+    case 2: block_a8_avx2<2, 2>(a, q, b, m0); break;
+    case 3: block_a8_avx2<3, 1>(a, q, b, m0); break;
+    default: block_a8_avx2<2, 2>(a, q, b, m0); block_a8_avx2<2, 2>(a, q, b, m0 + 2); break;
+  }
+}
+#endif
+
+#if FB_A8 && FB_FAST
+template <int T>
+void block_a8(const Args& a, const A8& q, int64_t b, int64_t m0) {
+  constexpr int NA = T == 1 ? 2 : 1;  // int32 accumulators per row (lo and hi nibbles apart at one row)
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t nb = a.K / 32, bpg = a.group / 32;
+  const float off = float(1 << (a.bits - 1));
+  __m512 y[T];
+  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 f[T];
+    for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
+    for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
+      __m512i acc[T][NA];
+      for (int t = 0; t < T; ++t)
+        for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_si512();
+      for (int64_t c = xb * 4; c < xb * 4 + 4; ++c) {
+        _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
+        const __m512i wd = _mm512_loadu_si512(cb + c * 32);
+        const __m512i lo = _mm512_and_si512(wd, low4);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi32(wd, 4), low4);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xp = q.xq + (m0 + t) * a.K + c * KC;
+          int32_t x0, x1;
+          std::memcpy(&x0, xp, 4);
+          std::memcpy(&x1, xp + 4, 4);
+          acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], lo, _mm512_set1_epi32(x0));
+          acc[t][NA - 1] = _mm512_dpbusd_epi32(acc[t][NA - 1], hi, _mm512_set1_epi32(x1));
+        }
+      }
+      for (int t = 0; t < T; ++t) {
+        const __m512i s32 = NA == 2 ? _mm512_add_epi32(acc[t][0], acc[t][NA - 1]) : acc[t][0];
+        f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(q.xs[(m0 + t) * nb + xb]), f[t]);
+      }
+    }
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
+    for (int t = 0; t < T; ++t) {  // s * (sum c xq xs - o * sum xq xs)
+      const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.qsum[(m0 + t) * a.G + g]), f[t]);
+      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
+void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
+  switch (mt) {
+    case 1: block_a8<1>(a, q, b, m0); break;
+    case 2: block_a8<2>(a, q, b, m0); break;
+    case 3: block_a8<3>(a, q, b, m0); break;
+    default: block_a8<4>(a, q, b, m0); break;
+  }
+}
+#endif
+
 Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                int64_t bits) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 32 && codes.scalar_type() == at::kShort && codes.is_contiguous(),
@@ -465,21 +550,19 @@ Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
 }  // namespace
 
 // 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process); +4: the
-// int8-activation path (AVX512-VNNI) is built; 8: the AVX2 + FMA path (no AVX-512)
+// int8-activation path is built (AVX512-VNNI, or AVX2's vpmaddubsw); 8: the AVX2 + FMA path (no AVX-512)
 int64_t q4_isa() {
   int64_t isa = FB_FAST + 8 * FB_AVX2;
 #if FB_AMX
   if (amx_ready()) isa = 2;
 #endif
-#if FB_FAST
-  isa += 4 * FB_A8;
-#endif
-  return isa;
+  return isa + 4 * FB_A8;
 }
 
 // (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
 // AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8
-// (blocks of 32 columns) through vpdpbusd at every row count where the group is a multiple of 32 (else path 0).
+// (blocks of 32 columns) through vpdpbusd (AVX2: vpmaddubsw) at every row count where the group is a multiple
+// of 32 (else path 0).
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
   const int64_t portable = path == 1;
@@ -491,9 +574,10 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   auto y = at::empty({M, a.N}, x.options());
   if (M == 0 || a.N == 0) return y;
   const bool fast = FB_FAST && !portable;
-  const bool avx2 = FB_AVX2 && !portable;
+  const bool a8 = FB_A8 && !portable && path == 3 && a.group % 32 == 0;
+  const bool avx2 = FB_AVX2 && !portable && !a8;
   std::vector<float> xs;
-  if (a.zeros || avx2) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
+  if ((a.zeros || avx2) && !a8) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
     xs.resize(M * a.G);
     const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     for (int64_t m = 0; m < M; ++m)
@@ -511,8 +595,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
 #else
   const bool amx = false;
 #endif
-#if FB_FAST && FB_A8
-  const bool a8 = fast && path == 3 && a.group % 32 == 0;
+#if FB_A8
   std::vector<int8_t> xq;
   std::vector<float> xsb, qsum;
   A8 q{};
@@ -550,7 +633,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
       return;
     }
 #endif
-#if FB_FAST && FB_A8
+#if FB_A8
     if (a8) {
       for (int64_t b = lo; b < hi; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += 4) block_a8_rows(a, q, b, m0, std::min<int64_t>(4, M - m0));

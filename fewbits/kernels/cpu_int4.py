@@ -98,7 +98,7 @@ def build_avx2() -> bool:
 
 
 def a8_path() -> bool:
-    """Whether the built operator has the int8-activation path (AVX512-VNNI)."""
+    """Whether the built operator has the int8-activation path (AVX512-VNNI, or AVX2's ``vpmaddubsw``)."""
     return available() and bool(int(torch.ops.fewbits_q4.q4_isa()) & 4)
 
 
@@ -223,7 +223,11 @@ class Q4A8Kernel(Q4Kernel):
     """`Q4Kernel` with the activations in int8 (llama.cpp's Q4_0 x Q8_0 numerics): each row of x quantised per
     block of 32 columns (`fewbits.kernels.act8`), codes times those int8 values summed exactly in int32 by
     ``vpdpbusd`` (64 products an instruction against ``vdpbf16ps``'s 32, no table lookups), scaled per block and
-    group in fp32, at every row count (a prefill rounds as a decode step does; no AMX).  The dispatcher offers
+    group in fp32, at every row count (a prefill rounds as a decode step does; no AMX).  On AVX2 (no VNNI):
+    ``vpmaddubsw`` multiplies a chunk half's unsigned codes by 4 broadcast activations, pairs summed in int16; a
+    block's 4 chunks add up in int16 without overflow (at most 16 * 15 * 127), then ``vpmaddwd`` by ones gives an
+    int32 per output row: 64 exact products per two instructions where the weight-only AVX2 path spends eight
+    FMAs, eight converts and eight masks.  The dispatcher offers
     it only in its opt-in "q8" activation mode (`fewbits.kernels.dispatch.prepare_linear_q8`): it adds the
     activations' rounding to the weights'."""
 
@@ -238,5 +242,5 @@ class Q4A8Kernel(Q4Kernel):
         if group_of(fmt, shape[1]) % 32:
             return f"needs groups of a multiple of 32 columns (the activations' blocks), {fmt.spec} has fewer"
         if not a8_path():
-            return "this CPU has no AVX512-VNNI"
+            return "this CPU has neither AVX512-VNNI nor AVX2 (the int8-activation path)"
         return None

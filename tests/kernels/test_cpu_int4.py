@@ -167,19 +167,27 @@ def test_compiled_graph_keeps_one_operator_node() -> None:
     assert sum("fewbits_q4.q4_mm" in t for t in targets) == 1, targets
 
 
-needs_a8 = pytest.mark.skipif(not cpu_int4.a8_path(), reason="no int8-activation path (AVX512-VNNI) here")
+needs_a8 = pytest.mark.skipif(not cpu_int4.a8_path(), reason="no int8-activation path (AVX512-VNNI, AVX2) here")
 A8_SPECS = ["int4-g32", "int4-g64", "int4", "int4-g64-asym", "int3-g64", "int2-g32", "int4-g128-asym-zfp16"]
 
 
 @needs_a8
+@pytest.mark.parametrize("build", ["main", "avx2"])
 @pytest.mark.parametrize("spec", A8_SPECS)
-def test_int8_activations_are_the_blocks_times_the_weight(spec: str) -> None:
+def test_int8_activations_are_the_blocks_times_the_weight(spec: str, build: str) -> None:
     """`cpu_q4_a8` at every row count: the product of `act8`'s rounded activations and the exact weight, to fp32
-    summation (1e-6 x sum |x w|) and one bf16 rounding: one activation code off by one step would exceed it."""
+    summation (1e-6 x sum |x w|) and one bf16 rounding: one activation code off by one step would exceed it.
+    build "avx2": the vpmaddubsw path (on an AVX-512 host the source built without AVX-512; on an AVX2 host the
+    main build, so skipped as a duplicate)."""
     from fewbits.kernels.act8 import dequantize_blocks, quantize_blocks
 
     qt, g = _case(spec, 64, 256, seed=len(spec))
     kern = cpu_int4.Q4A8Kernel(qt)
+    if build == "avx2":
+        if int(torch.ops.fewbits_q4.q4_isa()) & 8:
+            pytest.skip("the main build is the AVX2 path on this CPU")
+        kern._op = _kernel(qt, "avx2")._op
+        assert int(torch.ops.fewbits_q4avx2.q4_isa()) & 4, "the build without AVX-512 has no int8-activation path"
     w = qt.dequantize(torch.float32).double()
     for m in (1, 2, 3, 9, 128):
         x = (torch.randn(m, 256, generator=g) * 3).to(torch.bfloat16)
