@@ -42,7 +42,7 @@ def _strs(s: str) -> tuple[str, ...]:
               help="quantise the LM head of the quantised weight formats too, to this format (e.g. int8)")
 @click.option("--activations", type=click.Choice(["16", "q8"]), default="16", show_default=True,
               help="q8: kernels that can round the activations to int8 per block of 32 columns do (llama.cpp's "
-                   "Q8_0; CPU with AVX512-VNNI), 16: weight-only kernels")
+                   "Q8_0; CPU with AVX512-VNNI or AVX2), 16: weight-only kernels")
 @click.option("--random-weights", is_flag=True,
               help="build MODEL (a built-in name or a config.json) with random weights instead of loading them: "
                    "for speed only, where the weights cannot be had")

@@ -16,7 +16,7 @@ import click
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--activations", type=click.Choice(["16", "q8"]), default="16", show_default=True,
               help="q8: kernels that can round the activations to int8 per block of 32 columns do (llama.cpp's "
-                   "Q8_0; CPU with AVX512-VNNI), 16: weight-only kernels")
+                   "Q8_0; CPU with AVX512-VNNI or AVX2), 16: weight-only kernels")
 @click.option("--eager", is_flag=True, help="the model's own eager forward instead of the compiled step")
 def generate_cmd(model: str, prompt: str, new_tokens: int, weights: str, lm_head: str | None, kv: str, threads: int,
                  device: str, activations: str, eager: bool) -> None:

@@ -38,7 +38,8 @@ class Int8RowsKernel(Int8PackKernel):
 
 class Int8RowsA8Kernel(Int8RowsKernel):
     """int8 weights x int8 activations (`fewbits_rows::int8_mm_a8`): x rounded per row and block of 32 columns
-    (`fewbits.kernels.act8`, llama.cpp's Q8_0 x Q8_0 numerics) and multiplied in integers by ``vpdpbusd``, at
+    (`fewbits.kernels.act8`, llama.cpp's Q8_0 x Q8_0 numerics) and multiplied in integers (``vpdpbusd`` with
+    AVX512-VNNI, ``vpmaddubsw`` with AVX2), at
     every row count (passes of 8 rows over the weight), so a prefill and a decode step round alike.  Offered only
     in the dispatcher's opt-in "q8" activation mode."""
 
@@ -52,7 +53,7 @@ class Int8RowsA8Kernel(Int8RowsKernel):
         if shape[1] % 32:
             return f"needs in_features divisible by 32 (the activations' blocks), weight shape is {tuple(shape)}"
         if not torch.ops.fewbits_rows.a8_fast():
-            return "this CPU has no AVX512-VNNI"
+            return "this CPU has neither AVX512-VNNI nor AVX2 (the int8-activation path)"
         return None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -125,7 +125,7 @@ def prepare_linear(
 
 def prepare_linear_q8(qt: QuantizedTensor, device: str | torch.device | None = None) -> Any:
     """`prepare_linear` in the "q8" activation mode: where a kernel can (`cpu_q4_a8`, `cpu_int8_rows_a8` on a CPU
-    with AVX512-VNNI), it rounds the activations to int8 per block of 32 columns at every row count, so decode
+    with AVX512-VNNI or AVX2), it rounds the activations to int8 per block of 32 columns at every row count, so decode
     and evaluation share the numerics; the rest as in the weight-only mode."""
     return prepare_linear(qt, device, activations="q8")
 

@@ -136,8 +136,29 @@ inline void block_avx2(const float* __restrict x, int64_t K, const char* w, int6
     }
 }
 
-// channels per block for M rows: accumulators and widened weights within the 16 vector registers
-template <int M> constexpr int chans2() { return M == 1 ? 4 : (M == 2 ? 4 : (M == 3 ? 3 : (M <= 6 ? 2 : 1))); }
+// one row of x: one weight row at a time, four FMA chains.  Reading several weight rows side by side (as more
+// rows of x need, to reuse each loaded weight vector) makes as many interleaved streams, which the hardware
+// prefetchers of an AVX2 EPYC follow at half the memory's speed; one row at a time is one sequential stream.
+template <Kind KIND>
+inline float row1_avx2(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes) {
+  constexpr int64_t ESZ = KIND == I8 ? 1 : 2;
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    if ((k * ESZ) % 64 == 0) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * j), widen8<KIND>(w, k + 8 * j), acc[j]);
+  }
+  for (; k + 8 <= K; k += 8) acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), widen8<KIND>(w, k), acc[0]);
+  float s = hsum8(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  for (; k < K; ++k) s += x[k] * scalar_w<KIND>(w, k);
+  return s;
+}
+
+// channels per block for M rows: accumulators and widened weights within the 16 vector registers (one row of x:
+// row1_avx2)
+template <int M> constexpr int chans2() { return M == 1 ? 1 : (M == 2 ? 4 : (M == 3 ? 3 : (M <= 6 ? 2 : 1))); }
 
 template <int M>
 void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
@@ -145,9 +166,59 @@ void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64
   channel_blocks<M, chans2<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     constexpr int RR = decltype(rtag)::value;
     const char* wn = w + n * ld_bytes;
-    if (kind == BF16) block_avx2<BF16, M, RR>(x, K, wn, ld_bytes, acc);
+    if constexpr (M == 1) {
+      if (kind == BF16) acc[0] = row1_avx2<BF16>(x, K, wn, ld_bytes);
+      else if (kind == F16) acc[0] = row1_avx2<F16>(x, K, wn, ld_bytes);
+      else acc[0] = row1_avx2<I8>(x, K, wn, ld_bytes);
+    } else if (kind == BF16) block_avx2<BF16, M, RR>(x, K, wn, ld_bytes, acc);
     else if (kind == F16) block_avx2<F16, M, RR>(x, K, wn, ld_bytes, acc);
     else block_avx2<I8, M, RR>(x, K, wn, ld_bytes, acc);
+  });
+}
+
+#define ROWS_A8 1
+// int8 weights x int8 activations (int8_mm_a8) without vpdpbusd: vpmaddubsw multiplies unsigned by signed
+// bytes, so |w| (vpabsb; -128 reads as 128 unsigned) times the activation codes given w's sign (vpsignb; the
+// codes are within +-127, so negating one never overflows), pairs summed in int16 (<= 2 * 128 * 127 = 32512: no
+// saturation), vpmaddwd by ones to int32 per 4 columns: exact; 32 columns (one activation block) a step, scaled
+// by the block's d in fp32.
+template <int M, int R>
+inline void block_a8(const int8_t* __restrict xq, const float* __restrict d, int64_t K, const int8_t* w, int64_t ld,
+                     float* acc_out) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t k = 0; k < K; k += 32) {
+    __m256i wv[R], aw[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ld + k));
+      aw[r] = _mm256_abs_epi8(wv[r]);
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * K + k));
+      const __m256 dv = _mm256_set1_ps(d[m * (K / 32) + k / 32]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(xv, wv[r])), ones);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dv, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum8(acc[m][r]);
+}
+
+// channels per block for M rows: accumulators, weights and their magnitudes within the 16 vector registers; one
+// row of x reads one weight row at a time (one sequential stream: row1_avx2)
+template <int M> constexpr int chans_a8() { return M == 1 ? 1 : (M == 2 ? 3 : (M <= 4 ? 2 : 1)); }
+
+template <int M>
+void rows_a8(const int8_t* xq, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t n0, int64_t n1,
+             float* __restrict out, int64_t N) {
+  channel_blocks<M, chans_a8<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
+    block_a8<M, decltype(rtag)::value>(xq, d, K, w + n * ld, ld, acc);
   });
 }
 #endif
@@ -515,7 +586,11 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
       at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
         const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
 #if ROWS_A8
-        const uint8_t* xm = xu.data() + m0 * K;
+#ifdef ROWS_AVX512
+        const uint8_t* xm = xu.data() + m0 * K;  // codes + 128 for vpdpbusd
+#else
+        const int8_t* xm = xq.data() + m0 * K;
+#endif
         const float* dm = d.data() + m0 * (K / 32);
         float* om = O + m0 * N;
         switch (mm) {
@@ -537,7 +612,8 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
-// whether int8_mm_a8 runs vpdpbusd here (else its plain loops)
+// whether int8_mm_a8 runs integer vector products here (AVX512-VNNI's vpdpbusd or AVX2's vpmaddubsw; else its plain
+// loops)
 int64_t a8_fast() { return ROWS_A8; }
 
 // the vector path dense_mm and int8_mm run here: 2 AVX-512, 1 AVX2 + FMA, 0 the plain loops

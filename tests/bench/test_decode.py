@@ -163,7 +163,7 @@ def test_summary_scores_the_speedup_apart_from_the_step_time():
 
 def test_int8_activations_choose_their_kernels(tmp_path):
     """--activations q8: the rows run the kernels the dispatcher's q8 mode chooses (cpu_q4_a8 and
-    cpu_int8_rows_a8 where the CPU has AVX512-VNNI, the weight-only ones elsewhere)."""
+    cpu_int8_rows_a8 where the CPU has AVX512-VNNI or AVX2, the weight-only ones elsewhere)."""
     from fewbits.cli import main
 
     path, prof = _tiny(tmp_path)
