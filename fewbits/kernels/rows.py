@@ -17,9 +17,10 @@ Every loaded weight vector is used for all M rows, several output channels are r
 accumulators), and the output channels are split between threads (``at::parallel_for``).  Sums are fp32;
 the result is rounded once to x's dtype.  Three builds of one source, by the CPU (`built_isa`): AVX-512 (the
 above), AVX2 + FMA (8 columns a step, every weight dtype widened to fp32 and multiplied with x in fp32 by
-FMAs: on an AVX2 host 14-17 GB/s for int8 at one row where the plain loops read 8, 4.5-4.9 against 1.9 at
-eight rows), and plain loops the compiler vectorises (no AVX2, or the source compiled with
-``FEWBITS_ROWS_PORTABLE``).
+FMAs; ``int8_mm_a8`` through ``vpmaddubsw``; one row of x reads one weight row at a time, a single sequential
+stream, where several rows side by side ran at about half the memory's speed: SmolLM2's int8 head from memory
+at 14.9 GB/s on an AVX2 EPYC, 2 threads, against 8.9), and plain loops the compiler vectorises (no AVX2, or the
+source compiled with ``FEWBITS_ROWS_PORTABLE``).
 
 The operators are built once per machine through `fewbits.kernels.native` (`available()`); where that
 fails callers keep torch's operators.  ``FEWBITS_CPU_ROWS=torch`` turns them off (`enabled()`), for
