@@ -569,13 +569,14 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
                                                                                            : std::vector<float>();
   const float* X = xf.data();
   std::vector<int8_t> xq(M * K);
-  std::vector<uint8_t> xu(M * K);
   std::vector<float> d(M * (K / 32));
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < K / 32; ++b) {
+    for (int64_t b = 0; b < K / 32; ++b)
       d[m * (K / 32) + b] = fb_q8_block(X + m * K + b * 32, 32, xq.data() + m * K + b * 32);
-      for (int64_t k = m * K + b * 32; k < m * K + b * 32 + 32; ++k) xu[k] = uint8_t(int32_t(xq[k]) + 128);
-    }
+#if ROWS_A8 && defined(ROWS_AVX512)
+  std::vector<uint8_t> xu(M * K);  // codes + 128: vpdpbusd's unsigned operand
+  for (int64_t k = 0; k < M * K; ++k) xu[k] = uint8_t(int32_t(xq[k]) + 128);
+#endif
   std::vector<float> acc(M * N);
   float* O = acc.data();
   const int8_t* W = static_cast<const int8_t*>(q.data_ptr());
@@ -587,7 +588,7 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
         const int64_t n0 = b0 * BLOCK, n1 = std::min(N, b1 * BLOCK);
 #if ROWS_A8
 #ifdef ROWS_AVX512
-        const uint8_t* xm = xu.data() + m0 * K;  // codes + 128 for vpdpbusd
+        const uint8_t* xm = xu.data() + m0 * K;
 #else
         const int8_t* xm = xq.data() + m0 * K;
 #endif
