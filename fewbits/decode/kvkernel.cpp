@@ -519,7 +519,175 @@ void values_fast8(const uint8_t* rows, int64_t nb, int64_t gv, const uint8_t* ok
     }
   }
 }
+
+// The KIVI paths in 16-bit integers (AVX2): a 4- or 2-bit code times an int16 is exact in vpmaddwd, which does
+// two such products and their sum in one instruction where fp32 needs a shift, a mask, a conversion and an FMA
+// per code.  The query (times a key group's scales) and the softmax weights (times the value scales) are rounded
+// to int16 against their largest magnitude (relative step 2^-15, finer than the bf16 the eager path rounds to);
+// the sums are exact int32 (|sum| <= D * (2^BITS - 1) * 32767 for scores, n * (2^BITS - 1) * 32767 for values).
+
+// 16 codes as int16 lanes: plane k of 16 bytes widened to int16 (int8 codes sign-extended, one plane)
+template <int BITS>
+inline __m256i plane16(__m256i v, int k) {
+  if constexpr (BITS == 8) return v;
+  const __m256i mask = _mm256_set1_epi16((1 << BITS) - 1);
+  if (k == 0) return _mm256_and_si256(v, mask);
+  if (k == 8 / BITS - 1) return _mm256_srli_epi16(v, k * BITS);  // the top bits of a zero-extended byte
+  return _mm256_and_si256(_mm256_srli_epi16(v, k * BITS), mask);
+}
+template <int BITS>
+inline __m256i widen16(__m128i raw) {
+  return BITS == 8 ? _mm256_cvtepi8_epi16(raw) : _mm256_cvtepu8_epi16(raw);
+}
+
+// out[j * stride] = the sum of a[j]'s int32 lanes for j < rr (as sums4)
+inline void isums4(const __m256i a[4], int64_t rr, int32_t* out, int64_t stride) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a[0], a[1]), _mm256_hadd_epi32(a[2], a[3]));
+  alignas(16) int32_t sums[4];
+  _mm_store_si128(reinterpret_cast<__m128i*>(sums),
+                  _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+  for (int64_t j = 0; j < rr; ++j) out[j * stride] = sums[j];
+}
+
+// out[r * stride + i] = q_r . codes_i (q: R x D int16 in plane order; int32 sums) for the n rows of codes (all of
+// them: the caller marks the masked ones), four query heads per pass, 16 bytes of a row at a time (nb a multiple
+// of 16)
+template <int BITS>
+void scores_i16(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
+                int64_t stride) {
+  constexpr int PER = 8 / BITS;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = rows + i * nb;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) {
+      const int64_t rr = std::min<int64_t>(4, R - r0);
+      const int16_t* q0 = q + r0 * D;
+      __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                      _mm256_setzero_si256()};
+      for (int64_t jb = 0; jb < nb / 16; ++jb) {
+        const __m256i v = widen16<BITS>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb * 16)));
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) {
+          const __m256i c = plane16<BITS>(v, k);
+          const int64_t o = k * nb + jb * 16;
+#pragma GCC unroll 4
+          for (int j = 0; j < 4; ++j)
+            if (j < rr)
+              a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(
+                  c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + j * D + o))));
+        }
+      }
+      isums4(a, rr, out + r0 * stride + i, stride);
+    }
+  }
+}
+
+// acc[r * D + plane-order index] = sum_i w_g[r][i] * codes_i (int32) over the n rows, for blocks of 8 bytes in one
+// value group g (gv a multiple of 8 * 8 / BITS): the weights int16 at w + g * gstride + r * stride, padded with a
+// zero weight to an even count.  Two tokens at a time: their bytes interleaved, so that vpmaddwd multiplies each
+// channel's pair of codes by the pair of weights (one 32-bit broadcast) and adds the two.
+template <int BITS>
+void values_i16(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
+                int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
+  constexpr int PER = 8 / BITS, RR = PER >= 4 ? 2 : 4;
+  for (int64_t r0 = 0; r0 < R; r0 += RR) {
+    const int64_t rr = std::min<int64_t>(RR, R - r0);
+    for (int64_t jb = 0; jb < nb / 8; ++jb) {
+      const int16_t* w0 = w + r0 * stride + jb * 8 * PER / gv * gstride;
+      __m256i a[PER][RR];
+#pragma GCC unroll 4
+      for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j) a[k][j] = _mm256_setzero_si256();
+      for (int64_t i = 0; i < n; i += 2) {
+        const __m128i x0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + i * nb + jb * 8));
+        const __m128i x1 = i + 1 < n ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + (i + 1) * nb + jb * 8))
+                                     : _mm_setzero_si128();
+        const __m256i v = widen16<BITS>(_mm_unpacklo_epi8(x0, x1));  // byte m of both tokens: lanes 2m, 2m+1
+        __m256i p[RR];
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j) {
+          int32_t pair = 0;  // (w_i, w_i+1) as one 32-bit lane
+          if (j < rr) std::memcpy(&pair, w0 + j * stride + i, sizeof(pair));
+          p[j] = _mm256_set1_epi32(pair);
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) {
+          const __m256i c = plane16<BITS>(v, k);
+#pragma GCC unroll 4
+          for (int j = 0; j < RR; ++j) a[k][j] = _mm256_add_epi32(a[k][j], _mm256_madd_epi16(c, p[j]));
+        }
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j)
+          if (j < rr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + (r0 + j) * D + k * nb + jb * 8), a[k][j]);
+    }
+  }
+}
+
+// y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
+inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 vmax = _mm256_setzero_ps();
+  int64_t i0 = 0;
+  for (; i0 + 8 <= n; i0 += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), abs_mask));
+  alignas(32) float m8[8];
+  _mm256_store_ps(m8, vmax);
+  float amax = 0.f;
+  for (float m : m8) amax = std::max(amax, m);
+  for (; i0 < n; ++i0) amax = std::max(amax, std::fabs(x[i0]));
+  const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+  for (int64_t i = n; i < npad; ++i) y[i] = 0;
+  return amax / 32767.f;
+}
 #endif
+
+// f(rows) with rows: base + off as a pointer to dt's elements (bf16, fp16, int8 or fp32)
+template <typename F>
+inline void by_dtype(const void* base, at::ScalarType dt, int64_t off, F&& f) {
+  if (dt == at::kBFloat16) f(static_cast<const at::BFloat16*>(base) + off);
+  else if (dt == at::kHalf) f(static_cast<const at::Half*>(base) + off);
+  else if (dt == at::kChar) f(static_cast<const int8_t*>(base) + off);
+  else f(static_cast<const float*>(base) + off);
+}
+
+// s[r * n + i] = q_r . row_i over rows row0 .. row0+n-1 of a (., D) tensor of dt (NEG_INF where !ok[i]) by the
+// vector path; false where none fits D (the caller runs the plain loop)
+inline bool scores_rows(const void* base, at::ScalarType dt, int64_t row0, int64_t D, const bool* ok, int64_t n,
+                        const float* q, int64_t R, float* s) {
+#ifdef FEWBITS_KV_AVX512
+  if (D % 16 == 0) {
+    by_dtype(base, dt, row0 * D, [&](auto rows) { scores_16(rows, D, ok, n, q, R, s); });
+    return true;
+  }
+#elif defined(FEWBITS_KV_AVX2)
+  if (D % 8 == 0) {
+    by_dtype(base, dt, row0 * D, [&](auto rows) { scores_8(rows, D, ok, n, q, R, s); });
+    return true;
+  }
+#endif
+  return false;
+}
+
+// acc[r * D + d] = sum_i w[r * n + i] * row_i[d] over the same rows with ok[i] by the vector path; false where
+// none fits D
+inline bool values_rows(const void* base, at::ScalarType dt, int64_t row0, int64_t D, const bool* ok, int64_t n,
+                        const float* w, int64_t R, float* acc) {
+#ifdef FEWBITS_KV_AVX512
+  if (D % 16 == 0) {
+    by_dtype(base, dt, row0 * D, [&](auto rows) { values_16(rows, D, ok, n, w, R, acc); });
+    return true;
+  }
+#elif defined(FEWBITS_KV_AVX2)
+  if (D % 8 == 0) {
+    by_dtype(base, dt, row0 * D, [&](auto rows) { values_8(rows, D, ok, n, w, R, acc); });
+    return true;
+  }
+#endif
+  return false;
+}
 
 // The per-unit softmaxes (maximum pm, sum pl, weighted values pacc: unit k of (b, h) at bh * nunits + k, each
 // with R query heads) merged into one attention per query head -> (B, H, R, D) in q's dtype (rounded once)
@@ -614,6 +782,14 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   constexpr int64_t VBLOCK = 1;
 #endif
   const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
+  std::vector<int32_t> pidx(D);  // plane order -> channel: index k * nb + j holds channel j * per + k
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t k = 0; k < per; ++k) pidx[k * nb + j] = static_cast<int32_t>(j * per + k);
+#ifdef FEWBITS_KV_AVX2
+  // KIVI in 16-bit integers (scores_i16, values_i16): whole 16-byte blocks, int32 sums that cannot overflow
+  const int64_t qmax = (1 << bits) - 1, lim = (int64_t{1} << 31) / (qmax * 32767);
+  const bool i16 = fast && kivi && nb % 16 == 0 && D <= lim && chunk <= lim;
+#endif
   const uint8_t* KC = static_cast<const uint8_t*>(kc_.data_ptr());
   const uint8_t* VC = static_cast<const uint8_t*>(vc_.data_ptr());
   const at::Half *KS = ks_.data_ptr<at::Half>(), *VS = vs_.data_ptr<at::Half>();
@@ -625,20 +801,34 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(Rpad * std::max(chunk, W));
     // the vector path's per-token value scales and minima in fp32, and the weights times each group's scale
-    std::vector<float> vsf, vmf, wg;
+    std::vector<float> vsf, vmf, wg, tmp, ksc;
     if (fast) {
+      ksc.resize(std::max(chunk, W));
       vsf.resize(std::max(chunk, W) * ng);
       vmf.resize(std::max(chunk, W) * ng);
+      tmp.resize(std::max(chunk, W) * ng);
       wg.resize(ng * Rpad * std::max(chunk, W));
     }
     alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
     alignas(64) float qpl[MAXR * MAXD], sgp[MAXD];  // the query and a group's key scales in plane order
+#ifdef FEWBITS_KV_AVX2
+    // the integer path's query, scores, weights (pairs of tokens: npad a row) and weighted codes
+    alignas(64) int16_t q16[MAXR * MAXD];
+    alignas(64) int32_t acc32[MAXR * MAXD];
+    std::vector<int32_t> s32(i16 ? Rpad * chunk : 0);
+    std::vector<int16_t> w16(i16 ? ng * Rpad * (chunk + 1) : 0);
+    std::vector<float> wsc(i16 ? ng * Rpad : 0);
+#endif
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t bh = u / nunits, unit = u % nunits, b = bh / H;
       const float* qh = Q + bh * R * D;
       const bool ring = unit == nchunk;
       const int64_t t0 = ring ? 0 : unit * chunk, n = ring ? W : std::min(chunk, T - t0);
       const uint8_t* okp = ring ? OKR + b * W : OK + b * T + t0;
+      if (std::find(okp, okp + n, uint8_t{1}) == okp + n) {  // no slot to attend to: the merge skips the unit
+        for (int64_t r = 0; r < R; ++r) pm[(bh * nunits + unit) * R + r] = NEG_INF;
+        continue;
+      }
       if (!kivi)  // the query in plane order (one plane: itself)
         for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
       int64_t cur_g = -1;
@@ -648,6 +838,14 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         halves(KS + (bh * (T / G) + g) * D, sgf, D);
         halves(KM + (bh * (T / G) + g) * D, mgf, D);
         const auto to_planes = [&](const float* x, float* y) {  // channel j * per + k -> k * nb + j
+#ifdef FEWBITS_KV_AVX2
+          if (fast) {  // (D a multiple of 8) by gathers: y[p] = x[pidx[p]]
+            for (int64_t p = 0; p < D; p += 8)
+              _mm256_storeu_ps(y + p, _mm256_i32gather_ps(x, _mm256_loadu_si256(
+                                                              reinterpret_cast<const __m256i*>(pidx.data() + p)), 4));
+            return;
+          }
+#endif
           for (int64_t j = 0; j < nb; ++j)
             for (int64_t k = 0; k < per; ++k) y[k * nb + j] = x[j * per + k];
         };
@@ -666,11 +864,18 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       // the vector paths' raw scores of tokens i0 .. i0+m-1 -> int8: times the key scale, KIVI: plus the bias;
       // masked: -inf
       [[maybe_unused]] const auto finish_scores = [&](float* so, int64_t i0, int64_t m, int64_t t) {
-        for (int64_t i = 0; i < m; ++i)
-          for (int64_t r = 0; r < R; ++r) {
-            float& x = so[r * n + i];
-            x = !okp[i0 + i] ? NEG_INF : kivi ? x + bias[r] : x * h2f(KS[bh * T + t + i]);
-          }
+        const uint8_t* ok = okp + i0;
+        if (!kivi) halves(KS + bh * T + t, ksc.data(), m);  // the keys' per-token scales
+        for (int64_t r = 0; r < R; ++r) {
+          float* x = so + r * n;
+          const float br = bias[r];
+          if (kivi)
+#pragma omp simd
+            for (int64_t i = 0; i < m; ++i) x[i] = ok[i] ? x[i] + br : NEG_INF;
+          else
+#pragma omp simd
+            for (int64_t i = 0; i < m; ++i) x[i] = ok[i] ? x[i] * ksc[i] : NEG_INF;
+        }
       };
 #ifdef FEWBITS_KV_AVX512
       if (fast && !ring) {  // scores: group by group (KIVI: the query scaled per group), then scale or bias
@@ -714,12 +919,35 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           if (kivi) group_query(t / G);
           const uint8_t* rows = KC + (bh * T + t) * nb;
           float* so = s.data() + i0;
-          by_bits(bits, [&](auto B) { scores_fast8<B.value>(rows, nb, okp + i0, m_, qp, R, D, so, n); });
-          finish_scores(so, i0, m_, t);
+          if (i16) {  // the scaled query in int16, the sums in int32, then times the query's step, plus the bias
+            float qs[MAXR];
+            for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qp + r * D, D, D, q16 + r * D);
+            by_bits(bits, [&](auto B) { scores_i16<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
+            const uint8_t* ok = okp + i0;
+            const int64_t m8 = m_ / 8 * 8;
+            for (int64_t r = 0; r < R; ++r) {  // masked: -inf
+              const __m256 step = _mm256_set1_ps(qs[r]), br = _mm256_set1_ps(bias[r]), ninf = _mm256_set1_ps(NEG_INF);
+              const int32_t* sr = s32.data() + r * m_;
+              float* x = so + r * n;
+              for (int64_t i = 0; i < m8; i += 8) {
+                const __m256i okv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + i)));
+                const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                                     reinterpret_cast<const __m256i*>(sr + i))), step, br);
+                _mm256_storeu_ps(x + i, _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(
+                                                               _mm256_cmpgt_epi32(okv, _mm256_setzero_si256()))));
+              }
+              for (int64_t i = m8; i < m_; ++i)
+                x[i] = ok[i] ? std::fma(static_cast<float>(sr[i]), qs[r], bias[r]) : NEG_INF;
+            }
+          } else {
+            by_bits(bits, [&](auto B) { scores_fast8<B.value>(rows, nb, okp + i0, m_, qp, R, D, so, n); });
+            finish_scores(so, i0, m_, t);
+          }
         }
       } else
 #endif
-      // scores
+      // scores (the 16-bit window: attend_rows' vector path where it fits)
+      if (!ring || !scores_rows(RK, rdt, bh * W, D, reinterpret_cast<const bool*>(okp), n, qh, R, s.data()))
       for (int64_t i = 0; i < n; ++i) {
         float* si = s.data() + i;
         if (!okp[i]) { for (int64_t r = 0; r < R; ++r) si[r * n] = NEG_INF; continue; }
@@ -792,11 +1020,22 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
 #elif defined(FEWBITS_KV_AVX2)
       if (fast && !ring) {  // the weighted sum of values (plane order), the value scales folded into the weights
         const int64_t bh_t = bh * T + t0, gs = Rpad * n;
-        for (int64_t i = 0; i < n; ++i)  // the value scales and minima group by group: vsf[g * n + i]
-          for (int64_t g = 0; g < ng; ++g) {
-            vsf[g * n + i] = h2f(VS[(bh_t + i) * ng + g]);
-            vmf[g * n + i] = kivi ? h2f(VM[(bh_t + i) * ng + g]) : 0.f;
+        // the value scales and minima group by group: vsf[g * n + i] (converted by vectors, then regrouped)
+        const auto regroup = [&](const at::Half* src, float* dst) {
+          halves(src + bh_t * ng, ng == 1 ? dst : tmp.data(), n * ng);
+          if (ng == 1) return;
+          const int64_t n8 = n / 8 * 8;
+          for (int64_t g = 0; g < ng; ++g) {  // dst[g * n + i] = tmp[i * ng + g], eight tokens a gather
+            const __m256i idx = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                                    _mm256_set1_epi32(int(ng))), _mm256_set1_epi32(int(g)));
+            for (int64_t i = 0; i < n8; i += 8)
+              _mm256_storeu_ps(dst + g * n + i, _mm256_i32gather_ps(tmp.data() + i * ng, idx, 4));
+            for (int64_t i = n8; i < n; ++i) dst[g * n + i] = tmp[i * ng + g];
           }
+        };
+        regroup(VS, vsf.data());
+        if (kivi) regroup(VM, vmf.data());
+        else std::fill(vmf.begin(), vmf.begin() + n * ng, 0.f);
         for (int64_t r = 0; r < R; ++r) {
           float* sr = s.data() + r * n;
           for (int64_t i = 0; i < n; ++i) sr[i] = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
@@ -814,10 +1053,31 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         }
         const uint8_t* rows = VC + bh_t * nb;
         const int64_t gvv = kivi ? gv : D;
-        by_bits(bits, [&](auto B) { values_fast8<B.value>(rows, nb, gvv, okp, n, wg.data(), n, gs, R, D, acc); });
+        if (i16) {  // the weights in int16 per query head and value group, the sums in int32, times the steps
+          const int64_t npad = (n + 1) / 2 * 2;
+          for (int64_t g = 0; g < ng; ++g)
+            for (int64_t r = 0; r < R; ++r)
+              wsc[g * Rpad + r] = to_i16(wg.data() + g * gs + r * n, n, npad, w16.data() + (g * Rpad + r) * npad);
+          by_bits(bits, [&](auto B) {
+            values_i16<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
+          });
+          const int64_t seg = gvv / per;  // bytes of one value group: j in g * seg .. g * seg + seg - 1
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t k = 0; k < per; ++k)
+              for (int64_t g = 0; g < ng; ++g) {
+                const float st = wsc[g * Rpad + r];
+                const int32_t* a = acc32 + r * D + k * nb + g * seg;
+                float* o = acc + r * D + k * nb + g * seg;
+#pragma omp simd
+                for (int64_t j = 0; j < seg; ++j) o[j] = static_cast<float>(a[j]) * st;
+              }
+        } else {
+          by_bits(bits, [&](auto B) { values_fast8<B.value>(rows, nb, gvv, okp, n, wg.data(), n, gs, R, D, acc); });
+        }
       } else
 #endif
-      // the weighted sum of values (plane order for codes)
+      // the weighted sum of values (plane order for codes; the window as the scores)
+      if (!ring || !values_rows(RV, rdt, bh * W, D, reinterpret_cast<const bool*>(okp), n, s.data(), R, acc))
       for (int64_t i = 0; i < n; ++i) {
         if (!okp[i]) continue;
         const int64_t t = t0 + i;
@@ -901,7 +1161,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   const at::ScalarType dt = k.scalar_type();
   const float* Q = q.data();
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> s(R * chunk);
+    std::vector<float> s(R * chunk), sc(scaled ? chunk : 0);
     alignas(64) float c[MAXD];
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t bh = u / nunits, t0 = (u % nunits) * chunk, b = bh / H;
@@ -913,61 +1173,29 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
       const float* qh = Q + bh * R * D;
       const int64_t base = bh * nunits + u % nunits, row0 = bh * T + t0;
       float* acc = pacc.data() + base * R * D;
-#ifdef FEWBITS_KV_AVX512
-      if (D % 16 == 0) {
-        if (dt == at::kBFloat16) scores_16(static_cast<const at::BFloat16*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-        else if (dt == at::kHalf) scores_16(static_cast<const at::Half*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-        else if (dt == at::kChar) scores_16(static_cast<const int8_t*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-        else scores_16(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-      } else
-#elif defined(FEWBITS_KV_AVX2)
-      if (D % 8 == 0) {
-        if (dt == at::kBFloat16) scores_8(static_cast<const at::BFloat16*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-        else if (dt == at::kHalf) scores_8(static_cast<const at::Half*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-        else if (dt == at::kChar) scores_8(static_cast<const int8_t*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-        else scores_8(static_cast<const float*>(K) + row0 * D, D, ok, n, qh, R, s.data());
-      } else
-#endif
+      if (!scores_rows(K, dt, row0, D, ok, n, qh, R, s.data()))
       for (int64_t i = 0; i < n; ++i) {  // scores
         if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
         row_f32(K, dt, row0 + i, D, c);
         for (int64_t r = 0; r < R; ++r) s[r * n + i] = dot(qh + r * D, c, D);
       }
-      if (scaled)  // the keys' per-token scales
-        for (int64_t i = 0; i < n; ++i) {
-          if (!ok[i]) continue;
-          const float sc = h2f(KS[row0 + i]);
-          for (int64_t r = 0; r < R; ++r) s[r * n + i] *= sc;
-        }
+      if (scaled) {  // the keys' per-token scales
+        halves(KS + row0, sc.data(), n);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t i = 0; i < n; ++i) s[r * n + i] = ok[i] ? s[r * n + i] * sc[i] : s[r * n + i];
+      }
       for (int64_t r = 0; r < R; ++r) {  // softmax within the chunk
         float* sr = s.data() + r * n;
         pm[base * R + r] = row_max(sr, n);
         pl[base * R + r] = exp_sub_sum(sr, n, pm[base * R + r]);
       }
-      if (scaled)  // the values' per-token scales folded into the weights
-        for (int64_t i = 0; i < n; ++i) {
-          if (!ok[i]) continue;
-          const float sc = h2f(VS[row0 + i]);
-          for (int64_t r = 0; r < R; ++r) s[r * n + i] *= sc;
-        }
+      if (scaled) {  // the values' per-token scales folded into the weights
+        halves(VS + row0, sc.data(), n);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t i = 0; i < n; ++i) s[r * n + i] *= sc[i];  // (a masked slot's weight is never read)
+      }
       // the weighted sum of values (a masked slot is skipped: it weighs exactly 0)
-#ifdef FEWBITS_KV_AVX512
-      if (D % 16 == 0) {
-        if (dt == at::kBFloat16) values_16(static_cast<const at::BFloat16*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        else if (dt == at::kHalf) values_16(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        else if (dt == at::kChar) values_16(static_cast<const int8_t*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        else values_16(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        continue;
-      }
-#elif defined(FEWBITS_KV_AVX2)
-      if (D % 8 == 0) {
-        if (dt == at::kBFloat16) values_8(static_cast<const at::BFloat16*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        else if (dt == at::kHalf) values_8(static_cast<const at::Half*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        else if (dt == at::kChar) values_8(static_cast<const int8_t*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        else values_8(static_cast<const float*>(V) + row0 * D, D, ok, n, s.data(), R, acc);
-        continue;
-      }
-#endif
+      if (values_rows(V, dt, row0, D, ok, n, s.data(), R, acc)) continue;
       for (int64_t i = 0; i < n; ++i) {
         if (!ok[i]) continue;
         row_f32(V, dt, row0 + i, D, c);

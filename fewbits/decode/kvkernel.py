@@ -7,7 +7,12 @@ Inductor turns the folded reductions of `LayerKV.scores` / `weighted_values` int
 share its KV head (GQA), unpacks it into a small float row, and runs plain dot products and axpys on it,
 with the scales and minima folded out of the loops exactly as in `LayerKV`.  Tokens are cut into chunks
 (whole KIVI groups) that run in parallel with a per-chunk softmax (maximum, sum, weighted values) merged at
-the end, so one KV head still uses every thread; the 16-bit residual window is one more chunk.
+the end, so one KV head still uses every thread; the 16-bit residual window is one more chunk, read by
+`attend_rows`' vector loops.  On an AVX2 CPU (no AVX-512) the KIVI codes meet 16-bit integers instead of
+floats: the query times a key group's scales and the softmax weights times the value scales are rounded to
+int16 (steps of 2^-15 of their largest, finer than bf16), and `vpmaddwd` multiplies two codes by two of them
+and adds the pair exactly, where fp32 needs a shift, a mask, a conversion and an FMA per code.  One layer at
+2048 tokens, one thread: 244 -> 183 us (the 16-bit cache: 124 us).
 
 `fewbits_kv::attend_rows` is the same over a cache of whole rows, 16-bit or int8 with per-token scales and no
 window (chunks of `CHUNK_ROWS` tokens, rows widened in registers, four query heads per pass): it reads slots up

@@ -82,6 +82,29 @@ def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int, bu
     torch.testing.assert_close(got.float(), reference(layer, q, allowed, n, D**-0.5), rtol=1e-2, atol=1e-2)
 
 
+@needs_kernel
+@pytest.mark.parametrize("build", ["native", "avx2"])
+@pytest.mark.parametrize("kv,D,n,r", [("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g16-r8", 64, 41, 3),
+                                      ("int4-r16", 128, 100, 4), ("int2-g64-r16", 64, 200, 5)])
+def test_kernel_in_fp32_is_close_to_dequantised_attention(kv: str, D: int, n: int, r: int, build: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An fp32 query (an fp32 result, no bf16 rounding at the end): the KIVI vector paths agree with attention
+    over the dequantised history to 1e-3, a quarter of one bf16 step at 1.0 (the fp32 paths to ~1e-5; the AVX2
+    one rounds the scaled query and the softmax weights to int16 steps of 2^-15 of their largest: seen here up
+    to 3e-4)."""
+    if build == "avx2":
+        ops = _rows_ops("avx2")
+        if ops is torch.ops.fewbits_kv:
+            pytest.skip("the main build is the AVX2 one")
+        monkeypatch.setattr(torch.ops.fewbits_kv, "attend_kv", ops.attend_kv)
+    layer = filled(kv, D, n)
+    q = torch.randn(2, 2 * r, 1, D, generator=torch.Generator().manual_seed(7)) * 2
+    allowed = mask(layer, 2, n)
+    got = _attend_codes(q, layer, allowed, torch.tensor([n - 1]), D**-0.5)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, reference(layer, q, allowed, n, D**-0.5), rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("kv,D,n,r", CASES[:9])
 def test_torch_reductions_equal_dequantised_attention(kv: str, D: int, n: int, r: int) -> None:
     """The fallback (scales folded out of inductor-fused reductions) where the kernel is not built."""
