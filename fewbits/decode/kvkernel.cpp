@@ -642,6 +642,40 @@ inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
   for (int64_t i = n; i < npad; ++i) y[i] = 0;
   return amax / 32767.f;
 }
+
+// y = the elements of x at even indices, then those at odd ones (n even)
+inline void split_even_odd(const float* x, float* y, int64_t n) {
+  const int64_t h = n / 2;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // [a0 a2 b0 b2 | a4 a6 b4 b6] -> 64-bit pairs 0, 2, 1, 3
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + i + 8);
+    const auto order = [](__m256 v) { return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(v), 0xD8)); };
+    _mm256_storeu_ps(y + i / 2, order(_mm256_shuffle_ps(a, b, 0x88)));
+    _mm256_storeu_ps(y + h + i / 2, order(_mm256_shuffle_ps(a, b, 0xDD)));
+  }
+  for (; i < n; i += 2) {
+    y[i / 2] = x[i];
+    y[h + i / 2] = x[i + 1];
+  }
+}
+
+// y[w * (n / ways) + m] = x[m * ways + w]: n elements woven `ways` at a time (ways a power of 2, n a multiple of
+// it) taken apart, one even/odd split per factor 2 (an index's low bit first, so the splits compose); scratch: n
+// floats
+inline void unweave(const float* x, float* y, int64_t n, int64_t ways, float* scratch) {
+  int rounds = 0;
+  for (int64_t w = ways; w > 1; w /= 2) ++rounds;
+  if (rounds == 0) {
+    std::memcpy(y, x, n * sizeof(float));
+    return;
+  }
+  const float* src = x;
+  for (int k = 0; k < rounds; ++k) {  // the last round writes y
+    float* dst = (rounds - 1 - k) % 2 == 0 ? y : scratch;
+    split_even_odd(src, dst, n);
+    src = dst;
+  }
+}
 #endif
 
 // f(rows) with rows: base + off as a pointer to dt's elements (bf16, fp16, int8 or fp32)
@@ -782,9 +816,6 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   constexpr int64_t VBLOCK = 1;
 #endif
   const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
-  std::vector<int32_t> pidx(D);  // plane order -> channel: index k * nb + j holds channel j * per + k
-  for (int64_t j = 0; j < nb; ++j)
-    for (int64_t k = 0; k < per; ++k) pidx[k * nb + j] = static_cast<int32_t>(j * per + k);
 #ifdef FEWBITS_KV_AVX2
   // KIVI in 16-bit integers (scores_i16, values_i16): whole 16-byte blocks, int32 sums that cannot overflow
   const int64_t qmax = (1 << bits) - 1, lim = (int64_t{1} << 31) / (qmax * 32767);
@@ -801,16 +832,18 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(Rpad * std::max(chunk, W));
     // the vector path's per-token value scales and minima in fp32, and the weights times each group's scale
-    std::vector<float> vsf, vmf, wg, tmp, ksc;
+    std::vector<float> vsf, vmf, wg, tmp, tmp2, ksc;
     if (fast) {
       ksc.resize(std::max(chunk, W));
       vsf.resize(std::max(chunk, W) * ng);
       vmf.resize(std::max(chunk, W) * ng);
       tmp.resize(std::max(chunk, W) * ng);
+      tmp2.resize(std::max(chunk, W) * ng);
       wg.resize(ng * Rpad * std::max(chunk, W));
     }
     alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
     alignas(64) float qpl[MAXR * MAXD], sgp[MAXD];  // the query and a group's key scales in plane order
+    [[maybe_unused]] alignas(64) float scratch[MAXD];
 #ifdef FEWBITS_KV_AVX2
     // the integer path's query, scores, weights (pairs of tokens: npad a row) and weighted codes
     alignas(64) int16_t q16[MAXR * MAXD];
@@ -839,10 +872,8 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         halves(KM + (bh * (T / G) + g) * D, mgf, D);
         const auto to_planes = [&](const float* x, float* y) {  // channel j * per + k -> k * nb + j
 #ifdef FEWBITS_KV_AVX2
-          if (fast) {  // (D a multiple of 8) by gathers: y[p] = x[pidx[p]]
-            for (int64_t p = 0; p < D; p += 8)
-              _mm256_storeu_ps(y + p, _mm256_i32gather_ps(x, _mm256_loadu_si256(
-                                                              reinterpret_cast<const __m256i*>(pidx.data() + p)), 4));
+          if (fast) {  // (per a power of 2)
+            unweave(x, y, D, per, scratch);
             return;
           }
 #endif
@@ -1024,6 +1055,10 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         const auto regroup = [&](const at::Half* src, float* dst) {
           halves(src + bh_t * ng, ng == 1 ? dst : tmp.data(), n * ng);
           if (ng == 1) return;
+          if ((ng & (ng - 1)) == 0) {  // a power of 2: even/odd splits
+            unweave(tmp.data(), dst, n * ng, ng, tmp2.data());
+            return;
+          }
           const int64_t n8 = n / 8 * 8;
           for (int64_t g = 0; g < ng; ++g) {  // dst[g * n + i] = tmp[i * ng + g], eight tokens a gather
             const __m256i idx = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
