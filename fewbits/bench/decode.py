@@ -188,7 +188,8 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
         kvf = parse_kv_format(kv)
         ctx = p + (steps + 1) // 2
         pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.full_spec,  # the layers as quantised: regrouped
-                  profile=profile, table_weights=None, table_kv=None, misfit="regroup", lm_head=heads[w])
+                  profile=profile, table_weights=None, table_kv=None, misfit="regroup", lm_head=heads[w],
+                  activations="int8" if activations == "q8" else "auto")  # q8: the "+a8" families' figures
         if w == weights[0] and kv == kvs[0]:
             base[(kv, b, p)] = t
             base_pred[(kv, b, p)] = pr.time_s

@@ -17,6 +17,7 @@ import torch
 
 from fewbits.formats.format import parse_format
 from fewbits.kernels import prepare_linear
+from fewbits.kernels.dispatch import prepare_linear_q8
 from fewbits.tensor import QuantizedTensor, quantize_tensor
 
 _FLOAT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -81,10 +82,24 @@ def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=g) * 0.02
 
 
+#: a weight set's spec ending in this (e.g. "int4-g64+a8") prepares kernels that round the activations to int8 where
+#: one can (`prepare_linear_q8`, `fewbits bench --activations q8`)
+A8 = "+a8"
+
+
+def split_a8(spec: str) -> tuple[str, bool]:
+    """(the weight format's spec, whether the kernels round the activations to int8) of a weight set's spec."""
+    return spec.removesuffix(A8), spec.endswith(A8)
+
+
+def _chooser(spec: str) -> Callable[[QuantizedTensor], object]:
+    return prepare_linear_q8 if split_a8(spec)[1] else prepare_linear
+
+
 def effective_spec(spec: str, in_features: int) -> str:
     """`spec` itself, or the same format with its group size halved until it divides in_features (a power of two
     where the format's is: the CPU operator's own group sizes; `Format.regrouped` takes the largest divisor)."""
-    fmt = parse_format(spec)
+    fmt = parse_format(split_a8(spec)[0])
     if fmt.granularity != "group" or in_features % fmt.group_size == 0:
         return fmt.spec
     g = fmt.group_size
@@ -108,9 +123,10 @@ def build_set(spec: str, shapes: tuple[tuple[int, int], ...], min_bytes: int = 0
         nbytes += qt.nbytes
         base.append(qt if torch.device(device).type == "cpu" else _copy(qt, device))
     copies = max(1, -(-min_bytes // max(nbytes, 1)))
-    kernels = [prepare_linear(qt) for qt in base]
+    prepare = _chooser(spec)
+    kernels = [prepare(qt) for qt in base]
     for _ in range(1, copies):  # independent copies so that no pass finds the weights in cache
-        kernels += [prepare_linear(_copy(qt)) for qt in base]
+        kernels += [prepare(_copy(qt)) for qt in base]
     names = tuple(dict.fromkeys(k.name for k in kernels))
     return WeightSet(spec, shapes, kernels, nbytes, copies, names)
 
@@ -141,7 +157,7 @@ def _layer_module(spec: str, shape: tuple[int, int], seed: int, device: str | to
         lin.weight.data.copy_(w.to(_FLOAT[s]))
         return lin.requires_grad_(False)
     qt = quantize_tensor(w, s, name=f"{spec}{shape}")
-    return QuantLinear(qt if torch.device(device).type == "cpu" else _copy(qt, device), None, chooser=prepare_linear)
+    return QuantLinear(qt if torch.device(device).type == "cpu" else _copy(qt, device), None, chooser=_chooser(spec))
 
 
 def _module_name(m: torch.nn.Module) -> str:

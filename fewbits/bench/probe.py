@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from fewbits.bench.gemv import build_set, inputs_for
+from fewbits.bench.gemv import A8, build_set, inputs_for
 from fewbits.bench.machine import (
     CURVE_SIZES,
     bandwidth_curve,
@@ -72,6 +72,7 @@ from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth
+from fewbits.formats.format import parse_format
 from fewbits.generate import synchronizer
 from fewbits.kvcache.format import parse_kv_format
 from fewbits.models.spec import ModelSpec
@@ -371,8 +372,13 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
             " GFLOP/s for bf16 and fp16")
     log(f"GEMV passes over {spec.name}'s linears{' (as the compiled step calls them)' if compiled else ''} ...")
     t_phase = time.perf_counter()
-    passes = gemv_passes(spec, tuple(dict.fromkeys(("bf16", *weight_specs))), min_bytes, device=device,
-                         fused=compiled)
+    formats = tuple(dict.fromkeys(("bf16", *weight_specs)))
+    if on_cpu:  # and the integer formats' kernels that round the activations to int8 (`fewbits bench --activations q8`)
+        formats += tuple(f + A8 for f in formats if parse_format(f).kind == "int")
+    passes = gemv_passes(spec, formats, min_bytes, device=device, fused=compiled)
+    for f in [f for f in passes if f.endswith(A8)]:
+        if passes[f]["kernels"] == passes[f.removesuffix(A8)]["kernels"]:
+            del passes[f]  # no such kernel on this CPU: the weight-only figures stand
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     t_phase = time.perf_counter()
     if compiled:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fewbits.cost.profile import format_family
+from fewbits.cost.profile import A8_COMPUTE_MAX, format_family
 from fewbits.formats.format import parse_format
 from fewbits.models.spec import ModelSpec
 
@@ -28,6 +28,7 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else the 16-bit tiny
     calls' time (0.8 ms here).  `bw_at(bytes)`: the bandwidth at a pass's working set (its `pool_bytes`, see
     `gemv_passes`), which its efficiency is relative to; else `bw`."""
+    from fewbits.bench.gemv import split_a8
     from fewbits.bench.probe import head_shape, layer_shapes
     from fewbits.bench.stepfit import _clamp
 
@@ -43,7 +44,8 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
         if f == "lm_head_bf16":
             continue
         calls = r.get("calls", len(layer_shapes(spec)) * spec.n_layers)  # linear calls per step
-        fam = format_family(parse_format(f))
+        weights, a8 = split_a8(f)  # "int4-g64+a8": the kernels that round the activations to int8
+        fam = format_family(parse_format(weights), "int8" if a8 else "auto")
         t1, t8 = r["rows1"]["t_bytes_s"], r["rows8"]["t_bytes_s"]
         bw_eff.setdefault(fam, _clamp(r["bytes"] / t1 / beta(r)))
         if fam != "float":  # the skeleton step below already pays a 16-bit call per linear
@@ -52,7 +54,8 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
         if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
             # the step model divides all linear FLOPs (LM head included) by one compute rate per family
             flops = r["rows8"]["flops"] + head_flops8
-            comp_eff.setdefault(fam, _clamp(flops / ((t8 + h["rows8"]["t_s"]) * peak_bf16)))
+            eff = flops / ((t8 + h["rows8"]["t_s"]) * peak_bf16)
+            comp_eff.setdefault(fam, min(A8_COMPUTE_MAX, max(1e-3, eff)) if a8 else _clamp(eff))
         log(f"  {f:>9}: {r['bytes'] / 1e6:6.1f} MB of linears per step: 1 row {t1 * 1e3:7.2f} ms "
             f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
     log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "

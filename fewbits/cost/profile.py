@@ -70,8 +70,10 @@ relative to that rate (the probe measures the weights over one copy of the model
 whose working set is the cache).
 
 Families (`format_family`): "float" (bf16/fp16/fp32), "fp8" (fp8-*, mxfp8), "int8", "int4"
-(int3..int7), "int2", "fp4" (fp4, nf4, mxfp4, nvfp4).  A family missing from a table uses its fallback
-("int2" -> "int4"), then "float".
+(int3..int7), "int2", "fp4" (fp4, nf4, mxfp4, nvfp4); an integer family with "+a8" ("int4+a8") is its kernels
+that round the activations to int8 (`fewbits bench --activations q8`, the cost model's ``activations="int8"``;
+on a CPU, `vpmaddubsw` / VNNI dot products, whose compute efficiency, relative to the 16-bit peak, may exceed 1).
+A family missing from a table uses its fallback ("int4+a8" -> "int4", "int2" -> "int4"), then "float".
 """
 
 from __future__ import annotations
@@ -90,7 +92,14 @@ PROFILE_SCHEMA = "fewbits.profile"
 PROFILE_VERSION = 1
 FAMILIES = ("float", "fp8", "int8", "int4", "int2", "fp4")
 #: where a family missing from a table looks next (before "float")
-FALLBACK = {"int2": "int4"}
+FALLBACK = {"int2": "int4", "int8+a8": "int8", "int4+a8": "int4", "int2+a8": "int2"}
+#: the suffix of an integer family whose kernels round the activations to int8
+A8 = "+a8"
+#: the families of the measured tables: the formats' own and their int8-activation kernels'
+MEASURED_FAMILIES = FAMILIES + ("int8+a8", "int4+a8", "int2+a8")
+#: the most an int8-activation family's compute efficiency may be (relative to the 16-bit peak: integer dot
+#: products do several times the multiply-adds of fp32 FMAs per instruction)
+A8_COMPUTE_MAX = 4.0
 
 
 def _lookup(table: dict[str, float], family: str, default: float) -> float:
@@ -103,8 +112,14 @@ class ProfileError(ValueError):
     """A profile file or value that cannot be used."""
 
 
-def format_family(fmt: Format) -> str:
-    """The efficiency family of a format (see the module docstring)."""
+def format_family(fmt: Format, activations: str = "auto") -> str:
+    """The efficiency family of a format (see the module docstring); int8 `activations` on an integer format: its
+    "+a8" family."""
+    fam = _weight_family(fmt)
+    return fam + A8 if activations == "int8" and fam in ("int8", "int4", "int2") else fam
+
+
+def _weight_family(fmt: Format) -> str:
     if fmt.kind == "float":
         return "float"
     if fmt.kind in ("fp8", "mxfp8"):
@@ -166,18 +181,21 @@ class Profile:
             if "float" not in t:
                 raise ProfileError(f"profile {self.name!r}: {table} needs a 'float' entry")
             for k, v in t.items():
-                if k not in FAMILIES:
-                    raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
-                if not 0 < v <= 1:
-                    raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not in (0, 1]")
+                if k not in MEASURED_FAMILIES:
+                    raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of "
+                                       f"{MEASURED_FAMILIES}")
+                top = A8_COMPUTE_MAX if table == "compute_efficiency" and k.endswith(A8) else 1.0
+                if not 0 < v <= top:
+                    raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not in (0, {top:g}]")
         for k, v in self.kv_window_bandwidth_efficiency.items():
             if k not in FAMILIES or not 0 < v <= 1:
                 raise ProfileError(f"profile {self.name!r}: kv_window_bandwidth_efficiency[{k!r}] = {v}: a family of "
                                    f"{FAMILIES} and a value in (0, 1]")
         for table in ("linear_call_overhead_s", "kv_layer_overhead_s", "kv_quantized_overhead_s"):
             for k, v in getattr(self, table).items():
-                if k not in FAMILIES:
-                    raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of {FAMILIES}")
+                if k not in MEASURED_FAMILIES:
+                    raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of "
+                                       f"{MEASURED_FAMILIES}")
                 if not math.isfinite(v):
                     raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not finite")
         if not 0 <= self.head_bandwidth_efficiency <= 1:

@@ -185,14 +185,14 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
     active_lin = model.n_linear_params() - (
         model.n_linear_params(("expert",)) * (model.n_experts - model.experts_per_token) // max(model.n_experts, 1))
     prec = compute_precision(fmt, activations, device, profile)
-    fam = format_family(fmt)
+    fam = format_family(fmt, activations)
     per_expert_layer = expert / (model.n_layers * model.n_experts) if model.is_moe else 0.0
     return WeightTerms(fmt.spec, fam, dense_q / n, dense_f / n, per_expert_layer / n,
                        model.hidden_size * emb_bpv / n, stored / n, 2.0 * active_lin / n, prec, device.peak_flops[prec],
                        profile.bw_eff(fam), profile.head_eff(), profile.compute_eff(fam), calls / n,
                        expert_linears, profile.call_overhead(fam), head_q / n,
-                       profile.bw_eff(format_family(head_own)) if head_own else 1.0,
-                       profile.call_overhead(format_family(head_own)) if head_own else 0.0)
+                       profile.bw_eff(format_family(head_own, activations)) if head_own else 1.0,
+                       profile.call_overhead(format_family(head_own, activations)) if head_own else 0.0)
 
 
 def resolve_kv(kv: str | Format | KVFormat) -> Format | KVFormat:

@@ -54,10 +54,14 @@ def _canned(monkeypatch):
     def passes(spec, formats, min_bytes, device="cpu", fused=False):
         saw("gemv", device, None)
         out = {}
+        # int4-g64+a8: its own kernel (int8 activations), faster; int8+a8: the same kernel as int8 (none here)
         for f, (nbytes, t1, t8, tc) in {"bf16": (8e6, 2e-3, 2e-3, 1e-4), "int8": (4e6, 1e-3, 4e-3, 2.4e-4),
-                                        "int4-g64": (2e6, 0.8e-3, 0.85e-3, 1e-4)}.items():
+                                        "int4-g64": (2e6, 0.8e-3, 0.85e-3, 1e-4),
+                                        "int4-g64+a8": (2e6, 0.5e-3, 0.55e-3, 1e-4),
+                                        "int8+a8": (4e6, 1e-3, 4e-3, 2.4e-4)}.items():
             if f in formats:
-                out[f] = {"kernels": ["k"], "bytes": nbytes, **({"pool_bytes": 32 << 20} if f == "int4-g64" else {}),
+                out[f] = {"kernels": ["k_a8" if f == "int4-g64+a8" else "k"], "bytes": nbytes,
+                          **({"pool_bytes": 32 << 20} if f.startswith("int4-g64") else {}),
                           "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1, "flops": 1e6},
                           "rows8": {"t_s": t8 + tc, "t_calls_s": tc, "t_bytes_s": t8, "flops": 8e6}}
         out["lm_head_bf16"] = {"bytes": 1e6, "rows1": {"t_s": 1e-3}, "rows8": {"t_s": 2e-3}}
@@ -89,6 +93,9 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.bw_eff("int8") == pytest.approx(4e6 / 1e-3 / bw)
     # int4's pass cycled a pool of 32 MiB (its footprint), read at the curve's 2 bw: relative to that
     assert prof.bw_eff("int4") == pytest.approx(2e6 / 0.8e-3 / (2 * bw))
+    # the CPU probe also times the integer formats' int8-activation kernels where they differ: int4's ("+a8" family)
+    assert prof.bw_eff("int4+a8") == pytest.approx(2e6 / 0.5e-3 / (2 * bw))
+    assert "int8+a8" not in prof.bandwidth_efficiency and prof.bw_eff("int8+a8") == prof.bw_eff("int8")
     assert prof.bandwidth_curve == ((32 << 20, 2 * bw), (1 << 30, bw))
     # int8 takes 4x longer at 8 rows: compute-limited; (8e6 body + 2*8*256*64 head FLOPs) / (6 ms * 5e11)
     assert prof.compute_eff("int8") == pytest.approx((8e6 + 2 * 8 * 256 * 64) / (6e-3 * 5e11))

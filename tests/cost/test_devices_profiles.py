@@ -111,6 +111,35 @@ def test_device_validation() -> None:
     assert DeviceSpec.from_dict(get_device("l4").to_dict()) == get_device("l4")
 
 
+def test_int8_activation_families_fall_back_to_their_weights_and_may_compute_past_the_16_bit_peak() -> None:
+    """"int4+a8": int4 weights on kernels that round the activations to int8 (`fewbits bench --activations q8`);
+    the cost model's int8 activations look it up, a profile without it gives the weight-only figures."""
+    from fewbits.cost.profile import Profile
+
+    assert format_family(parse_format("int4-g64"), "int8") == "int4+a8"
+    assert format_family(parse_format("int4-g64")) == format_family(parse_format("int4-g64"), "bf16") == "int4"
+    assert format_family(parse_format("bf16"), "int8") == "float"  # 16-bit weights: no such kernel
+    tables = dict(kv_bandwidth_efficiency={"float": 0.8}, device=get_device("h100"), low_precision_compute=False)
+    p = Profile(name="p", bandwidth_efficiency={"float": 0.8, "int4": 0.4, "int4+a8": 0.6},
+                compute_efficiency={"float": 0.6, "int4": 0.5, "int4+a8": 1.6}, **tables)
+    assert p.bw_eff("int4+a8") == 0.6 and p.compute_eff("int4+a8") == 1.6 and p.bw_eff("int8+a8") == 0.8
+    spec = "smollm2-135m"
+    a8, w4 = (plan(spec, batch=1, context=128, weights="int4-g64", kv="bf16", profile=p, activations=act,
+                   table_weights=None, table_kv=None) for act in ("int8", "auto"))
+    assert a8.time_s < w4.time_s  # the a8 kernels' measured rate
+    plain = Profile(name="q", bandwidth_efficiency={"float": 0.8, "int4": 0.4},
+                    compute_efficiency={"float": 0.6}, **tables)
+    assert plan(spec, batch=1, context=128, weights="int4-g64", kv="bf16", profile=plain, activations="int8",
+                table_weights=None, table_kv=None).time_s == pytest.approx(
+        plan(spec, batch=1, context=128, weights="int4-g64", kv="bf16", profile=plain,
+             table_weights=None, table_kv=None).time_s)
+    with pytest.raises(ProfileError, match="not in"):  # only the int8-activation families may pass 1, to 4
+        Profile(name="r", bandwidth_efficiency={"float": 0.8}, compute_efficiency={"float": 0.6, "int4": 1.6}, **tables)
+    with pytest.raises(ProfileError, match="not in"):
+        Profile(name="r", bandwidth_efficiency={"float": 0.8}, compute_efficiency={"float": 0.6, "int4+a8": 5.0},
+                **tables)
+
+
 def test_int2_is_its_own_family_and_falls_back_to_int4() -> None:
     from fewbits.cost.profile import DEFAULT, Profile, format_family
     from fewbits.formats.format import parse_format
