@@ -549,81 +549,107 @@ inline void isums4(const __m256i a[4], int64_t rr, int32_t* out, int64_t stride)
   for (int64_t j = 0; j < rr; ++j) out[j * stride] = sums[j];
 }
 
-// out[r * stride + i] = q_r . codes_i (q: R x D int16 in plane order; int32 sums) for the n rows of codes (all of
-// them: the caller marks the masked ones), four query heads per pass, 16 bytes of a row at a time (nb a multiple
-// of 16)
-template <int BITS>
-void scores_i16(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
-                int64_t stride) {
+// f(std::integral_constant<int, RR>()) for RR = rr (1 .. 4): a pass over RR query heads, its loops unrolled
+template <typename F>
+inline void by_heads(int64_t rr, F&& f) {
+  if (rr == 1) f(std::integral_constant<int, 1>());
+  else if (rr == 2) f(std::integral_constant<int, 2>());
+  else if (rr == 3) f(std::integral_constant<int, 3>());
+  else f(std::integral_constant<int, 4>());
+}
+
+// out[r * stride + i] = q_r . codes_i for RR query heads (q: RR x D int16 in plane order; int32 sums) and the n rows
+// of codes (all of them: the caller marks the masked ones), 16 bytes of a row at a time (nb a multiple of 16)
+template <int BITS, int RR>
+void scores_i16_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t D, int32_t* out,
+                      int64_t stride) {
   constexpr int PER = 8 / BITS;
   for (int64_t i = 0; i < n; ++i) {
     const uint8_t* row = rows + i * nb;
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t rr = std::min<int64_t>(4, R - r0);
-      const int16_t* q0 = q + r0 * D;
-      __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
-                      _mm256_setzero_si256()};
-      for (int64_t jb = 0; jb < nb / 16; ++jb) {
-        const __m256i v = widen16<BITS>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb * 16)));
+    __m256i a[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int64_t jb = 0; jb < nb / 16; ++jb) {
+      const __m256i v = widen16<BITS>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + jb * 16)));
 #pragma GCC unroll 4
-        for (int k = 0; k < PER; ++k) {
-          const __m256i c = plane16<BITS>(v, k);
-          const int64_t o = k * nb + jb * 16;
+      for (int k = 0; k < PER; ++k) {
+        const __m256i c = plane16<BITS>(v, k);
+        const int64_t o = k * nb + jb * 16;
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j)
-            if (j < rr)
-              a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(
-                  c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q0 + j * D + o))));
-        }
+        for (int j = 0; j < RR; ++j)
+          a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(
+              c, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + j * D + o))));
       }
-      isums4(a, rr, out + r0 * stride + i, stride);
     }
+    isums4(a, RR, out + i, stride);
   }
 }
 
-// acc[r * D + plane-order index] = sum_i w_g[r][i] * codes_i (int32) over the n rows, for blocks of 8 bytes in one
-// value group g (gv a multiple of 8 * 8 / BITS): the weights int16 at w + g * gstride + r * stride, padded with a
-// zero weight to an even count.  Two tokens at a time: their bytes interleaved, so that vpmaddwd multiplies each
-// channel's pair of codes by the pair of weights (one 32-bit broadcast) and adds the two.
+// out[r * stride + i] = q_r . codes_i (q: R x D int16 in plane order; int32 sums) for the n rows of codes, up to
+// four query heads per pass
+template <int BITS>
+void scores_i16(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
+                int64_t stride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
+      scores_i16_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
+    });
+}
+
+// acc[r * D + plane-order index] = sum_i w_g[r][i] * codes_i (int32) for RR query heads over the n rows, for blocks
+// of 8 bytes in one value group g (gv a multiple of 8 * 8 / BITS): the weights int16 at w + g * gstride + r * stride,
+// padded with a zero weight to an even count.  Two tokens at a time: their bytes interleaved, so that vpmaddwd
+// multiplies each channel's pair of codes by the pair of weights (one 32-bit broadcast) and adds the two.
+template <int BITS, int RR>
+void values_i16_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
+                      int64_t gstride, int64_t D, int32_t* acc) {
+  constexpr int PER = 8 / BITS;
+  for (int64_t jb = 0; jb < nb / 8; ++jb) {
+    const int16_t* w0 = w + jb * 8 * PER / gv * gstride;
+    __m256i a[PER][RR];
+#pragma GCC unroll 4
+    for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) a[k][j] = _mm256_setzero_si256();
+    const auto pair_of_tokens = [&](int64_t i, __m128i x0, __m128i x1) {
+      const __m256i v = widen16<BITS>(_mm_unpacklo_epi8(x0, x1));  // byte m of both tokens: lanes 2m, 2m+1
+      __m256i p[RR];
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) {
+        int32_t pair;  // (w_i, w_i+1) as one 32-bit lane
+        std::memcpy(&pair, w0 + j * stride + i, sizeof(pair));
+        p[j] = _mm256_set1_epi32(pair);
+      }
+#pragma GCC unroll 4
+      for (int k = 0; k < PER; ++k) {
+        const __m256i c = plane16<BITS>(v, k);
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j) a[k][j] = _mm256_add_epi32(a[k][j], _mm256_madd_epi16(c, p[j]));
+      }
+    };
+    const uint8_t* col = rows + jb * 8;
+    int64_t i = 0;
+    for (; i + 1 < n; i += 2)
+      pair_of_tokens(i, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(col + i * nb)),
+                     _mm_loadl_epi64(reinterpret_cast<const __m128i*>(col + (i + 1) * nb)));
+    if (i < n)  // an odd last token: with a zero row (its pair's weight is the zero padding)
+      pair_of_tokens(i, _mm_loadl_epi64(reinterpret_cast<const __m128i*>(col + i * nb)), _mm_setzero_si128());
+#pragma GCC unroll 4
+    for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * D + k * nb + jb * 8), a[k][j]);
+  }
+}
+
+// values_i16_heads for R query heads, four (int2: two, as many accumulators) per pass
 template <int BITS>
 void values_i16(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
                 int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
-  constexpr int PER = 8 / BITS, RR = PER >= 4 ? 2 : 4;
-  for (int64_t r0 = 0; r0 < R; r0 += RR) {
-    const int64_t rr = std::min<int64_t>(RR, R - r0);
-    for (int64_t jb = 0; jb < nb / 8; ++jb) {
-      const int16_t* w0 = w + r0 * stride + jb * 8 * PER / gv * gstride;
-      __m256i a[PER][RR];
-#pragma GCC unroll 4
-      for (int k = 0; k < PER; ++k)
-#pragma GCC unroll 4
-        for (int j = 0; j < RR; ++j) a[k][j] = _mm256_setzero_si256();
-      for (int64_t i = 0; i < n; i += 2) {
-        const __m128i x0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + i * nb + jb * 8));
-        const __m128i x1 = i + 1 < n ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + (i + 1) * nb + jb * 8))
-                                     : _mm_setzero_si128();
-        const __m256i v = widen16<BITS>(_mm_unpacklo_epi8(x0, x1));  // byte m of both tokens: lanes 2m, 2m+1
-        __m256i p[RR];
-#pragma GCC unroll 4
-        for (int j = 0; j < RR; ++j) {
-          int32_t pair = 0;  // (w_i, w_i+1) as one 32-bit lane
-          if (j < rr) std::memcpy(&pair, w0 + j * stride + i, sizeof(pair));
-          p[j] = _mm256_set1_epi32(pair);
-        }
-#pragma GCC unroll 4
-        for (int k = 0; k < PER; ++k) {
-          const __m256i c = plane16<BITS>(v, k);
-#pragma GCC unroll 4
-          for (int j = 0; j < RR; ++j) a[k][j] = _mm256_add_epi32(a[k][j], _mm256_madd_epi16(c, p[j]));
-        }
-      }
-#pragma GCC unroll 4
-      for (int k = 0; k < PER; ++k)
-#pragma GCC unroll 4
-        for (int j = 0; j < RR; ++j)
-          if (j < rr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + (r0 + j) * D + k * nb + jb * 8), a[k][j]);
-    }
-  }
+  constexpr int64_t RMAX = 8 / BITS >= 4 ? 2 : 4;
+  for (int64_t r0 = 0; r0 < R; r0 += RMAX)
+    by_heads(std::min<int64_t>(RMAX, R - r0), [&](auto RR) {
+      if constexpr (RR.value <= RMAX)
+        values_i16_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
+    });
 }
 
 // y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
