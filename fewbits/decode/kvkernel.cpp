@@ -664,8 +664,15 @@ inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
   for (float m : m8) amax = std::max(amax, m);
   for (; i0 < n; ++i0) amax = std::max(amax, std::fabs(x[i0]));
   const float inv = amax > 0.f ? 32767.f / amax : 0.f;
-  for (int64_t i = 0; i < n; ++i) y[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
-  for (int64_t i = n; i < npad; ++i) y[i] = 0;
+  const __m256 vinv = _mm256_set1_ps(inv);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {  // rounded to nearest even (the default rounding, as nearbyint's), packed in order
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8), vinv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+  }
+  for (; i < n; ++i) y[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
+  for (i = n; i < npad; ++i) y[i] = 0;
   return amax / 32767.f;
 }
 
@@ -685,6 +692,22 @@ inline void split_even_odd(const float* x, float* y, int64_t n) {
   }
 }
 
+// y[2 i] = x[i], y[2 i + 1] = x[n / 2 + i] (n even): split_even_odd undone
+inline void join_even_odd(const float* x, float* y, int64_t n) {
+  const int64_t h = n / 2;
+  int64_t i = 0;
+  for (; i + 8 <= h; i += 8) {  // [a0 b0 a1 b1 | a4 b4 a5 b5] and [a2 b2 a3 b3 | a6 b6 a7 b7] -> halves in order
+    const __m256 a = _mm256_loadu_ps(x + i), b = _mm256_loadu_ps(x + h + i);
+    const __m256 lo = _mm256_unpacklo_ps(a, b), hi = _mm256_unpackhi_ps(a, b);
+    _mm256_storeu_ps(y + 2 * i, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(y + 2 * i + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+  for (; i < h; ++i) {
+    y[2 * i] = x[i];
+    y[2 * i + 1] = x[h + i];
+  }
+}
+
 // y[w * (n / ways) + m] = x[m * ways + w]: n elements woven `ways` at a time (ways a power of 2, n a multiple of
 // it) taken apart, one even/odd split per factor 2 (an index's low bit first, so the splits compose); scratch: n
 // floats
@@ -699,6 +722,22 @@ inline void unweave(const float* x, float* y, int64_t n, int64_t ways, float* sc
   for (int k = 0; k < rounds; ++k) {  // the last round writes y
     float* dst = (rounds - 1 - k) % 2 == 0 ? y : scratch;
     split_even_odd(src, dst, n);
+    src = dst;
+  }
+}
+
+// unweave undone: y[m * ways + w] = x[w * (n / ways) + m]
+inline void weave(const float* x, float* y, int64_t n, int64_t ways, float* scratch) {
+  int rounds = 0;
+  for (int64_t w = ways; w > 1; w /= 2) ++rounds;
+  if (rounds == 0) {
+    std::memcpy(y, x, n * sizeof(float));
+    return;
+  }
+  const float* src = x;
+  for (int k = 0; k < rounds; ++k) {
+    float* dst = (rounds - 1 - k) % 2 == 0 ? y : scratch;
+    join_even_odd(src, dst, n);
     src = dst;
   }
 }
@@ -1098,16 +1137,16 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         if (kivi) regroup(VM, vmf.data());
         else std::fill(vmf.begin(), vmf.begin() + n * ng, 0.f);
         for (int64_t r = 0; r < R; ++r) {
-          float* sr = s.data() + r * n;
-          for (int64_t i = 0; i < n; ++i) sr[i] = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
+          const float* sr = s.data() + r * n;
           for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
             float* wr = wg.data() + g * gs + r * n;
             const float *sg = vsf.data() + g * n, *mg = vmf.data() + g * n;
             float b = 0.f;
 #pragma omp simd reduction(+ : b)
             for (int64_t i = 0; i < n; ++i) {
-              wr[i] = sr[i] * sg[i];
-              b += sr[i] * mg[i];
+              const float p = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
+              wr[i] = p * sg[i];
+              b += p * mg[i];
             }
             vb[r * ng + g] = b;
           }
@@ -1173,6 +1212,16 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         else if (fast && gv % (VBLOCK * per) != 0)  // minima included (AVX-512 blocks across value groups)
           for (int64_t j = 0; j < nb; ++j)
             for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j];
+#ifdef FEWBITS_KV_AVX2
+        else if (fast) {  // the minima's sums added per value group in plane order, then the planes woven
+          float* a = acc + r * D;
+          const int64_t seg = gv / per;  // bytes of one value group
+          for (int64_t k = 0; k < per; ++k)
+            for (int64_t g = 0; g < ng; ++g)
+              for (int64_t j = g * seg; j < (g + 1) * seg; ++j) a[k * nb + j] += vb[r * ng + g];
+          weave(a, dst, D, per, scratch);
+        }
+#endif
         else
           for (int64_t g = 0; g < ng; ++g)  // channel d = j * per + k, value group g: channels g*gv .. g*gv+gv-1
             for (int64_t j = g * gv / per; j < (g + 1) * gv / per; ++j)
