@@ -15,7 +15,10 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    same calls on a tiny shape.  Bandwidth efficiency of a family = bytes / (time - time of the tiny calls) /
    beta at the pass's working set (the 16-bit LM head every format keeps at its own: head bytes / head time /
    beta); where 8 rows take longer than 1 row
-   the pass is compute-limited, and compute efficiency = FLOPs / (time x peak); a quantised family's cost
+   the pass is compute-limited, and compute efficiency = FLOPs / (time x peak).  On a CPU the integer formats
+   are also timed on the kernels that round the activations to int8 (``int4-g64+a8``: `prepare_linear_q8`,
+   what `fewbits bench --activations q8` runs), where they differ from the weight-only ones: their figures are
+   the "+a8" families of the profile (`fewbits.cost.profile`).  A quantised family's cost
    per linear call is its tiny calls' time less the time the skeleton step (4.) spends in its own 16-bit
    linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
    pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;

@@ -23,7 +23,8 @@ import click
 def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float | None, device: str,
               eager: bool) -> None:
     """Measure memory bandwidth (also over working sets the last-level cache may hold), matmul rates, GEMV per
-    format at decode shapes, KV-cache reads, the per-step overhead and the core-cache refill; write them as a
+    format at decode shapes (on a CPU also on the kernels that round the activations to int8, for `fewbits
+    bench --activations q8`), KV-cache reads, the per-step overhead and the core-cache refill; write them as a
     profile that `fewbits plan --profile FILE` and `fewbits bench` load.  The per-step costs are those of the
     compiled decode step `fewbits bench` runs (unless --eager)."""
     import torch
