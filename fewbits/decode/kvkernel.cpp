@@ -1124,14 +1124,8 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
             unweave(tmp.data(), dst, n * ng, ng, tmp2.data());
             return;
           }
-          const int64_t n8 = n / 8 * 8;
-          for (int64_t g = 0; g < ng; ++g) {  // dst[g * n + i] = tmp[i * ng + g], eight tokens a gather
-            const __m256i idx = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                                                    _mm256_set1_epi32(int(ng))), _mm256_set1_epi32(int(g)));
-            for (int64_t i = 0; i < n8; i += 8)
-              _mm256_storeu_ps(dst + g * n + i, _mm256_i32gather_ps(tmp.data() + i * ng, idx, 4));
-            for (int64_t i = n8; i < n; ++i) dst[g * n + i] = tmp[i * ng + g];
-          }
+          for (int64_t i = 0; i < n; ++i)  // (another count of groups: the plain loop)
+            for (int64_t g = 0; g < ng; ++g) dst[g * n + i] = tmp[i * ng + g];
         };
         regroup(VS, vsf.data());
         if (kivi) regroup(VM, vmf.data());

@@ -85,7 +85,8 @@ def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int, bu
 @needs_kernel
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kv,D,n,r", [("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g16-r8", 64, 41, 3),
-                                      ("int4-r16", 128, 100, 4), ("int2-g64-r16", 64, 200, 5)])
+                                      ("int4-r16", 128, 100, 4), ("int2-g64-r16", 64, 200, 5),
+                                      ("int4-r16", 96, 100, 3)])  # three value groups a token (not a power of 2)
 def test_kernel_in_fp32_is_close_to_dequantised_attention(kv: str, D: int, n: int, r: int, build: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 query (an fp32 result, no bf16 rounding at the end): the KIVI vector paths agree with attention
