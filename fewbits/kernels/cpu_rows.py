@@ -1,5 +1,6 @@
-"""int8 per-channel weights at decode sizes on a CPU: `fewbits_rows::int8_mm` (`fewbits.kernels.rows`) for up to
-`rows.MAX_ROWS` rows of activations, torch's ``aten._weight_int8pack_mm`` for more.
+"""int8 and FP8 per-channel weights at decode sizes on a CPU: `fewbits_rows::int8_mm` / `fp8_mm`
+(`fewbits.kernels.rows`) for up to `rows.MAX_ROWS` rows of activations, torch's ``aten._weight_int8pack_mm`` /
+the decode-to-bf16-then-matmul of `Fp8DequantKernel` for more.
 
 `Int8RowsKernel` is `fewbits.kernels.cpu.Int8PackKernel` with another operator for few rows: the same
 tensors (int8 codes shifted by 128, bf16 scales, the asymmetric formats' fp32 correction), held once and
@@ -14,7 +15,8 @@ import torch
 
 from fewbits.formats.format import Format
 from fewbits.kernels import rows
-from fewbits.kernels.cpu import Int8PackKernel, _finish
+from fewbits.kernels.cpu import Fp8DequantKernel, Int8PackKernel, _finish
+from fewbits.tensor import QuantizedTensor
 
 
 class Int8RowsKernel(Int8PackKernel):
@@ -59,3 +61,38 @@ class Int8RowsA8Kernel(Int8RowsKernel):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         return _finish(torch.ops.fewbits_rows.int8_mm_a8(x2, self.q, self.scales, self.corr), x, bias)
+
+
+class Fp8RowsKernel(Fp8DequantKernel):
+    """FP8 (E4M3 / E5M2) weights with one scale per output channel or per tensor x up to `max_rows` rows of
+    activations through `fewbits_rows::fp8_mm`: the codes are read as they are stored (one byte a weight) and
+    widened to fp32 on the fly, where `Fp8DequantKernel` first writes a bf16 weight (three bytes a weight moved,
+    and a numba pass) and then multiplies it.  The products are exact (an FP8 value has at most 4 significant bits,
+    x is widened from its dtype), the sums fp32, times the fp32 scale once at the end; `Fp8DequantKernel` rounds
+    each scaled weight to bf16 first, so the two differ by that rounding.  More rows (a prefill) go through
+    `Fp8DequantKernel`, whose decode is paid once for a large matmul.  Grouped FP8 scales (``-gN``) stay with
+    `Fp8DequantKernel`."""
+
+    name = "cpu_fp8_rows"
+    max_rows = rows.MAX_ROWS
+
+    @staticmethod
+    def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
+        why = Fp8DequantKernel.supports(fmt, shape)
+        if why is not None:
+            return why
+        if fmt.granularity == "group":
+            return f"needs one scale per channel or per tensor, format is {fmt.spec} (grouped scales)"
+        return rows.why_not()
+
+    def __init__(self, qt: QuantizedTensor) -> None:
+        super().__init__(qt)
+        self.e5m2 = self.element == "e5m2"
+        self.channel_scales = qt.scale_values().float().reshape(-1).contiguous()  # (N,) or (1,), fp32 as stored
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > self.max_rows:
+            return super().__call__(x, bias)
+        y = torch.ops.fewbits_rows.fp8_mm(x2, self.w8, self.channel_scales, self.e5m2)
+        return _finish(y, x, bias)

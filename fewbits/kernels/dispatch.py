@@ -35,13 +35,13 @@ ACTIVATIONS = ("16", "int8", "fp8", "q8")
 CANDIDATES: dict[str, dict[str, tuple[Any, ...]]] = {
     "cpu": {
         "16": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
-               cpu.Fp8DequantKernel),
+               cpu_rows.Fp8RowsKernel, cpu.Fp8DequantKernel),
         "int8": (cpu.W8A8IntMMKernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu.Int8PackKernel,
-                 cpu.Fp8DequantKernel),
+                 cpu_rows.Fp8RowsKernel, cpu.Fp8DequantKernel),
         "fp8": (cpu_int4.Q4Kernel, cpu.Int4PackKernel, cpu_rows.Int8RowsKernel, cpu.Int8PackKernel,
-                cpu.Fp8DequantKernel),
+                cpu_rows.Fp8RowsKernel, cpu.Fp8DequantKernel),
         "q8": (cpu_int4.Q4A8Kernel, cpu_rows.Int8RowsA8Kernel, cpu_int4.Q4Kernel, cpu.Int4PackKernel,
-               cpu_rows.Int8RowsKernel, cpu.Int8PackKernel, cpu.Fp8DequantKernel),
+               cpu_rows.Int8RowsKernel, cpu.Int8PackKernel, cpu_rows.Fp8RowsKernel, cpu.Fp8DequantKernel),
     },
     "cuda": {
         "16": (gpu.TritonWeightOnlyKernel,),

@@ -28,7 +28,20 @@ constexpr int64_t BLOCK = 32;   // output channels per parallel unit
 // read side by side)
 constexpr int64_t PREFETCH_ROWS = 16;
 
-enum Kind { BF16 = 0, F16 = 1, I8 = 2 };
+enum Kind { BF16 = 0, F16 = 1, I8 = 2, E4M3 = 3, E5M2 = 4 };
+constexpr int64_t esz(Kind kind) { return kind == BF16 || kind == F16 ? 2 : 1; }  // bytes per weight
+
+// FP8 codes as the bits of an fp16 (what F16C / AVX-512 widen to fp32 exactly): E5M2 is an fp16's top byte; E4M3's
+// seven exponent and mantissa bits, shifted 7 left, sit in an fp16's with an exponent bias of 15 instead of 7, so
+// the fp16 reads as the E4M3 value / 2^8 (the operator multiplies the scales by 2^8 instead: exact).  Subnormal
+// codes become fp16 subnormals, read exactly.  The byte is sign-extended first, so the shift moves the sign into
+// bit 15 and a copy into bit 14, which the mask clears.  E4M3's NaN codes (0x7F, 0xFF) read as +-480 / 2^8:
+// fewbits' codes never hold them (the quantiser clamps to +-448).
+constexpr uint16_t E4M3_MASK = 0xBF80;
+constexpr float E4M3_SCALE = 256.f;
+inline uint16_t fp8_as_half(uint8_t b, Kind kind) {
+  return kind == E5M2 ? uint16_t(b << 8) : uint16_t((int32_t(int8_t(b)) * 128) & E4M3_MASK);
+}
 
 // ---------------------------------------------------------------- portable: loops the compiler vectorises
 // One weight row widened to fp32 (K floats), then M dot products with x (fp32, M x K).
@@ -39,6 +52,9 @@ inline void widen_row(const void* w, Kind kind, int64_t K, float* dst) {
   } else if (kind == I8) {
     const int8_t* s = static_cast<const int8_t*>(w);
     for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(s[k]);
+  } else if (kind == E4M3 || kind == E5M2) {
+    const uint8_t* s = static_cast<const uint8_t*>(w);
+    for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(c10::Half(fp8_as_half(s[k], kind), c10::Half::from_bits()));
   } else {
     const at::Half* s = static_cast<const at::Half*>(w);
     int64_t k = 0;
@@ -91,7 +107,11 @@ inline __m256 widen8(const char* w, int64_t k) {
     return _mm256_castsi256_ps(
         _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k))), 16));
   if (KIND == F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * k)));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k));
+  if (KIND == E4M3)
+    return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(int16_t(E4M3_MASK))));
+  if (KIND == E5M2) return _mm256_cvtph_ps(_mm_unpacklo_epi8(_mm_setzero_si128(), b));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 
 template <Kind KIND>
@@ -99,6 +119,8 @@ inline float scalar_w(const char* w, int64_t k) {
   if (KIND == BF16) { uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(w)[k]) << 16; float f;
                       std::memcpy(&f, &u, 4); return f; }
   if (KIND == F16) return float(reinterpret_cast<const at::Half*>(w)[k]);
+  if (KIND == E4M3 || KIND == E5M2)
+    return float(c10::Half(fp8_as_half(reinterpret_cast<const uint8_t*>(w)[k], KIND), c10::Half::from_bits()));
   return float(reinterpret_cast<const int8_t*>(w)[k]);
 }
 
@@ -110,7 +132,7 @@ inline float hsum8(__m256 v) {
 
 template <Kind KIND, int M, int R>
 inline void block_avx2(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes, float* acc_out) {
-  constexpr int64_t ESZ = KIND == I8 ? 1 : 2;
+  constexpr int64_t ESZ = esz(KIND);
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t K8 = K & ~int64_t(7);
@@ -141,7 +163,7 @@ inline void block_avx2(const float* __restrict x, int64_t K, const char* w, int6
 // prefetchers of an AVX2 EPYC follow at half the memory's speed; one row at a time is one sequential stream.
 template <Kind KIND>
 inline float row1_avx2(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes) {
-  constexpr int64_t ESZ = KIND == I8 ? 1 : 2;
+  constexpr int64_t ESZ = esz(KIND);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
@@ -169,9 +191,13 @@ void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64
     if constexpr (M == 1) {
       if (kind == BF16) acc[0] = row1_avx2<BF16>(x, K, wn, ld_bytes);
       else if (kind == F16) acc[0] = row1_avx2<F16>(x, K, wn, ld_bytes);
+      else if (kind == E4M3) acc[0] = row1_avx2<E4M3>(x, K, wn, ld_bytes);
+      else if (kind == E5M2) acc[0] = row1_avx2<E5M2>(x, K, wn, ld_bytes);
       else acc[0] = row1_avx2<I8>(x, K, wn, ld_bytes);
     } else if (kind == BF16) block_avx2<BF16, M, RR>(x, K, wn, ld_bytes, acc);
     else if (kind == F16) block_avx2<F16, M, RR>(x, K, wn, ld_bytes, acc);
+    else if (kind == E4M3) block_avx2<E4M3, M, RR>(x, K, wn, ld_bytes, acc);
+    else if (kind == E5M2) block_avx2<E5M2, M, RR>(x, K, wn, ld_bytes, acc);
     else block_avx2<I8, M, RR>(x, K, wn, ld_bytes, acc);
   });
 }
@@ -294,6 +320,10 @@ inline __m512 widen16(const void* w, int64_t k, __mmask16 mk, bool full) {
   }
   const int8_t* p = static_cast<const int8_t*>(w) + k;
   const __m128i b = full ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)) : _mm_maskz_loadu_epi8(mk, p);
+  if (KIND == E4M3)
+    return _mm512_cvtph_ps(
+        _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16(int16_t(E4M3_MASK))));
+  if (KIND == E5M2) return _mm512_cvtph_ps(_mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8));
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
 }
 
@@ -307,8 +337,8 @@ inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
-      if ((k * (KIND == I8 ? 1 : 2)) % 64 == 0)  // once per cache line of the weight row
-        _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * (KIND == I8 ? 1 : 2), _MM_HINT_T0);
+      if ((k * esz(KIND)) % 64 == 0)  // once per cache line of the weight row
+        _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * esz(KIND), _MM_HINT_T0);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -338,13 +368,14 @@ template <int M> constexpr int chans() { return M == 1 ? 8 : (M == 2 ? 6 : (M <=
 template <int M>
 void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
                  float* __restrict out, int64_t N) {
-  const int64_t esz = kind == I8 ? 1 : 2;
   channel_blocks<M, chans<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     constexpr int RR = decltype(rtag)::value;
     const char* wn = w + n * ld_bytes;
     if (kind == BF16) block_bf16<M, RR>(static_cast<const uint16_t*>(xv), K, reinterpret_cast<const uint16_t*>(wn),
-                                        ld_bytes / esz, acc);
+                                        ld_bytes / 2, acc);
     else if (kind == F16) block_f32<F16, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+    else if (kind == E4M3) block_f32<E4M3, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+    else if (kind == E5M2) block_f32<E5M2, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
     else block_f32<I8, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
   });
 }
@@ -465,32 +496,50 @@ std::vector<float> as_float(const at::Tensor& t) {
   return v;
 }
 
-// y (M x N) in `like`'s dtype = acc * scales[n] (+ xsum[m] * corr[n]), rounded once
-at::Tensor finish(const std::vector<float>& acc, int64_t M, int64_t N, const float* scales, const float* xsum,
+// bf16 bits of f rounded to nearest even (c10::BFloat16's rounding, NaN to 0x7FC0), in integer operations a loop
+// vectorises
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? uint16_t(0x7FC0) : r;
+}
+
+// y (M x N) in `like`'s dtype = acc * scales[n] (+ xsum[m] * corr[n]), rounded once.  Spans of a row split between
+// threads, in loops the compiler vectorises: a batch-8 LM head has ~400K outputs, ~1 ms in one thread's scalar
+// conversions (more than the bytes of its weight at batch 1 take).
+at::Tensor finish(std::vector<float>& acc, int64_t M, int64_t N, const float* scales, const float* xsum,
                   const float* corr, const at::Tensor& like) {
-  at::Tensor y = at::empty({M, N}, like.options());
-  auto value = [&](int64_t m, int64_t n) {
-    float v = acc[m * N + n];
-    if (scales) v *= scales[n];
-    if (corr) v += xsum[m] * corr[n];
-    return v;
-  };
-  if (y.scalar_type() == at::kBFloat16) {
-    at::BFloat16* o = y.data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = at::BFloat16(value(m, n));
-  } else if (y.scalar_type() == at::kHalf) {
-    at::Half* o = y.data_ptr<at::Half>();
-    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = at::Half(value(m, n));
-  } else if (y.scalar_type() == at::kFloat) {
-    float* o = y.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = value(m, n);
-  } else {
-    at::Tensor f = at::empty({M, N}, like.options().dtype(at::kFloat));
-    float* o = f.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) o[m * N + n] = value(m, n);
-    return f.to(like.scalar_type());
-  }
-  return y;
+  const at::ScalarType st = like.scalar_type();
+  const bool direct = st == at::kBFloat16 || st == at::kHalf || st == at::kFloat;
+  at::Tensor y = at::empty({M, N}, like.options().dtype(direct ? st : at::kFloat));
+  void* out = y.data_ptr();
+  at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {  // [i, e): a span of row m
+      const int64_t m = i / N, n0 = i - m * N, e = std::min(i1, (m + 1) * N);
+      float* a = acc.data() + i;
+      const int64_t len = e - i;
+      if (scales) for (int64_t j = 0; j < len; ++j) a[j] *= scales[n0 + j];
+      if (corr) { const float xs = xsum[m]; for (int64_t j = 0; j < len; ++j) a[j] += xs * corr[n0 + j]; }
+      if (st == at::kBFloat16) {
+        uint16_t* o = static_cast<uint16_t*>(out) + i;
+        for (int64_t j = 0; j < len; ++j) o[j] = bf16_bits(a[j]);
+      } else if (st == at::kHalf) {
+        at::Half* o = static_cast<at::Half*>(out) + i;
+        int64_t j = 0;
+#if defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE_NOF16C)
+        for (; j + 8 <= len; j += 8)
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(o + j),
+                           _mm256_cvtps_ph(_mm256_loadu_ps(a + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; j < len; ++j) o[j] = at::Half(a[j]);
+      } else {
+        std::memcpy(static_cast<float*>(out) + i, a, len * 4);
+      }
+      i = e;
+    }
+  });
+  return direct ? y : y.to(st);
 }
 
 std::vector<float> row_sums(const std::vector<float>& x, int64_t M, int64_t K) {
@@ -549,6 +598,24 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   std::vector<float> acc(M * N);
   if (M && N) matmul_rows(xf.data(), M, K, 4, static_cast<const char*>(q.data_ptr()), q.stride(0), I8, N, acc.data());
   return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
+}
+
+// x (M, K) float, codes (N, K) uint8 FP8 codes (E4M3, or E5M2 if e5m2), scales (N,) or (1,) float -> (x w^T) * scales
+at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool e5m2) {
+  check_w(x, codes, "fp8_mm");
+  TORCH_CHECK(codes.scalar_type() == at::kByte, "fp8_mm: codes must be uint8, got ", codes.scalar_type());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "fp8_mm: x must be a float tensor, got ", x.scalar_type());
+  const int64_t M = x.size(0), N = codes.size(0), K = x.size(1);
+  TORCH_CHECK(scales.numel() == N || scales.numel() == 1, "fp8_mm: ", N, " output channels but ", scales.numel(),
+              " scales (one per channel, or one)");
+  const std::vector<float> xf = as_float(x), given = as_float(scales);
+  std::vector<float> sc(N);
+  for (int64_t n = 0; n < N; ++n) sc[n] = given[given.size() == 1 ? 0 : n] * (e5m2 ? 1.f : E4M3_SCALE);
+  std::vector<float> acc(M * N);
+  if (M && N)
+    matmul_rows(xf.data(), M, K, 4, static_cast<const char*>(codes.data_ptr()), codes.stride(0), e5m2 ? E5M2 : E4M3,
+                N, acc.data());
+  return finish(acc, M, N, sc.data(), nullptr, nullptr, x);
 }
 
 // as int8_mm, with x rounded to int8 per row and block of 32 columns (fewbits.kernels.act8) and multiplied in
@@ -632,11 +699,13 @@ TORCH_LIBRARY(ROWS_NS, m) {
   m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.def("fp8_mm(Tensor x, Tensor codes, Tensor scales, bool e5m2) -> Tensor");
   m.def("a8_fast() -> int");
   m.def("rows_isa() -> int");
   m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
   m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
   m.impl("int8_mm_a8", c10::DispatchKey::CPU, &int8_mm_a8);
+  m.impl("fp8_mm", c10::DispatchKey::CPU, &fp8_mm);
   m.impl("a8_fast", c10::DispatchKey::CatchAll, &a8_fast);
   m.impl("rows_isa", c10::DispatchKey::CatchAll, &rows_isa);
 }

@@ -12,6 +12,10 @@ these operators aim at the bandwidth instead:
   (x @ q.T) * scales [+ sum_k(x) * corr], the layout of `fewbits.kernels.cpu.Int8PackKernel` (codes shifted
   to int8, one scale per output channel, `corr` the asymmetric formats' rank-1 correction or None).  The
   codes are widened to fp32 and multiplied in fp32.
+* `fewbits_rows::fp8_mm(x, codes, scales, e5m2)`: x (M, K) any float dtype, codes (N, K) uint8 FP8 codes (E4M3,
+  or E5M2), scales (N,) or (1,) -> (x @ w.T) * scales, the layout of `fewbits.kernels.cpu.Fp8DequantKernel` with
+  one scale per channel or tensor.  Each code is widened to fp32 as an fp16 (E5M2 is an fp16's top byte, E4M3's
+  bits shifted into an fp16's, its value / 2^8), exactly, then multiplied in fp32: one byte a weight read.
 
 Every loaded weight vector is used for all M rows, several output channels are read at once (independent
 accumulators), and the output channels are split between threads (``at::parallel_for``).  Sums are fp32;
@@ -67,9 +71,14 @@ def _fake_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, corr: tor
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
+def _fake_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0]))
+
+
 def fakes(ns: str = NAME) -> dict:
     """The fake implementations of the operators under namespace `ns`."""
-    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8, f"{ns}::int8_mm_a8": _fake_int8}
+    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8, f"{ns}::int8_mm_a8": _fake_int8,
+            f"{ns}::fp8_mm": _fake_fp8}
 
 
 def available() -> bool:

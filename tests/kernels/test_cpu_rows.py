@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fewbits.kernels import choose_kernel, native, prepare_linear, reference_linear, rows
-from fewbits.kernels.cpu import Int8PackKernel
-from fewbits.kernels.cpu_rows import Int8RowsKernel
+from fewbits.kernels.cpu import Fp8DequantKernel, Int8PackKernel
+from fewbits.kernels.cpu_rows import Fp8RowsKernel, Int8RowsKernel
 from fewbits.tensor import quantize_tensor
 
 needs_ops = pytest.mark.skipif(not rows.available(), reason=f"no operators: {native.why(rows.NAME)}")
@@ -60,3 +60,30 @@ def test_switch_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not rows.enabled()
     builder, _ = choose_kernel("int8", (96, 208))
     assert builder is Int8PackKernel
+
+
+@needs_ops
+@pytest.mark.parametrize("spec", ["fp8-e4m3", "fp8-e5m2", "fp8-e4m3-t"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rows_kernel_equals_reference(spec: str, dtype: torch.dtype) -> None:
+    """Per-channel and per-tensor FP8 at decode sizes: the few-row operator, within one rounding of the output of
+    the reference (which dequantises in fp32); 9 rows and more: the decode-to-bf16 path on the same codes."""
+    qt = _qt(spec)
+    kern = prepare_linear(qt)
+    assert isinstance(kern, Fp8RowsKernel)
+    g = torch.Generator().manual_seed(2)
+    b = torch.randn(qt.shape[0], generator=g)
+    for m in (1, 2, 3, 8):
+        x = torch.randn(m, qt.shape[1], generator=g).to(dtype)
+        y, ref = kern(x, b), reference_linear(x.float(), qt, b)
+        assert y.shape == (m, qt.shape[0]) and y.dtype == dtype
+        tol = max(2 * torch.finfo(dtype).eps, 1e-5)  # fp32: room for the summation order
+        assert float((y.float() - ref).norm() / ref.norm()) < tol, (spec, m)
+    x = torch.randn(Fp8RowsKernel.max_rows + 1, qt.shape[1]).to(torch.bfloat16)
+    assert torch.equal(kern(x), Fp8DequantKernel(qt)(x))
+
+
+def test_grouped_fp8_stays_with_the_dequantising_kernel() -> None:
+    qt = _qt("fp8-e4m3-g64", k=192)
+    assert "grouped scales" in Fp8RowsKernel.supports(qt.fmt, tuple(qt.shape))
+    assert isinstance(prepare_linear(qt), Fp8DequantKernel) and not isinstance(prepare_linear(qt), Fp8RowsKernel)

@@ -145,3 +145,95 @@ def test_int8_a8_refuses_a_width_not_of_whole_blocks() -> None:
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.fewbits_rows.int8_mm_a8(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4),
                                           None)
+
+
+_FP8 = {False: torch.float8_e4m3fn, True: torch.float8_e5m2}
+
+
+def _fp8_finite_codes(e5m2: bool) -> torch.Tensor:
+    """Every FP8 code that is a number: E4M3 drops its NaN codes (0x7F, 0xFF), E5M2 its exponent-31 codes."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    return codes[torch.isfinite(codes.view(_FP8[e5m2]).float())]
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("e5m2", [False, True])
+def test_fp8_reads_every_code_as_torchs_float8_value(impl: str, e5m2: bool) -> None:
+    """Each finite code (subnormals and -0 included) alone in its row, at a column that walks the whole width (the
+    vector steps and the scalar tail of K = 77): the output is torch's own float8 value of the code, exactly."""
+    ops = _ops(impl)
+    codes = _fp8_finite_codes(e5m2)
+    N, K = codes.numel(), 77
+    w = torch.zeros(N, K, dtype=torch.uint8)
+    cols = (torch.arange(N) * 7) % K
+    w[torch.arange(N), cols] = codes
+    expect = codes.view(_FP8[e5m2]).float()
+    for M in (1, 3):
+        y = ops.fp8_mm(torch.ones(M, K), w, torch.ones(1), e5m2)
+        assert y.dtype == torch.float32 and y.shape == (M, N)
+        assert torch.equal(y, expect.expand(M, N)), (impl, M)
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("e5m2", [False, True])
+@pytest.mark.parametrize("K", [576, 77])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_equals_dequantised_matmul(impl: str, e5m2: bool, K: int, dtype: torch.dtype) -> None:
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(K + e5m2)
+    finite = _fp8_finite_codes(e5m2)
+    N = 133
+    w = finite[torch.randint(0, finite.numel(), (N, K), generator=g)]
+    s = torch.rand(N, generator=g) * 0.02 + 0.001
+    ref_w = w.view(_FP8[e5m2]).double() * s.double()[:, None]
+
+    def check(y: torch.Tensor, x: torch.Tensor, ref_w: torch.Tensor) -> None:
+        # fp32 sums of terms spanning FP8's whole range: their order's error is relative to the sum of the
+        # terms' magnitudes (K steps of 2^-24 each at most), then one rounding to the output dtype
+        ref = x.double() @ ref_w.T
+        bound = (x.double().abs() @ ref_w.abs().T) * K * 2.0**-24 + ref.abs() * torch.finfo(dtype).eps + 1e-6
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert ((y.double() - ref).abs() <= bound).all()
+        # and the result is not trivially within that bound: the terms largely cancel in a few outputs at most
+        assert float((y.double() - ref).norm() / ref.norm()) < 4 * torch.finfo(dtype).eps
+
+    for M in range(1, 10):
+        x = torch.randn(M, K, generator=g).to(dtype)
+        check(ops.fp8_mm(x, w, s, e5m2), x, ref_w)
+    check(ops.fp8_mm(x, w, s[:1], e5m2), x, w.view(_FP8[e5m2]).double() * float(s[0]))  # one scale for all
+
+
+@needs_ops
+def test_fp8_refuses_wrong_codes_and_scales() -> None:
+    x = torch.randn(2, 32)
+    with pytest.raises(RuntimeError, match="uint8"):
+        torch.ops.fewbits_rows.fp8_mm(x, torch.zeros(4, 32, dtype=torch.int8), torch.ones(4), False)
+    with pytest.raises(RuntimeError, match="4 output channels but 3 scales"):
+        torch.ops.fewbits_rows.fp8_mm(x, torch.zeros(4, 32, dtype=torch.uint8), torch.ones(3), False)
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_output_is_the_fp32_result_rounded_once(impl: str, dtype: torch.dtype) -> None:
+    """The same sums written as fp32 and as 16 bits: the 16-bit output is torch's rounding of the fp32 one, bit for
+    bit, infinities included, NaNs where they are (scales of inf make them), at sizes whose outputs are split
+    between threads mid-row (8 x 5003) and not (3 x 203)."""
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(3)
+    for M, N in ((3, 203), (8, 5003)):
+        q = torch.randint(-128, 128, (N, 64), dtype=torch.int8, generator=g)
+        s = torch.rand(N, generator=g) * 0.02
+        s[::97] = float("inf")
+        q[::194] = 0  # inf x 0: NaN
+        corr = torch.randn(N, generator=g) * 0.01
+        x = torch.randn(M, 64, generator=g).to(dtype)
+        for c in (None, corr):
+            y32 = ops.int8_mm(x.float(), q, s, c)
+            y16 = ops.int8_mm(x, q, s, c)
+            assert y16.dtype == dtype and bool(y32.isnan().any()) and bool(y32.isinf().any())
+            ref, nan = y32.to(dtype), y32.isnan()
+            assert torch.equal(y16.isnan(), nan)  # NaN payloads differ between torch's own conversions
+            assert torch.equal(y16[~nan].view(torch.int16), ref[~nan].view(torch.int16)), (impl, M, N)
