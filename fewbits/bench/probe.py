@@ -69,7 +69,7 @@ from fewbits.bench.machine import (
     matmul_rates,
     memory_bandwidth,
 )
-from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost
+from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost, skeleton_rows_cost, take_off_rows
 from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve
 from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
@@ -274,7 +274,13 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     batch, cache length, depth) is one graph, compiled once (or loaded from the on-disk cache, where the
     same skeleton was compiled before) before its timed steps; a shallow skeleton compiles in a fraction of
     the model's depth's time, the reason for the depths.  The refill is measured on the compiled path too
-    (`CompiledRefill`, one graph per stream size at the model's depth; eager: `refill_cost`'s hooks)."""
+    (`CompiledRefill`, one graph per stream size at the model's depth; eager: `refill_cost`'s hooks).
+
+    Before the fit, each step time loses what the skeleton's own linears (its vocabulary-wide LM head, each
+    layer's 16-wide projections) take at its batch beyond the fewest rows (`skeleton_rows_cost`,
+    `take_off_rows`): the GEMV passes charge the model's own linears at every batch, so p0 + p1 L is the
+    rest of the step's cost per sequence.  The amounts are kept with each format's figures
+    (``skeleton_rows_s``)."""
     import dataclasses
 
     from fewbits.generate import generate
@@ -340,7 +346,17 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                 fastest[(s, b, c, d)] = min(t, fastest.get((s, b, c, d), t))
             if r == 0:
                 say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
-    return fit_step_costs(spec, kv_specs, fastest, steps, x_cache, refill, curve if len(refill_sizes) else None)
+    rows_cost = skeleton_rows_cost(models[main], batches, compiled=compiled)
+    for b in batches:
+        if b != min(batches):
+            say(f"  the skeleton's own linears at batch {b}: head +{rows_cost[b]['head'] * 1e3:.2f} ms, a layer's "
+                f"+{rows_cost[b]['layer'] * 1e6:.0f} us beyond batch {min(batches)} (taken off its steps: the GEMV "
+                "passes count the model's own)")
+    fit = fit_step_costs(spec, kv_specs, take_off_rows(fastest, rows_cost), steps, x_cache, refill,
+                         curve if len(refill_sizes) else None)
+    for r in fit.values():
+        r["skeleton_rows_s"] = {str(b): v for b, v in rows_cost.items()}  # what was taken off, for the record
+    return fit
 
 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -155,6 +156,7 @@ def test_bench_cli_rejects_bad_lists(bad):
 def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=1, curve=None):
     """Replace `generate` with a step time built from the model the probe fits (true cache bytes)."""
     import fewbits.generate
+    from fewbits.bench import probe
     from fewbits.cost.profile import DEFAULT
     from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
     from fewbits.generate import GenerationResult
@@ -176,6 +178,9 @@ def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=
         return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-3, t, t + 2e-3])
 
     monkeypatch.setattr(fewbits.generate, "generate", fake_generate)
+    # these steps have no linears of their own to take off
+    monkeypatch.setattr(probe, "skeleton_rows_cost", lambda model, batches, compiled=True: {
+        b: {"head": 0.0, "layer": 0.0} for b in batches})
 
 
 def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypatch):
@@ -194,6 +199,43 @@ def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypat
         assert r["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
         assert r["window_s_per_byte"] == pytest.approx(1e-9, rel=1e-6)
         assert r["refill_s"] == 0 and len(r["points"]) == 4
+
+
+def test_step_costs_take_off_the_skeletons_own_linears_per_row(monkeypatch):
+    """Steps that also pay the skeleton's head (0.8 ms) and each layer's linears (30 us) more at batch 8 than at 1:
+    taken off before the fit, the per-sequence cost is the 2 ms the rest of the step costs, not 2 ms + 1.1 ms / 7."""
+    import fewbits.generate
+    from fewbits.bench import probe
+    from fewbits.bench.probe import step_costs
+
+    _fake_steps(monkeypatch, {"bf16": 5e-3}, 2e-3, 1e-9, {})
+    inner = fewbits.generate.generate
+    rows = {1: {"head": 0.0, "layer": 0.0}, 8: {"head": 8e-4, "layer": 3e-5}}
+
+    def with_linears(model, ids, n, kv="bf16"):
+        r = inner(model, ids, n, kv)
+        extra = rows[ids.shape[0]]["head"] + model.config.num_hidden_layers * rows[ids.shape[0]]["layer"]
+        return dataclasses.replace(r, decode_step_s=[t + extra for t in r.decode_step_s])
+
+    monkeypatch.setattr(fewbits.generate, "generate", with_linears)
+    monkeypatch.setattr(probe, "skeleton_rows_cost", lambda model, batches, compiled=True: rows)
+    res = step_costs(TINY, ("bf16",), contexts=(32, 96), steps=8, refill_bytes=0, measure_refill=False)
+    assert res["bf16"]["per_seq_s"] == pytest.approx(2e-3, rel=1e-6)
+    assert res["bf16"]["fixed_s"] == pytest.approx(5e-3, rel=1e-6)
+
+
+def test_skeleton_rows_cost_measures_its_head_and_a_layer_per_batch():
+    from fewbits.bench.probe import skeleton_model
+    from fewbits.bench.probe_calls import skeleton_rows_cost, take_off_rows
+
+    model = skeleton_model(TINY)
+    for compiled in (True, False):
+        rows = skeleton_rows_cost(model, (1, 8), compiled=compiled, rounds=2, calls=2)
+        assert set(rows) == {1, 8} and rows[1] == {"head": 0.0, "layer": 0.0}
+        assert all(0.0 <= v < 0.1 and math.isfinite(v) for v in rows[8].values())
+    rows = {1: {"head": 0.0, "layer": 0.0}, 8: {"head": 1e-3, "layer": 1e-4}}
+    got = take_off_rows({("bf16", 1, 32, 6): 5e-3, ("bf16", 8, 32, 6): 9e-3, ("bf16", 8, 32, 2): 8e-3}, rows)
+    assert got == pytest.approx({("bf16", 1, 32, 6): 5e-3, ("bf16", 8, 32, 6): 7.4e-3, ("bf16", 8, 32, 2): 6.8e-3})
 
 
 def test_step_costs_fit_recovers_the_cache_refill(monkeypatch):
@@ -429,6 +471,7 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
     per extra sequence and per layer, each cache's extra per layer and per byte are recovered and given for
     12 layers; and only the graphs the fit needs are run (fewer for caches without a window)."""
     import fewbits.decode.generate
+    from fewbits.bench import probe
     from fewbits.bench.probe import step_costs
     from fewbits.cost.profile import DEFAULT
     from fewbits.cost.step import kv_step_bytes, kv_terms
@@ -437,6 +480,8 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
 
     kivi = "int4-g16-r16"
     ran: list[tuple[str, int, int, int]] = []
+    monkeypatch.setattr(probe, "skeleton_rows_cost", lambda model, batches, compiled=True: {
+        b: {"head": 0.0, "layer": 0.0} for b in batches})  # these steps have no linears of their own
 
     def fake_static(model, ids, n, kv="bf16"):
         b, c = ids.shape
