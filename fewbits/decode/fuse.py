@@ -18,9 +18,11 @@ class, input width and dtype, and that kernel's tensors concatenate along the ou
 * `Int4PackKernel` (``aten._weight_int4pack_mm_for_cpu``): the packed codes (N, K/2) and the (K/g, N, 2)
   scale table, with the same group.  The operator packs rows in blocks (64 rows with AVX-512), so parts
   concatenate only when each has a multiple of `INT4_ROW_BLOCK` rows; the fused matmul is then checked once
-  against the parts on a random row (bitwise: each output is the same dot product).
+  against the parts on a random row (bitwise: each output is the same dot product);
+* `Fp8RowsKernel` (FP8 codes with one scale per channel or per tensor): codes (N, K) and scales concatenated,
+  a per-tensor part's scale repeated for its rows, when the parts share the element (E4M3 or E5M2).
 
-Anything else (fp8, W8A8, the reference path, formats that differ between the parts under a mixed recipe)
+Anything else (grouped fp8, W8A8, the reference path, formats that differ between the parts under a mixed recipe)
 stays unfused, with the reason in `Fused.skipped`.
 
 Memory: the fused tensors become the storage and the original layers see row views of them (the 16-bit
@@ -46,7 +48,7 @@ from torch import nn
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
 from fewbits.kernels.cpu_int4 import ROWS as Q4_ROW_BLOCK
 from fewbits.kernels.cpu_int4 import Q4Kernel
-from fewbits.kernels.cpu_rows import Int8RowsA8Kernel, Int8RowsKernel
+from fewbits.kernels.cpu_rows import Fp8RowsKernel, Int8RowsA8Kernel, Int8RowsKernel
 
 #: int8 kernel classes over the same tensors (q, scales, corr)
 INT8_KERNELS = (Int8PackKernel, Int8RowsKernel, Int8RowsA8Kernel)
@@ -123,10 +125,12 @@ def _why_not(mods: list[nn.Module]) -> str | None:
             return "weight dtypes or devices differ"
         return None
     kernel = getattr(m0, "kernel", None)
-    if type(kernel) not in (*INT8_KERNELS, Int4PackKernel) and not isinstance(kernel, Q4Kernel):
+    if type(kernel) not in (*INT8_KERNELS, Int4PackKernel, Fp8RowsKernel) and not isinstance(kernel, Q4Kernel):
         return f"kernel {getattr(kernel, 'name', type(kernel).__name__)} is not one that fuses"
     if len({type(m.kernel) for m in mods}) != 1:
         return "kernels differ (" + ", ".join(sorted({m.kernel.name for m in mods})) + ")"
+    if type(kernel) is Fp8RowsKernel and len({m.kernel.element for m in mods}) != 1:
+        return "fp8 elements differ"
     if type(kernel) is Int4PackKernel:
         if len({m.kernel.group for m in mods}) != 1:
             return "int4 groups differ"
@@ -192,6 +196,20 @@ def _fuse_int8(mods: list[nn.Module], sizes: tuple[int, ...]) -> FusedLinear:
     return FusedLinear("int8", sizes, bias=bias, kernel=k)
 
 
+def _fuse_fp8(mods: list[nn.Module], sizes: tuple[int, ...]) -> FusedLinear:
+    ks = [m.kernel for m in mods]
+    k = copy.copy(ks[0])
+    k.w8 = torch.cat([p.w8 for p in ks])
+    k.channel_scales = torch.cat([p.channel_scales.expand(p.shape[0]) for p in ks])  # per tensor: repeated
+    k.scales = torch.cat([p.scales.expand(p.shape[0], 1) for p in ks])  # (N, 1): the many-row path's
+    k.shape = (sum(sizes), ks[0].shape[1])
+    for p, (a, b) in zip(ks, _bounds(sizes), strict=True):
+        p.w8, p.channel_scales, p.scales = k.w8[a:b], k.channel_scales[a:b], k.scales[a:b]
+    bias = _cat_bias(mods, k.w8)
+    _give_views(mods, sizes, bias)
+    return FusedLinear("fp8", sizes, bias=bias, kernel=k)
+
+
 def _fuse_int4(mods: list[nn.Module], sizes: tuple[int, ...]) -> tuple[FusedLinear | None, str | None]:
     ks = [m.kernel for m in mods]
     k = copy.copy(ks[0])
@@ -235,13 +253,13 @@ _DONE: weakref.WeakKeyDictionary[nn.Module, FusedLinear] = weakref.WeakKeyDictio
 
 def _part_tensor(m: nn.Module, kind: str) -> torch.Tensor:
     return {"dense": lambda: m.weight, "int8": lambda: m.kernel.q, "int4": lambda: m.kernel.packed,
-            "q4": lambda: m.kernel.codes}[kind]()
+            "q4": lambda: m.kernel.codes, "fp8": lambda: m.kernel.w8}[kind]()
 
 
 def _still_views(f: FusedLinear, mods: list[nn.Module]) -> bool:
     """Whether every part still reads its rows of `f` (not so once a part's kernel was rebuilt)."""
     whole = {"dense": lambda: f.weight, "int8": lambda: f.kernel.q, "int4": lambda: f.kernel.packed,
-             "q4": lambda: f.kernel.codes}[f.kind]()
+             "q4": lambda: f.kernel.codes, "fp8": lambda: f.kernel.w8}[f.kind]()
     per = Q4_ROW_BLOCK if f.kind == "q4" else 1  # the q4 codes' first dimension counts blocks of rows
     try:
         return len(mods) == len(f.sizes) and all(
@@ -274,6 +292,8 @@ def _fuse(mods: list[nn.Module]) -> tuple[FusedLinear | None, str | None]:
         return _fuse_int8(mods, sizes), None
     if isinstance(mods[0].kernel, Q4Kernel):
         return _fuse_q4(mods, sizes), None
+    if type(mods[0].kernel) is Fp8RowsKernel:
+        return _fuse_fp8(mods, sizes), None
     return _fuse_int4(mods, sizes)
 
 

@@ -1,6 +1,6 @@
 """q/k/v and gate/up as one matmul each (`fewbits.decode.fuse`): the fused step gives the unfused step's logits
 and transformers' own greedy tokens, the parts read views of the fused tensors, and what does not fit the rule
-(fp8, W8A8, parts in different formats) stays apart with its reason."""
+(grouped fp8, W8A8, parts in different formats) stays apart with its reason."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fewbits.kernels import prepare_linear
 from fewbits.models.qlinear import QuantLinear
 from fewbits.tensor import quantize_tensor
 
-WEIGHTS = ["bf16", "int8", "int8-asym", "int4-g32"]
+WEIGHTS = ["bf16", "int8", "int8-asym", "int4-g32", "fp8-e4m3"]
 INT4_OPS = ("fewbits.int4pack_mm", "fewbits_q4.q4_mm")  # torch's int4 operator, fewbits' own
 
 
@@ -77,7 +77,7 @@ def test_parts_read_views_of_the_fused_tensors(weights: str) -> None:
         else:
             assert torch.equal(o, b)
     held = {"dense": lambda o: o.weight, "int8": lambda o: o.kernel.q, "int4": lambda o: o.kernel.packed,
-            "q4": lambda o: o.kernel.codes}[f.kind]
+            "q4": lambda o: o.kernel.codes, "fp8": lambda o: o.kernel.w8}[f.kind]
     whole = held(f)
     for p in parts:
         t = held(p)
@@ -99,7 +99,8 @@ def test_what_does_not_fit_the_rule_stays_apart() -> None:
     w = [torch.randn(n, 128, generator=g) for n in (128, 64, 64)]
     cases = {
         "kernels differ": [_qlinear(w[0], "int8"), _qlinear(w[1], "int4-g32"), _qlinear(w[2], "int8")],
-        "is not one that fuses": [_qlinear(t, "fp8-e4m3") for t in w],
+        "is not one that fuses": [_qlinear(t, "fp8-e4m3-g64") for t in w],
+        "fp8 elements differ": [_qlinear(w[0], "fp8-e4m3"), _qlinear(w[1], "fp8-e5m2"), _qlinear(w[2], "fp8-e4m3")],
         "int4 groups differ": [_qlinear(w[0], "int4-g32"), _qlinear(w[1], "int4-g64"), _qlinear(w[2], "int4-g32")],
         "layer types differ": [torch.nn.Linear(128, 128), _qlinear(w[1], "int8"), _qlinear(w[2], "int8")],
     }
@@ -178,3 +179,18 @@ def test_q4_parts_with_and_without_zero_points_fuse_bitwise() -> None:
         for x, want in zip(xs, before, strict=True):
             for got, w, m in zip(f(x), want, mods, strict=True):
                 assert torch.equal(got, w) and torch.equal(m(x), w)
+
+
+def test_fp8_parts_per_tensor_and_per_channel_fuse_bitwise() -> None:
+    """A per-tensor part's one scale is repeated for its rows: the fused matmul gives each part's own output."""
+    g = torch.Generator().manual_seed(4)
+    mods = [_qlinear(torch.randn(n, 128, generator=g), spec) for n, spec in ((96, "fp8-e4m3-t"), (32, "fp8-e4m3"))]
+    x = torch.randn(3, 128, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        before = [m(x) for m in mods]
+        f, why = fuse_group(mods)
+        assert why is None and f.kind == "fp8" and f.kernel.channel_scales.shape == (128,)
+        for b, o, a in zip(before, f(x), [m(x) for m in mods], strict=True):
+            assert torch.equal(o, b) and torch.equal(a, b)
+        many = torch.randn(12, 128, generator=g).to(torch.bfloat16)  # more rows: the bf16-decoding path
+        assert torch.equal(torch.cat([m(many) for m in mods], -1), f.kernel(many))
