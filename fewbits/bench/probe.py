@@ -277,9 +277,9 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     (`CompiledRefill`, one graph per stream size at the model's depth; eager: `refill_cost`'s hooks).
 
     Before the fit, each step time loses what the skeleton's own linears (its vocabulary-wide LM head, each
-    layer's 16-wide projections) take at its batch beyond the fewest rows (`skeleton_rows_cost`,
-    `take_off_rows`): the GEMV passes charge the model's own linears at every batch, so p0 + p1 L is the
-    rest of the step's cost per sequence.  The amounts are kept with each format's figures
+    layer's 16-wide projections) take at its batch beyond the cost of their calls (`skeleton_rows_cost`,
+    `take_off_rows`): the GEMV passes charge the model's own linears' work at every batch, so the fit's
+    terms are the rest of the step's cost.  The amounts are kept with each format's figures
     (``skeleton_rows_s``)."""
     import dataclasses
 
@@ -347,11 +347,9 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             if r == 0:
                 say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
     rows_cost = skeleton_rows_cost(models[main], batches, compiled=compiled)
-    for b in batches:
-        if b != min(batches):
-            say(f"  the skeleton's own linears at batch {b}: head +{rows_cost[b]['head'] * 1e3:.2f} ms, a layer's "
-                f"+{rows_cost[b]['layer'] * 1e6:.0f} us beyond batch {min(batches)} (taken off its steps: the GEMV "
-                "passes count the model's own)")
+    say("  the skeleton's own linears' work beyond their calls (taken off its steps: the GEMV passes count the "
+        "model's own): " + ", ".join(f"batch {b}: head {r['head'] * 1e3:.2f} ms, a layer {r['layer'] * 1e6:.0f} us"
+                                     for b, r in rows_cost.items()))
     fit = fit_step_costs(spec, kv_specs, take_off_rows(fastest, rows_cost), steps, x_cache, refill,
                          curve if len(refill_sizes) else None)
     for r in fit.values():

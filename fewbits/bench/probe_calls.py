@@ -1,7 +1,8 @@
 """The probe's figures for linear layers: efficiencies and per-call costs from the GEMV passes
 (`linear_efficiencies`), and the time the skeleton step spends in its own 16-bit linears: per call at batch 1
-(`skeleton_linear_cost`), which the per-call cost of a quantised family is measured against, and per extra
-row of x (`skeleton_rows_cost`), which is taken off the skeleton's steps (`take_off_rows`)."""
+(`skeleton_linear_cost`), which the per-call cost of a quantised family is measured against, and their work
+beyond a call's cost at each batch (`skeleton_rows_cost`), which is taken off the skeleton's steps
+(`take_off_rows`)."""
 
 from __future__ import annotations
 
@@ -109,41 +110,46 @@ def skeleton_linear_cost(spec: ModelSpec, context: int = 128, steps: int = 8, ro
 def skeleton_rows_cost(model: torch.nn.Module, batches: tuple[int, ...], compiled: bool = True, rounds: int = 5,
                        calls: int = 10) -> dict[int, dict[str, float]]:
     """{batch: {"head": s, "layer": s}}: seconds a call of the skeleton's own 16-bit LM head, and of one decoder
-    layer's linears, takes with `batch` rows of x more than with the fewest rows measured (>= 0), called as its
-    step calls them (compiled: `fewbits.decode.step.linear16`, eager: the module), fastest of `rounds` rounds of
-    `calls` calls, batches alternating.
+    layer's linears, takes with `batch` rows of x beyond the same number of calls of a tiny 16-bit linear
+    (`fewbits.bench.probe.TINY`, one row: the cost of a call without its work; >= 0), called as its step calls
+    them (compiled: `fewbits.decode.step.linear16`, eager: the module), fastest of `rounds` rounds of `calls`
+    calls, batches alternating.
 
-    The skeleton step's extra time per sequence (its ``p0 + p1 L``) would otherwise charge these: its vocabulary-
-    wide head makes batch x vocabulary outputs (~0.8 ms at batch 8 for SmolLM2's 49152 on an AVX2 EPYC, against
-    0.1 ms at batch 1), each a sum and a store; the GEMV passes the cost model adds measure the real head and
-    linears at each batch, those outputs included, so the skeleton's own are counted twice."""
+    The skeleton step would otherwise charge this work twice: its vocabulary-wide head makes batch x vocabulary
+    outputs, each a sum and a store (~0.8 ms more at batch 8 than at batch 1 for SmolLM2's 49152 on an AVX2
+    EPYC, 0.1 ms at batch 1), and the GEMV passes the cost model adds measure the real head and linears at each
+    batch, their outputs included, less only the cost of their calls (`gemv_passes`' tiny calls), which the
+    skeleton's steps keep."""
+    from fewbits.bench.probe import TINY
     from fewbits.decode.step import linear16
 
     call = linear16 if compiled else (lambda m, x: m(x))
     layer = model.model.layers[0]
     parts = {"head": [model.lm_head], "layer": [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]}
     p = next(model.parameters())
+    tiny = torch.nn.Linear(TINY[1], TINY[0], bias=False).to(dtype=p.dtype, device=p.device)
     g = torch.Generator().manual_seed(3)
-    xs = {(b, i): torch.randn(b, 1, m.in_features, generator=g).to(dtype=p.dtype, device=p.device)
-          for b in batches for ms in parts.values() for i, m in enumerate(ms)}
-    best = {b: {k: float("inf") for k in parts} for b in batches}
+    xs = {(b, k, i): torch.randn(b, 1, m.in_features, generator=g).to(dtype=p.dtype, device=p.device)
+          for b in batches for k, ms in parts.items() for i, m in enumerate(ms)}
+    x_tiny = torch.randn(1, 1, TINY[1], generator=g).to(dtype=p.dtype, device=p.device)
+    runs = {(b, k): [(m, xs[(b, k, i)]) for i, m in enumerate(ms)] for b in batches for k, ms in parts.items()}
+    runs.update({("tiny", k): [(tiny, x_tiny)] * len(ms) for k, ms in parts.items()})
+    best = dict.fromkeys(runs, float("inf"))
     with torch.no_grad():
         for _ in range(rounds):
-            for b in batches:
-                for k, ms in parts.items():
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        for i, m in enumerate(ms):
-                            call(m, xs[(b, i)] if k == "layer" else xs[(b, 0)])
-                    if p.device.type == "cuda":
-                        torch.cuda.synchronize()
-                    best[b][k] = min(best[b][k], (time.perf_counter() - t0) / calls)
-    b0 = min(batches)
-    return {b: {k: max(best[b][k] - best[b0][k], 0.0) for k in parts} for b in batches}
+            for key, run in runs.items():
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    for m, x in run:
+                        call(m, x)
+                if p.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best[key] = min(best[key], (time.perf_counter() - t0) / calls)
+    return {b: {k: max(best[(b, k)] - best[("tiny", k)], 0.0) for k in parts} for b in batches}
 
 
 def take_off_rows(fastest: dict[tuple[Any, ...], float], rows: dict[int, dict[str, float]]
                   ) -> dict[tuple[Any, ...], float]:
-    """Skeleton step times {(kv, batch, context, depth): s} less their own linears' extra time at that batch
+    """Skeleton step times {(kv, batch, context, depth): s} less their own linears' work at that batch
     (`skeleton_rows_cost`): the head once, a layer's linears `depth` times."""
     return {k: t - rows[k[1]]["head"] - k[3] * rows[k[1]]["layer"] for k, t in fastest.items()}

@@ -153,10 +153,17 @@ def test_bench_cli_rejects_bad_lists(bad):
     assert out.exit_code != 0
 
 
+def _no_skeleton_rows(monkeypatch):
+    """Fake steps have no linears of their own for `step_costs` to take off."""
+    from fewbits.bench import probe
+
+    monkeypatch.setattr(probe, "skeleton_rows_cost", lambda model, batches, compiled=True: {
+        b: {"head": 0.0, "layer": 0.0} for b in batches})
+
+
 def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=1, curve=None):
     """Replace `generate` with a step time built from the model the probe fits (true cache bytes)."""
     import fewbits.generate
-    from fewbits.bench import probe
     from fewbits.cost.profile import DEFAULT
     from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
     from fewbits.generate import GenerationResult
@@ -178,9 +185,7 @@ def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=
         return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-3, t, t + 2e-3])
 
     monkeypatch.setattr(fewbits.generate, "generate", fake_generate)
-    # these steps have no linears of their own to take off
-    monkeypatch.setattr(probe, "skeleton_rows_cost", lambda model, batches, compiled=True: {
-        b: {"head": 0.0, "layer": 0.0} for b in batches})
+    _no_skeleton_rows(monkeypatch)
 
 
 def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypatch):
@@ -231,8 +236,8 @@ def test_skeleton_rows_cost_measures_its_head_and_a_layer_per_batch():
     model = skeleton_model(TINY)
     for compiled in (True, False):
         rows = skeleton_rows_cost(model, (1, 8), compiled=compiled, rounds=2, calls=2)
-        assert set(rows) == {1, 8} and rows[1] == {"head": 0.0, "layer": 0.0}
-        assert all(0.0 <= v < 0.1 and math.isfinite(v) for v in rows[8].values())
+        assert set(rows) == {1, 8} and all(set(r) == {"head", "layer"} for r in rows.values())
+        assert all(0.0 <= v < 0.1 and math.isfinite(v) for r in rows.values() for v in r.values())
     rows = {1: {"head": 0.0, "layer": 0.0}, 8: {"head": 1e-3, "layer": 1e-4}}
     got = take_off_rows({("bf16", 1, 32, 6): 5e-3, ("bf16", 8, 32, 6): 9e-3, ("bf16", 8, 32, 2): 8e-3}, rows)
     assert got == pytest.approx({("bf16", 1, 32, 6): 5e-3, ("bf16", 8, 32, 6): 7.4e-3, ("bf16", 8, 32, 2): 6.8e-3})
@@ -272,6 +277,7 @@ def test_step_costs_fit_recovers_the_kivi_window_rate_and_dequantisation_jump(mo
     from fewbits.kvcache.format import parse_kv_format
 
     kivi = "int4-g16-r16"
+    _no_skeleton_rows(monkeypatch)
 
     def fake_generate(model, ids, n, kv="bf16"):
         b, c = ids.shape
@@ -434,10 +440,11 @@ LAYER = (("q_proj", (64, 64)), ("k_proj", (64, 64)), ("v_proj", (64, 64)), ("o_p
          ("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128)))
 
 
-@pytest.mark.parametrize("spec,fused", [("bf16", True), ("int8", True), ("int4-g64", True), ("fp8-e4m3", False)])
+@pytest.mark.parametrize("spec,fused", [("bf16", True), ("int8", True), ("int4-g64", True), ("fp8-e4m3", True),
+                                        ("fp8-e4m3-g64", False)])
 def test_step_set_makes_the_compiled_steps_calls(spec, fused):
     """The probe's GEMV calls of a layer as the compiled step makes them: q/k/v and gate/up one matmul each where
-    `fewbits.decode.fuse` fuses the kernels the dispatcher chose (fp8 does not fuse), the same bytes and the
+    `fewbits.decode.fuse` fuses the kernels the dispatcher chose (grouped fp8 does not fuse), the same bytes and the
     same outputs as the layers called one by one (same seeds: the same weights)."""
     from fewbits.bench.gemv import build_step_set
 
@@ -471,7 +478,6 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
     per extra sequence and per layer, each cache's extra per layer and per byte are recovered and given for
     12 layers; and only the graphs the fit needs are run (fewer for caches without a window)."""
     import fewbits.decode.generate
-    from fewbits.bench import probe
     from fewbits.bench.probe import step_costs
     from fewbits.cost.profile import DEFAULT
     from fewbits.cost.step import kv_step_bytes, kv_terms
@@ -480,8 +486,7 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
 
     kivi = "int4-g16-r16"
     ran: list[tuple[str, int, int, int]] = []
-    monkeypatch.setattr(probe, "skeleton_rows_cost", lambda model, batches, compiled=True: {
-        b: {"head": 0.0, "layer": 0.0} for b in batches})  # these steps have no linears of their own
+    _no_skeleton_rows(monkeypatch)
 
     def fake_static(model, ids, n, kv="bf16"):
         b, c = ids.shape
