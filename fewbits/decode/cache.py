@@ -47,7 +47,8 @@ class LayerKV:
                  device: torch.device) -> None:
         self.fmt, self.dim, self.dtype = fmt, dim, dtype
         # attention through the hand-written kernel (`fewbits.decode.kvkernel`), decided here, outside any graph
-        self.kernel = fmt.kind in ("int8", "kivi", "float") and torch.device(device).type == "cpu" and \
+        self.kernel = (fmt.kind in ("int8", "kivi", "float") or (fmt.kind == "fp8" and not fmt.residual)) and \
+            torch.device(device).type == "cpu" and \
             NATIVE_ATTEND and kvkernel.available()
         z = lambda *s, dt: torch.zeros(batch, heads, *s, dtype=dt, device=device)  # noqa: E731
         T = max_len
@@ -57,7 +58,8 @@ class LayerKV:
             self.t = {"k": z(T, dim, dt=_FLOAT[fmt.element]), "v": z(T, dim, dt=_FLOAT[fmt.element])}
             self.ring = 0
             return
-        self.native_append = self.kernel and NATIVE_APPEND  # decode steps write through `fewbits_kv::append_kv`
+        # decode steps write through `fewbits_kv::append_kv` (an fp8 cache: tensor operations)
+        self.native_append = self.kernel and NATIVE_APPEND and fmt.kind != "fp8"
         self.G = fmt.group if fmt.kind == "kivi" else 1
         if fmt.kind in ("int8", "fp8"):
             cdt = torch.int8 if fmt.kind == "int8" else torch.uint8

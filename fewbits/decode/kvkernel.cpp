@@ -99,11 +99,26 @@ inline void bf16s(const at::BFloat16* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// row i of a 16- or 32-bit float (or int8) tensor's data -> float
+// An fp8 cache's E4M3 codes (uint8 tensors) read as fp16 bits: the seven exponent and mantissa bits shifted 7 left
+// sit in an fp16's with an exponent bias of 15 instead of 7, so the fp16 is the E4M3 value / 2^8 (subnormal codes
+// become fp16 subnormals, exactly); the sign-extended byte's shift leaves a copy of the sign in bit 14, which the
+// mask clears.  The per-token scales are multiplied by E4M3_UNIT instead (exact).  The quantiser saturates at +-448,
+// so the NaN codes (0x7F, 0xFF) never occur.
+struct e4m3_t { uint8_t bits; };
+constexpr int16_t E4M3_MASK = static_cast<int16_t>(0xBF80);
+constexpr float E4M3_UNIT = 256.f;
+inline float e4m3_unit_value(uint8_t b) {
+  return static_cast<float>(c10::Half(static_cast<uint16_t>((int32_t(int8_t(b)) * 128) & 0xBF80),
+                                      c10::Half::from_bits()));
+}
+
+// row i of a 16- or 32-bit float tensor's data, int8 codes, or E4M3 codes (uint8, / E4M3_UNIT) -> float
 inline void row_f32(const void* base, at::ScalarType dt, int64_t i, int64_t D, float* dst) {
   if (dt == at::kBFloat16) bf16s(static_cast<const at::BFloat16*>(base) + i * D, dst, D);
   else if (dt == at::kHalf) halves(static_cast<const at::Half*>(base) + i * D, dst, D);
   else if (dt == at::kChar) for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const int8_t*>(base)[i * D + d];
+  else if (dt == at::kByte)
+    for (int64_t d = 0; d < D; ++d) dst[d] = e4m3_unit_value(static_cast<const uint8_t*>(base)[i * D + d]);
   else for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<const float*>(base)[i * D + d];
 }
 
@@ -296,6 +311,10 @@ template <> inline __m512 widen16f<float>(const float* p) { return _mm512_loadu_
 template <> inline __m512 widen16f<int8_t>(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+template <> inline __m512 widen16f<e4m3_t>(const e4m3_t* p) {
+  const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(E4M3_MASK)));
+}
 
 // s[r * n + i] = q_r . row_i (q: R x D fp32; rows: n x D, D a multiple of 16) for the rows with ok[i], NEG_INF for
 // the others; four query heads per pass over a row, their four sums reduced together
@@ -373,6 +392,10 @@ template <> inline __m256 widen8f<at::Half>(const at::Half* p) {
 template <> inline __m256 widen8f<float>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 widen8f<int8_t>(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+template <> inline __m256 widen8f<e4m3_t>(const e4m3_t* p) {
+  const __m128i h = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(h, 7), _mm_set1_epi16(E4M3_MASK)));
 }
 
 // out[j * stride] = the sum of a[j]'s lanes for j < rr: hadd twice (lanes 0-3 of each half hold a[0..3]'s partial
@@ -743,12 +766,13 @@ inline void weave(const float* x, float* y, int64_t n, int64_t ways, float* scra
 }
 #endif
 
-// f(rows) with rows: base + off as a pointer to dt's elements (bf16, fp16, int8 or fp32)
+// f(rows) with rows: base + off as a pointer to dt's elements (bf16, fp16, int8, E4M3 codes as uint8, or fp32)
 template <typename F>
 inline void by_dtype(const void* base, at::ScalarType dt, int64_t off, F&& f) {
   if (dt == at::kBFloat16) f(static_cast<const at::BFloat16*>(base) + off);
   else if (dt == at::kHalf) f(static_cast<const at::Half*>(base) + off);
   else if (dt == at::kChar) f(static_cast<const int8_t*>(base) + off);
+  else if (dt == at::kByte) f(static_cast<const e4m3_t*>(base) + off);
   else f(static_cast<const float*>(base) + off);
 }
 
@@ -1242,9 +1266,10 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
               q_in.sizes());
   TORCH_CHECK(D <= MAXD && R <= MAXR, "attend_rows: head dim or query heads per KV head too large");
   TORCH_CHECK(k.scalar_type() == v.scalar_type(), "attend_rows: k and v of different dtypes");
-  const bool scaled = k.scalar_type() == at::kChar;
+  const bool scaled = k.scalar_type() == at::kChar || k.scalar_type() == at::kByte;  // int8 or E4M3 codes
   TORCH_CHECK(!scaled || (ks.numel() == B * H * T && vs.numel() == B * H * T && ks.scalar_type() == at::kHalf &&
-                          vs.scalar_type() == at::kHalf), "attend_rows: int8 rows need fp16 scales (B, H, T, 1)");
+                          vs.scalar_type() == at::kHalf), "attend_rows: int8 and fp8 rows need fp16 scales (B, H, T, 1)");
+  const float unit = k.scalar_type() == at::kByte ? E4M3_UNIT : 1.f;  // what a code as read is worth
   const at::Tensor ks_ = scaled ? ks.contiguous() : ks, vs_ = scaled ? vs.contiguous() : vs;
   const at::Half *KS = scaled ? ks_.data_ptr<at::Half>() : nullptr, *VS = scaled ? vs_.data_ptr<at::Half>() : nullptr;
   TORCH_CHECK(allowed.size(-1) >= T, "attend_rows: the mask is shorter than the cache");
@@ -1285,6 +1310,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
       }
       if (scaled) {  // the keys' per-token scales
         halves(KS + row0, sc.data(), n);
+        if (unit != 1.f) for (int64_t i = 0; i < n; ++i) sc[i] *= unit;
         for (int64_t r = 0; r < R; ++r)
           for (int64_t i = 0; i < n; ++i) s[r * n + i] = ok[i] ? s[r * n + i] * sc[i] : s[r * n + i];
       }
@@ -1295,6 +1321,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
       }
       if (scaled) {  // the values' per-token scales folded into the weights
         halves(VS + row0, sc.data(), n);
+        if (unit != 1.f) for (int64_t i = 0; i < n; ++i) sc[i] *= unit;
         for (int64_t r = 0; r < R; ++r)
           for (int64_t i = 0; i < n; ++i) s[r * n + i] *= sc[i];  // (a masked slot's weight is never read)
       }

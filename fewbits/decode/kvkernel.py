@@ -1,5 +1,5 @@
-"""Decode attention over a 16-bit, int8 or KIVI (4/2-bit) KV cache, and the step's write into a quantised one, as
-hand-written CPU operators.
+"""Decode attention over a 16-bit, int8, fp8 or KIVI (4/2-bit) KV cache, and the step's write into a quantised one,
+as hand-written CPU operators.
 
 Inductor turns the folded reductions of `LayerKV.scores` / `weighted_values` into loops that unpack 4- and
 2-bit codes with index arithmetic inside the reduction, one query head at a time; at 2048 tokens that was
@@ -19,7 +19,11 @@ tokens (SmolLM2's heads), one thread: 244 -> 133 us (the 16-bit cache: 127 us); 
 window (chunks of `CHUNK_ROWS` tokens, rows widened in registers, four query heads per pass): it reads slots up
 to the query's own only, where inductor's fused reductions read every slot of the preallocated cache and split
 the work by head (three KV heads on two threads).  On an int8 cache it took 133 -> ~100 us a layer at 2048 tokens
-(its scales per token folded into the scores and the weights, as in `attend_kv`).
+(its scales per token folded into the scores and the weights, as in `attend_kv`).  An fp8 (E4M3) cache without a
+window is read the same way: each code widened as the bits of an fp16 (its seven exponent and mantissa bits
+shifted into an fp16's read as the value / 2^8; the per-token scales times 2^8), exactly; inductor's fused
+reductions over torch's float8 conversion had made it ~35x slower per byte than the 16-bit cache
+(`fewbits probe`: 2.1 s per GB of cache against 55-60 ms).  Its writes stay tensor operations.
 
 `fewbits_kv::append_kv` is a decode step's write into such a cache (`LayerKV.step`): the token into the 16-bit
 window and, at the step that completes a group leaving the window, that group quantised into its codes,

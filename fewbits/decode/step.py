@@ -48,9 +48,9 @@ def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: tor
                   scaling: float) -> torch.Tensor:
     """One query token per sequence over a layer's cache: q (B, Hq, 1, D), allowed (B, 1, T), slot (1,).
 
-    16-bit, int8 and KIVI caches on a CPU go through `fewbits.decode.kvkernel` (one operator: each row read
-    once for all the query heads of a KV head, scales folded out of the loops, tokens in parallel chunks;
-    `attend_rows`, for 16-bit caches and int8 ones without a window, reads slots up to `slot` only);
+    16-bit, int8, KIVI and fp8 caches on a CPU go through `fewbits.decode.kvkernel` (one operator: each row
+    read once for all the query heads of a KV head, scales folded out of the loops, tokens in parallel chunks;
+    `attend_rows`, for 16-bit caches and int8 / fp8 ones without a window, reads slots up to `slot` only);
     otherwise the scores and the weighted sum of values are reductions over the stored rows with the scales
     and minima folded out of them (`LayerKV.scores`, `LayerKV.weighted_values`), fused by inductor.  Neither
     stores a dequantised copy."""
@@ -58,7 +58,7 @@ def _attend_codes(q: torch.Tensor, kv: LayerKV, allowed: torch.Tensor, slot: tor
     f = kv.fmt
     Hkv, T = kv.t["k" if f.kind == "float" else "kc"].shape[1:3]
     allowed = allowed[:, :, :T]
-    if kv.kernel and (f.kind == "float" or (f.kind == "int8" and not kv.ring)):  # whole rows, up to the slot
+    if kv.kernel and (f.kind == "float" or (f.kind in ("int8", "fp8") and not kv.ring)):  # whole rows, to the slot
         t = kv.t
         k, v, ks, vs = (t["k"], t["v"], q.new_empty(0), q.new_empty(0)) if f.kind == "float" else \
             (t["kc"], t["vc"], t["ks"], t["vs"])

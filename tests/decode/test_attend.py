@@ -58,7 +58,8 @@ def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
 CASES = [("bf16", 64, 300, 3), ("bf16", 24, 30, 2), ("bf16", 20, 30, 2), ("fp16", 128, 100, 5),
          ("int8", 64, 300, 3), ("int8-r8", 64, 41, 3), ("int4-g8-r8", 64, 41, 3), ("int2-g8-r4", 64, 37, 1),
          ("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g8-r8", 16, 41, 2), ("int2-g8-r4", 24, 29, 3),
-         ("int8", 24, 30, 2), ("int2-g64-r16", 64, 200, 5), ("int4-r16", 128, 100, 4), ("int4-g16-r8", 64, 41, 3)]
+         ("int8", 24, 30, 2), ("int2-g64-r16", 64, 200, 5), ("int4-r16", 128, 100, 4), ("int4-g16-r8", 64, 41, 3),
+         ("fp8-e4m3", 64, 300, 3), ("fp8-e4m3", 24, 30, 2)]
 
 
 @needs_kernel
@@ -86,7 +87,8 @@ def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int, bu
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("kv,D,n,r", [("int4", 64, 300, 3), ("int2", 64, 300, 3), ("int4-g16-r8", 64, 41, 3),
                                       ("int4-r16", 128, 100, 4), ("int2-g64-r16", 64, 200, 5),
-                                      ("int4-r16", 96, 100, 3)])  # three value groups a token (not a power of 2)
+                                      ("int4-r16", 96, 100, 3),  # three value groups a token (not a power of 2)
+                                      ("fp8-e4m3", 64, 300, 3), ("int8", 64, 300, 3)])
 def test_kernel_in_fp32_is_close_to_dequantised_attention(kv: str, D: int, n: int, r: int, build: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 query (an fp32 result, no bf16 rounding at the end): the KIVI vector paths agree with attention
@@ -98,7 +100,9 @@ def test_kernel_in_fp32_is_close_to_dequantised_attention(kv: str, D: int, n: in
         if ops is torch.ops.fewbits_kv:
             pytest.skip("the main build is the AVX2 one")
         monkeypatch.setattr(torch.ops.fewbits_kv, "attend_kv", ops.attend_kv)
+        monkeypatch.setattr(torch.ops.fewbits_kv, "attend_rows", ops.attend_rows)
     layer = filled(kv, D, n)
+    assert layer.kernel
     q = torch.randn(2, 2 * r, 1, D, generator=torch.Generator().manual_seed(7)) * 2
     allowed = mask(layer, 2, n)
     got = _attend_codes(q, layer, allowed, torch.tensor([n - 1]), D**-0.5)
@@ -118,7 +122,7 @@ def test_torch_reductions_equal_dequantised_attention(kv: str, D: int, n: int, r
 
 
 @needs_kernel
-@pytest.mark.parametrize("kv", ["int8-r8", "int4-g8-r8", "bf16"])
+@pytest.mark.parametrize("kv", ["int8-r8", "int4-g8-r8", "bf16", "fp8-e4m3"])
 def test_compiled_kernel_step_equals_reference(kv: str) -> None:
     """The operator inside a compiled step (cache write + attention, one graph), slot after slot."""
     torch._dynamo.reset()
@@ -165,12 +169,12 @@ def _rows_ops(build: str):  # noqa: ANN202
 
 @needs_kernel
 @pytest.mark.parametrize("build", ["native", "avx2"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.uint8])
 @pytest.mark.parametrize("D", [64, 40])
 def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D: int) -> None:
     """`attend_rows` called directly, on the main build and on the build without AVX-512 (the 256-bit path):
-    softmax attention over slots 0..slot of whole rows (int8 codes times their per-token scales), masked slots
-    and the slots after the query's own never read (they hold NaN here)."""
+    softmax attention over slots 0..slot of whole rows (int8 codes, or E4M3 codes as uint8, times their per-token
+    scales), masked slots and the slots after the query's own never read (they hold NaN here)."""
     ops = _rows_ops(build)
     g = torch.Generator().manual_seed(D)
     B, H, R, T, slot = 2, 2, 3, 300, 260
@@ -181,6 +185,16 @@ def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D:
         ks = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
         vs = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
         kf, vf = k.float() * ks.float(), v.float() * vs.float()
+    elif dtype == torch.uint8:  # E4M3 codes: every finite one (subnormals too), NaN after the slot
+        finite = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+        finite = finite[torch.isfinite(finite.view(torch.float8_e4m3fn).float())]
+        k = finite[torch.randint(0, finite.numel(), (B, H, T, D), generator=g)]
+        v = finite[torch.randint(0, finite.numel(), (B, H, T, D), generator=g)]
+        k[:, :, slot + 1:], v[:, :, slot + 1:] = 0x7F, 0x7F
+        ks = (torch.rand(B, H, T, 1, generator=g) * 0.005 + 0.0005).half()
+        vs = (torch.rand(B, H, T, 1, generator=g) * 0.005 + 0.0005).half()
+        kf = k.view(torch.float8_e4m3fn).float() * ks.float()
+        vf = v.view(torch.float8_e4m3fn).float() * vs.float()
     else:
         k, v = torch.randn(B, H, T, D, generator=g).to(dtype), torch.randn(B, H, T, D, generator=g).to(dtype)
         k[:, :, slot + 1:] = float("nan")
