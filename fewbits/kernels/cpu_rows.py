@@ -66,12 +66,12 @@ class Int8RowsA8Kernel(Int8RowsKernel):
 class Fp8RowsKernel(Fp8DequantKernel):
     """FP8 (E4M3 / E5M2) weights with one scale per output channel or per tensor x up to `max_rows` rows of
     activations through `fewbits_rows::fp8_mm`: the codes are read as they are stored (one byte a weight) and
-    widened to fp32 on the fly, where `Fp8DequantKernel` first writes a bf16 weight (a numba pass: one byte a weight
-    read, two written, then read again by the matmul).  The products are exact (an FP8 value has at most 4 significant bits,
-    x is widened from its dtype), the sums fp32, times the fp32 scale once at the end; `Fp8DequantKernel` rounds
-    each scaled weight to bf16 first, so the two differ by that rounding.  More rows (a prefill) go through
-    `Fp8DequantKernel`, whose decode is paid once for a large matmul.  Grouped FP8 scales (``-gN``) stay with
-    `Fp8DequantKernel`."""
+    widened to fp32 on the fly, where `Fp8DequantKernel` first writes a bf16 weight (a numba pass: one byte a
+    weight read, two written, then read again by the matmul).  The products are exact (an FP8 value has at most
+    4 significant bits, x is widened from its dtype), the sums fp32, times the fp32 scale once at the end;
+    `Fp8DequantKernel` rounds each scaled weight to bf16 first, so the two differ by that rounding.  More rows (a
+    prefill) go through `Fp8DequantKernel`, whose decode is paid once for a large matmul.  Grouped FP8 scales
+    (``-gN``) stay with `Fp8DequantKernel`."""
 
     name = "cpu_fp8_rows"
     max_rows = rows.MAX_ROWS
