@@ -506,8 +506,8 @@ inline uint16_t bf16_bits(float f) {
 }
 
 // y (M x N) in `like`'s dtype = acc * scales[n] (+ xsum[m] * corr[n]), rounded once.  Spans of a row split between
-// threads, in loops the compiler vectorises: a batch-8 LM head has ~400K outputs, ~1 ms in one thread's scalar
-// conversions (more than the bytes of its weight at batch 1 take).
+// threads, in loops the compiler vectorises (a batch-8 LM head has ~400K outputs; against the scalar loop before,
+// on an AVX2 EPYC: SmolLM2's head at 8 rows 3.55 -> 3.51 ms, an 18-wide one of the same vocabulary 1.02 -> 0.93 ms).
 at::Tensor finish(std::vector<float>& acc, int64_t M, int64_t N, const float* scales, const float* xsum,
                   const float* corr, const at::Tensor& like) {
   const at::ScalarType st = like.scalar_type();
