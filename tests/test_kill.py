@@ -96,27 +96,39 @@ def _run(mode: str, out: Path, src: Path, env: dict[str, str], kill_after: float
     the first temporary is made).  -> (finished, seconds of work, seconds of writing)."""
     p = subprocess.Popen([sys.executable, "-c", DRIVER, mode, str(out), str(src)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    assert p.stdout.readline().strip() == "READY", p.stderr.read()
+    seen = [p.stdout.readline()]
+    assert seen[0].strip() == "READY", p.stderr.read()
     t0 = time.perf_counter()
     t_write = None
+
+    def read_until(marker: str) -> bool:  # the CLI's own lines first; blocks until the driver prints `marker`
+        while line := p.stdout.readline():
+            seen.append(line)
+            if marker in line:  # `in`: a line another writer left unfinished may precede the marker
+                return True
+        return False
+
     if phase == "WRITING" or kill_after is None:
-        line = "?"
-        while line and line.strip() != "WRITING":  # the CLI's own lines first; blocks until the writing starts
-            line = p.stdout.readline()
-        t_write = time.perf_counter() if line else None
+        t_write = time.perf_counter() if read_until("WRITING") else None
+    killed = False
     if kill_after is not None:
         try:
             p.wait(timeout=kill_after)
         except subprocess.TimeoutExpired:
             p.send_signal(signal.SIGKILL)
+            killed = True
     t_swap = None
-    if kill_after is None and t_write is not None:
-        while line and line.strip() != "SWAPPED":
-            line = p.stdout.readline()
+    if kill_after is None and t_write is not None and read_until("SWAPPED"):
         t_swap = time.perf_counter()
     rest, err = p.communicate(timeout=300)
-    assert p.returncode in (0, -signal.SIGKILL), err[-2000:]
+    seen.append(rest)
     t1 = time.perf_counter()
+    said = f"return code {p.returncode}; stdout:\n{''.join(seen)[-2000:]}\nstderr:\n{err[-2000:]}"
+    # a run this test did not kill ends on its own, cleanly: anything else (killed from outside, an error) is
+    # reported with what the driver printed
+    assert p.returncode == 0 or (killed and p.returncode == -signal.SIGKILL), said
+    if kill_after is None:
+        assert t_write is not None and t_swap is not None and "DONE" in rest, said
     return "DONE" in rest, t1 - t0, (t_swap or t1) - (t_write or t1)
 
 
