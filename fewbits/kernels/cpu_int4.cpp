@@ -367,13 +367,25 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* 
     for (int64_t b = 0; b < nb; ++b) {
       float v[32];
       for (int k = 0; k < 32; ++k) v[k] = bf2f(x[m * K + b * 32 + k]);
-      int8_t q[32];
+      alignas(32) int8_t q[32];
       const float d = fb_q8_block(v, 32, q);  // fewbits.kernels.act8
       int32_t sum = 0;
+      int8_t* dst = xq + m * K + b * 32;
+#if defined(__AVX2__)
+      const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
+      // the sum of the codes: |q + 128| summed by vpsadbw, less 32 * 128; each 8 codes in the order below
+      const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(qv, _mm256_set1_epi8(-128)), _mm256_setzero_si256());
+      const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+      sum = int32_t(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
+      const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                             0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_shuffle_epi8(qv, order));
+#else
       for (int k = 0; k < 32; ++k) sum += q[k];
       static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
       for (int c = 0; c < 4; ++c)
-        for (int i = 0; i < 8; ++i) xq[m * K + b * 32 + c * 8 + i] = q[c * 8 + order[i]];
+        for (int i = 0; i < 8; ++i) dst[c * 8 + i] = q[c * 8 + order[i]];
+#endif
       xs[m * nb + b] = d;
       qsum[m * G + (b * 32) / group] += d * float(sum);
     }

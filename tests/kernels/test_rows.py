@@ -141,6 +141,30 @@ def test_int8_a8_is_the_integer_product_of_the_activation_blocks(impl: str, K: i
 
 
 @needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int8_a8_codes_are_act8s_exactly(impl: str) -> None:
+    """The operator's own activation codes, read back through a one-hot weight (row n: 1 at column n, scale 1,
+    fp32 x: y = d * code in one fp32 rounding) equal `act8.quantize_blocks`' bit for bit: ties to even (x = 0.5,
+    1.5, 2.5, -2.5 at d = 1), a zero block, the block's maximum at each position, rows of random scale (the
+    vector and the scalar block code of every build)."""
+    from fewbits.kernels.act8 import quantize_blocks
+
+    ops = _ops(impl)
+    K = 128
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, K, generator=g) * torch.logspace(-3, 3, 9)[:, None]
+    x[0, :32] = 0.0
+    x[0, 0], x[0, 1:5] = 127.0, torch.tensor([0.5, 1.5, 2.5, -2.5])  # d = 1: the codes are x, rounded
+    x[1, 32:64] = 0.0  # a block of zeros: d = 0, codes 0
+    for m in range(2, 9):
+        x[m, (m * 5) % 32] = 50.0 * m  # the maximum at a different position of the first block
+    q, d = quantize_blocks(x)
+    y = ops.int8_mm_a8(x, torch.eye(K, dtype=torch.int8), torch.ones(K), None)
+    assert torch.equal(y, q.float() * d.repeat_interleave(32, dim=1))
+    assert q[0, :5].tolist() == [127, 0, 2, 2, -2]
+
+
+@needs_ops
 def test_int8_a8_refuses_a_width_not_of_whole_blocks() -> None:
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.fewbits_rows.int8_mm_a8(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4),
