@@ -812,6 +812,25 @@ inline bool values_rows(const void* base, at::ScalarType dt, int64_t row0, int64
   return false;
 }
 
+// The query's slot read from its memory, and the mask (B, ..., T') as B rows used in place where it is
+// contiguous: Tensor::item and reshape each cost a dispatch (~1.3 us of the ~8 us attend_rows takes at one token).
+int64_t slot_of(const at::Tensor& slot_t, const char* op) {
+  TORCH_CHECK(slot_t.numel() == 1 && slot_t.scalar_type() == at::kLong && slot_t.device().is_cpu(), op,
+              ": slot must be one int64 on the CPU");
+  return *slot_t.data_ptr<int64_t>();
+}
+
+struct MaskRows {
+  at::Tensor t;
+  const bool* p;
+  int64_t stride;  // elements a row
+};
+
+MaskRows mask_rows(const at::Tensor& allowed, int64_t B) {
+  at::Tensor t = allowed.is_contiguous() ? allowed : allowed.contiguous();
+  return {t, t.data_ptr<bool>(), B ? t.numel() / B : 0};
+}
+
 // The per-unit softmaxes (maximum pm, sum pl, weighted values pacc: unit k of (b, h) at bh * nunits + k, each
 // with R query heads) merged into one attention per query head -> (B, H, R, D) in q's dtype (rounded once)
 at::Tensor merge_units(const at::Tensor& q_in, int64_t BH, int64_t R, int64_t D, int64_t nunits,
@@ -872,11 +891,11 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   const bool kivi = bits != 8;
   const int64_t per = 8 / bits, nb = D / per, ng = kivi ? D / gv : 1;
   TORCH_CHECK(!kivi || gv % per == 0, "attend_kv: value group not a multiple of the codes per byte");
-  const int64_t slot = slot_t.item<int64_t>(), grp = kivi ? G : 1;
+  const int64_t slot = slot_of(slot_t, "attend_kv"), grp = kivi ? G : 1;
   const int64_t n_quant = W ? std::max<int64_t>(0, slot + 1 - residual) / grp * grp : T;
-  const auto allowed_ = allowed.reshape({B, -1}).contiguous();
-  const bool* AL = allowed_.data_ptr<bool>();
-  const int64_t AT = allowed_.size(1);
+  const MaskRows mask = mask_rows(allowed, B);
+  const bool* AL = mask.p;
+  const int64_t AT = mask.stride;
   // which slots the query sees: quantised ones below n_quant, window slots holding tokens from n_quant on
   std::vector<uint8_t> okq(B * T), okr(B * std::max<int64_t>(W, 1));
   for (int64_t b = 0; b < B; ++b) {
@@ -1277,10 +1296,10 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   std::vector<float> q(B * H * R * D);  // the query in fp32, times the softmax scale
   for (int64_t x = 0; x < B * H * R; ++x) row_f32(q_c.data_ptr(), q_c.scalar_type(), x, D, q.data() + x * D);
   for (auto& x : q) x *= static_cast<float>(scale);
-  const int64_t n_seen = std::min<int64_t>(T, slot_t.item<int64_t>() + 1);  // slots 0 .. slot
-  const auto allowed_ = allowed.reshape({B, -1}).contiguous();
-  const bool* AL = allowed_.data_ptr<bool>();
-  const int64_t AT = allowed_.size(1);
+  const int64_t n_seen = std::min<int64_t>(T, slot_of(slot_t, "attend_rows") + 1);  // slots 0 .. slot
+  const MaskRows mask = mask_rows(allowed, B);
+  const bool* AL = mask.p;
+  const int64_t AT = mask.stride;
   // at least `chunk` tokens a unit, and no more units than ~8 per thread (the merge after them is serial)
   const int64_t per_bh = std::max<int64_t>(1, 8 * at::get_num_threads() / (B * H));
   chunk = std::max<int64_t>({1, chunk, (n_seen + per_bh - 1) / per_bh});
@@ -1432,7 +1451,7 @@ void append_kv(const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor&
     TORCH_CHECK(rk.is_contiguous() && rv.is_contiguous() && rk.dim() == 4 && rk.size(0) == B && rk.size(1) == H &&
                 rk.size(3) == D && rv.sizes() == rk.sizes(), "append_kv: the window does not fit k");
   }
-  const int64_t slot = slot_t.item<int64_t>();
+  const int64_t slot = slot_of(slot_t, "append_kv");
   TORCH_CHECK(slot >= 0 && slot < T, "append_kv: slot ", slot, " outside the cache's ", T, " slots");
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
   const at::ScalarType dt = k.scalar_type();

@@ -210,3 +210,26 @@ def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D:
     ref = torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), vf[:, :, :slot + 1])
     assert got.dtype == q.dtype and got.shape == q.shape
     torch.testing.assert_close(got.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@needs_kernel
+def test_attend_rows_reads_a_sliced_mask_and_refuses_a_slot_not_int64() -> None:
+    """The mask may be a slice of a longer one (the step's (B, 1, cache + more)[..., :T]: not contiguous); the
+    slot must be one int64 on the CPU (it is read from memory, not converted), and another dtype is named."""
+    g = torch.Generator().manual_seed(0)
+    B, H, R, T, D = 2, 1, 2, 40, 16
+    q = torch.randn(B, H, R, D, generator=g).bfloat16()
+    k, v = torch.randn(B, H, T, D, generator=g).bfloat16(), torch.randn(B, H, T, D, generator=g).bfloat16()
+    long_mask = torch.ones(B, 1, T + 24, dtype=torch.bool)
+    long_mask[1, :, :3] = False
+    sliced = long_mask[:, :, :T]
+    assert not sliced.is_contiguous()
+    e, slot = torch.empty(0), torch.tensor([30])
+    got = torch.ops.fewbits_kv.attend_rows(q, 0.25, k, v, e, e, sliced, slot, 8)
+    assert torch.equal(got, torch.ops.fewbits_kv.attend_rows(q, 0.25, k, v, e, e, sliced.contiguous(), slot, 8))
+    s = torch.einsum("bhrd,bhtd->bhrt", q.float(), k[:, :, :31].float()) * 0.25
+    s = s.masked_fill(~sliced[:, :, None, :31], float("-inf"))
+    torch.testing.assert_close(got.float(), torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), v[:, :, :31].float()),
+                               rtol=1e-2, atol=1e-2)
+    with pytest.raises(RuntimeError, match="slot must be one int64"):
+        torch.ops.fewbits_kv.attend_rows(q, 0.25, k, v, e, e, sliced, slot.int(), 8)
