@@ -373,7 +373,7 @@ void quantize_x(const uint16_t* x, int64_t M, int64_t K, int64_t group, int8_t* 
       int8_t* dst = xq + m * K + b * 32;
 #if defined(__AVX2__)
       const __m256i qv = _mm256_load_si256(reinterpret_cast<const __m256i*>(q));
-      // the sum of the codes: |q + 128| summed by vpsadbw, less 32 * 128; each 8 codes in the order below
+      // the sum of the codes: q + 128 as unsigned bytes summed by vpsadbw, less 32 * 128; each 8 codes reordered
       const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(qv, _mm256_set1_epi8(-128)), _mm256_setzero_si256());
       const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
       sum = int32_t(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
@@ -441,8 +441,7 @@ void block_a8_avx2(const Args& a, const A8& q, int64_t b, int64_t m0) {
             std::memcpy(&x0, xr[t] + col, 4);
             std::memcpy(&x1, xr[t] + col + 4, 4);
             const __m256i b0 = _mm256_set1_epi32(x0), b1 = _mm256_set1_epi32(x1);
-            for (int h = 0; h < H; ++h)
-            {
+            for (int h = 0; h < H; ++h) {
               acc[t][h] = _mm256_add_epi16(acc[t][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo[h], b0),
                                                                        _mm256_maddubs_epi16(hi[h], b1)));
               // keeps the sum a chain in one register: GCC otherwise reassociates the integer adds of the
