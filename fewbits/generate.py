@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from fewbits.kernels import rows
 from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat
 from fewbits.kvcache.hf import QuantizedKVCache, cache_for, cache_kwargs
@@ -108,7 +109,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: floa
     """Next token ids (B,) from last-position logits (B, V): argmax, or sampling with temperature,
     top-k and nucleus (top-p, Holtzman et al. 2020) filtering."""
     if not do_sample:
-        return logits.argmax(-1)
+        return rows.argmax(logits)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
     z = logits.float() / temperature

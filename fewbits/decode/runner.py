@@ -37,6 +37,7 @@ from fewbits.decode.arch import Arch, describe, unsupported
 from fewbits.decode.cache import LayerKV, make_cache
 from fewbits.decode.fuse import Fused, fuse_projections
 from fewbits.decode.step import WIDEN, forward, rows_on
+from fewbits.kernels import rows
 from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
@@ -144,6 +145,7 @@ class StaticDecoder:
                 self._fn = torch.compile(self._decode, fullgraph=True, dynamic=False, mode="reduce-overhead")
                 self._warm(cache_dir)
             else:
+                rows.available()  # (built once per machine) its argmax_rows picks a greedy token in ~10 us, not ~200
                 self._compile_cpu(Path(cache_dir or inductor_cache_dir()))
 
     def _decode(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:

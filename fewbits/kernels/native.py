@@ -88,6 +88,11 @@ def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor | Non
     return _BUILT[name]
 
 
+def loaded(name: str) -> bool:
+    """Whether `name`'s operators are registered in this process already (never starts a build)."""
+    return _BUILT.get(name, False)
+
+
 def why(name: str) -> str | None:
     """Why `name` could not be built (None when it was, or was not tried)."""
     return _WHY.get(name)

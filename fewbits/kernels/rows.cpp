@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && !defined(FEWBITS_ROWS_PORTABLE)
@@ -680,6 +681,112 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
+// ---------------------------------------------------------------- greedy decoding's token choice
+namespace {
+constexpr int64_t ARGMAX_CHUNK = 512;  // values a chunk: its maximum, then (one chunk) the first index of it
+
+template <typename E>
+inline float value_f32(const E* p, int64_t i) {
+  if constexpr (std::is_same_v<E, at::BFloat16>) {
+    uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return float(p[i]);
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE)
+template <typename E>
+inline __m256 widen8_any(const E* p) {  // 8 values -> fp32
+  if constexpr (std::is_same_v<E, float>) return _mm256_loadu_ps(p);
+  else if constexpr (std::is_same_v<E, at::BFloat16>)
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  else return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+// the largest of p[0 .. n-1] as fp32, and whether one is a NaN (the maximum is then meaningless).  The compiler
+// does not vectorise a max reduction and a NaN test together: 8-lane max and unordered compares by hand
+// (one 49152-token bf16 row: ~6 us against ~27 with a plain loop, on an AVX2 EPYC).
+template <typename E>
+inline float chunk_max(const E* p, int64_t n, bool* nan) {
+  float m = -std::numeric_limits<float>::infinity();
+  bool any = false;
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__) && !defined(FEWBITS_ROWS_PORTABLE)
+  __m256 m0 = _mm256_set1_ps(m), m1 = m0, u0 = _mm256_setzero_ps(), u1 = u0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 a = widen8_any(p + i), b = widen8_any(p + i + 8);
+    m0 = _mm256_max_ps(m0, a);
+    m1 = _mm256_max_ps(m1, b);
+    u0 = _mm256_or_ps(u0, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    u1 = _mm256_or_ps(u1, _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  for (int j = 0; j < 8; ++j) m = std::max(m, lanes[j]);
+  any = _mm256_movemask_ps(_mm256_or_ps(u0, u1)) != 0;
+#endif
+  for (; i < n; ++i) {
+    const float v = value_f32(p, i);
+    m = std::max(m, v);
+    any = any || std::isnan(v);
+  }
+  *nan = any;
+  return m;
+}
+
+// torch.argmax of one row of V values: the index of the first maximum, a NaN counting as larger than any number
+// (the first NaN's index).  The row's maximum's first chunk (strictly larger than every earlier chunk's maximum)
+// is scanned for its first index; a chunk holding a NaN is scanned for that.
+template <typename E>
+int64_t argmax_row(const E* row, int64_t V) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t best_c = 0;
+  for (int64_t c0 = 0; c0 < V; c0 += ARGMAX_CHUNK) {
+    const int64_t n = std::min(ARGMAX_CHUNK, V - c0);
+    bool nan = false;
+    const float m = chunk_max(row + c0, n, &nan);
+    if (nan)
+      for (int64_t i = 0; i < n; ++i)
+        if (std::isnan(value_f32(row + c0, i))) return c0 + i;
+    if (m > best) { best = m; best_c = c0; }
+  }
+  const int64_t n = std::min(ARGMAX_CHUNK, V - best_c);
+  for (int64_t i = 0; i < n; ++i)
+    if (value_f32(row + best_c, i) == best) return best_c + i;
+  return best_c;  // (not reached: the chunk holds its maximum)
+}
+}  // namespace
+
+// logits (B, V) in fp32, bf16 or fp16, each row's values contiguous -> (B,) int64: torch.argmax(logits, -1)
+// in one pass a row (torch's CPU reduction keeps a value and an index per step: ~1 ns a value in fp32, ~4.5 in
+// bf16, so ~0.2 ms for one row of a 49152-token vocabulary and ~0.9 ms for eight, a decode step's greedy choice)
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2, "argmax_rows: logits must be (batch, vocabulary), got ", logits.sizes());
+  TORCH_CHECK(!logits.is_cuda(), "argmax_rows: CPU tensors only");
+  const int64_t B = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(V > 0, "argmax_rows: an empty vocabulary");
+  TORCH_CHECK(logits.stride(1) == 1 || V == 1, "argmax_rows: each row's values must be contiguous");
+  const at::ScalarType st = logits.scalar_type();
+  TORCH_CHECK(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+              "argmax_rows: logits must be float32, bfloat16 or float16, got ", st);
+  at::Tensor out = at::empty({B}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const int64_t ld = logits.stride(0);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      if (st == at::kFloat) o[b] = argmax_row(logits.const_data_ptr<float>() + b * ld, V);
+      else if (st == at::kBFloat16) o[b] = argmax_row(logits.const_data_ptr<at::BFloat16>() + b * ld, V);
+      else o[b] = argmax_row(logits.const_data_ptr<at::Half>() + b * ld, V);
+    }
+  });
+  return out;
+}
+
 // whether int8_mm_a8 runs integer vector products here (AVX512-VNNI's vpdpbusd or AVX2's vpmaddubsw; else its plain
 // loops)
 int64_t a8_fast() { return ROWS_A8; }
@@ -700,12 +807,14 @@ TORCH_LIBRARY(ROWS_NS, m) {
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("fp8_mm(Tensor x, Tensor codes, Tensor scales, bool e5m2) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
   m.def("a8_fast() -> int");
   m.def("rows_isa() -> int");
   m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
   m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
   m.impl("int8_mm_a8", c10::DispatchKey::CPU, &int8_mm_a8);
   m.impl("fp8_mm", c10::DispatchKey::CPU, &fp8_mm);
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.impl("a8_fast", c10::DispatchKey::CatchAll, &a8_fast);
   m.impl("rows_isa", c10::DispatchKey::CatchAll, &rows_isa);
 }

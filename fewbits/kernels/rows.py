@@ -75,10 +75,28 @@ def _fake_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, e5m2: 
     return x.new_empty((x.shape[0], codes.shape[0]))
 
 
+def _fake_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty((logits.shape[0],), dtype=torch.long)
+
+
 def fakes(ns: str = NAME) -> dict:
     """The fake implementations of the operators under namespace `ns`."""
     return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8, f"{ns}::int8_mm_a8": _fake_int8,
-            f"{ns}::fp8_mm": _fake_fp8}
+            f"{ns}::fp8_mm": _fake_fp8, f"{ns}::argmax_rows": _fake_argmax}
+
+
+ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the same indices (the first maximum; a NaN counts as the maximum), through
+    `argmax_rows` for (batch, vocabulary) CPU logits when the operators are loaded in this process already (it
+    never starts a build: the compiled CPU decode loads them): torch's CPU reduction takes ~0.2 ms for one
+    49152-token bf16 row and ~0.9 ms for eight, 2-6% of a small model's decode step."""
+    if (logits.dim() == 2 and logits.device.type == "cpu" and logits.dtype in ARGMAX_DTYPES
+            and logits.shape[1] > 0 and logits.stride(1) == 1 and native.loaded(NAME)):
+        return torch.ops.fewbits_rows.argmax_rows(logits)
+    return logits.argmax(-1)
 
 
 def available() -> bool:

@@ -261,3 +261,51 @@ def test_16bit_output_is_the_fp32_result_rounded_once(impl: str, dtype: torch.dt
             ref, nan = y32.to(dtype), y32.isnan()
             assert torch.equal(y16.isnan(), nan)  # NaN payloads differ between torch's own conversions
             assert torch.equal(y16[~nan].view(torch.int16), ref[~nan].view(torch.int16)), (impl, M, N)
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_answers_as_torch_argmax(impl: str, dtype: torch.dtype) -> None:
+    """`argmax_rows` against torch's own argmax: random rows of vocabulary sizes within and across its chunks of
+    512 (and not multiples of its 16-wide steps), a maximum tied within a chunk and across chunks (the first wins),
+    a NaN before and after the maximum and in a later chunk (the first NaN wins), infinities, a row of -inf only,
+    signed zeros, and rows read through a view whose rows are not adjacent."""
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(5)
+    for B, V in ((1, 49152), (8, 49152), (3, 1000), (2, 513), (1, 1), (4, 7), (5, 16)):
+        x = torch.randn(B, V, generator=g).to(dtype)
+        assert torch.equal(ops.argmax_rows(x), x.argmax(-1)), (B, V)
+    x = torch.zeros(7, 2000, dtype=dtype)
+    x[0, [700, 1500]] = 3  # tied in two chunks
+    x[1, [600, 601]] = 3  # tied within one
+    x[2, [5, 1999]] = float("nan")
+    x[2, 3] = float("inf")
+    x[3, 1999] = float("nan")  # after the maximum, in the last chunk
+    x[3, 10] = 5
+    x[4, 100] = float("inf")
+    x[5] = float("-inf")
+    x[6, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    x[6, 4:] = -1
+    ref = x.argmax(-1)
+    assert ref.tolist() == [700, 600, 5, 1999, 100, 0, 0]  # what torch answers, the cases meant
+    assert torch.equal(ops.argmax_rows(x), ref)
+    wide = torch.randn(8, 3000, generator=g).to(dtype)
+    view = wide[:, 100:2100]
+    assert not view.is_contiguous()
+    assert torch.equal(ops.argmax_rows(view), view.argmax(-1))
+
+
+@needs_ops
+def test_argmax_helper_uses_the_operator_only_where_it_fits() -> None:
+    """`rows.argmax` is torch's answer for every input: the operator's (B, V) CPU rows, and torch's own argmax for
+    a 3-D tensor, an integer one and a column view (rows not contiguous)."""
+    assert rows.available()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 3000, generator=g).bfloat16()
+    for t in (x, torch.randn(2, 3, 50, generator=g), torch.randint(0, 9, (3, 40), generator=g), x.t()):
+        assert torch.equal(rows.argmax(t), t.argmax(-1))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.fewbits_rows.argmax_rows(x.t())
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        torch.ops.fewbits_rows.argmax_rows(torch.zeros(2, 3, dtype=torch.int32))
