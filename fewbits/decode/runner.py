@@ -27,7 +27,7 @@ import os
 import pickle
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -100,6 +100,42 @@ def _step(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: torch
     return forward(model, arch, cache, valid, ids, pos, slot, fused=fused)
 
 
+def graph_call(fn: object, args: tuple) -> tuple[Callable[..., list], tuple[torch.Tensor, ...]] | None:
+    """The compiled graph of a saved step (`torch.compile(...).aot_compile`) and the tensors it takes, so that a
+    step can call the graph with them directly: dynamo's own bytecode gathers those ~500 tensors from `args`'
+    modules and objects at every call (attribute and dictionary reads through ~1000 Python objects, which the
+    step's stream of weights has pushed out of the caches by the next call: SmolLM2 int4-g64+a8, batch 1, a
+    stream of steps: 5.96 -> 5.26 ms median, alternating).  Valid because every call passes the same objects
+    (`StaticDecoder`: the per-step values are copied into the same tensors), as for skipping the guards.
+
+    The tensors are read by running the step's bytecode once with the graph wrapped; the graph is then called
+    with them and must give the bytecode's own output, bit for bit, or None is returned (the caller keeps the
+    bytecode): the bytecode around the graph call only picks the graph's first output."""
+    art = getattr(fn, "_artifacts", None)
+    graph = getattr(art, "compiled_fn", None)
+    if graph is None:
+        return None
+    seen: list[tuple] = []
+
+    def spy(*flat: object) -> object:
+        seen.append(flat)
+        return graph(*flat)
+
+    try:
+        probe = art.runtime_env.forward_callable(art.backend_id, spy, extra_globals=getattr(fn, "_extra_globals", None))
+        out = probe(*args)
+        if len(seen) != 1 or not isinstance(out, torch.Tensor):
+            return None
+        again = graph(*seen[0])
+    except Exception as exc:  # noqa: BLE001 - internals of another torch: keep calling the bytecode
+        log.info("fewbits.decode: the step's graph is called through its bytecode (%s)", exc)
+        return None
+    if not isinstance(again, (list, tuple)) or not again or not isinstance(again[0], torch.Tensor):
+        return None
+    same = again[0].shape == out.shape and again[0].dtype == out.dtype and torch.equal(again[0], out)
+    return (graph, seen[0]) if same else None
+
+
 class StaticDecoder:
     """A preallocated cache for `batch` sequences of up to `max_len` tokens and the step over it.
 
@@ -131,6 +167,7 @@ class StaticDecoder:
         self.compiled = compile
         self.fused = fuse_projections(model, self.arch.n_layers) if fuse else None  # q/k/v, gate/up: one matmul
         self.compile_s = 0.0
+        self.direct = False
         self._fn = self._decode_eager
         if compile:
             from fewbits.kernels.ops import lower_cpu_ops_to_aten
@@ -197,18 +234,28 @@ class StaticDecoder:
                     else:
                         precompiled.save(fn, path)
                 fn(*args)
-        self.compile_s = time.perf_counter() - t0
-        self.valid.zero_()
         if hasattr(fn, "disable_guard_check"):
             # Its guards (~6000: every parameter's shape, stride and dtype, the cache, the modules' attributes)
             # held for this call, and every later call passes the same objects: this model and cache, and the
             # per-step values copied into the same three tensors.  Checking them again cost ~0.5 ms a step.
             fn.disable_guard_check()
         pos = self.pos.new_zeros(self.batch, 1)
+        args = (self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.fused)
+        with torch.no_grad():
+            direct = graph_call(fn, args)
+        self.compile_s = time.perf_counter() - t0
+        self.valid.zero_()
+        self.direct = direct is not None  # the graph called with its tensors (`graph_call`), not via the bytecode
+        if direct is not None:
+            graph, flat = direct
 
-        def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
-            ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
-            return fn(self.model, self.arch, self.cache, self.valid, ids, pos, slot, self.fused)
+            def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
+                ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
+                return graph(*flat)[0]
+        else:
+            def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
+                ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
+                return fn(*args)
 
         self._fn = run
 

@@ -118,3 +118,26 @@ def test_step_sees_weights_changed_in_place(tmp_path) -> None:
     got, want = dec.step(tok).float(), ref.step(tok).float()
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
     assert float((got - before).abs().max()) > 0.5 * float(before.abs().max())
+
+
+def test_step_calls_its_graph_directly_with_the_bytecodes_result(tmp_path, monkeypatch) -> None:
+    """The CPU step calls its compiled graph with the tensors dynamo's bytecode gathers (`graph_call`): the logits
+    of every step equal bit for bit those of the same saved step called through its bytecode, weights changed in
+    place between steps included."""
+    from fewbits.decode import runner
+
+    model = build("llama", torch.bfloat16)
+    if why_eager(model) is not None:
+        pytest.skip(why_eager(model))
+    dec = StaticDecoder(model, "bf16", 2, 20, cache_dir=tmp_path)
+    monkeypatch.setattr(runner, "graph_call", lambda fn, args: None)
+    old = StaticDecoder(model, "bf16", 2, 20, cache_dir=tmp_path)
+    assert dec.direct and not old.direct
+    ids = torch.randint(4, 320, (2, 6), generator=torch.Generator().manual_seed(3))
+    assert torch.equal(dec.prefill(ids), old.prefill(ids))
+    for i, t in enumerate((7, 9, 11, 5)):
+        if i == 2:
+            with torch.no_grad():
+                model.model.norm.weight.mul_(-2.0)
+        tok = torch.tensor([t, t + 1])
+        assert torch.equal(dec.step(tok), old.step(tok)), i
