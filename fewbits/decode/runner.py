@@ -7,7 +7,8 @@ On a CPU inductor generates C++ kernels and, by default (``wrapper="cpp"``), C++
 ~800 kernel and operator calls are issued from one C++ function instead of a Python one.  That function is
 built apart from the kernels and at -O1
 (`CPU_OPTIONS`): compiled at -O3 together with them it took g++ minutes.  ``wrapper="python"`` (or
-``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  On a CUDA device the step is compiled with
+``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  Each step then calls that compiled graph with its
+input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  On a CUDA device the step is compiled with
 ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked static, so the
 graph writes them in place).
 
