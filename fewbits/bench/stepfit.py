@@ -136,7 +136,7 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
             w = r.get("window_s_per_byte", 0.0)
             kv_window.setdefault(fam, _clamp(1.0 / (w * beta)) if w > 0 else 1.0)
             kv_dequant.setdefault(fam, r.get("quantized_s", 0.0) / spec.n_layers)
-            extra = (f"; window {w * 1e12:.3f} ms per GB, +{r.get('quantized_s', 0.0) * 1e3:.2f} ms once it "
+            extra = (f"; window {w * 1e12:.3f} ms per GB, {r.get('quantized_s', 0.0) * 1e3:+.2f} ms once it "
                      "holds quantised tokens")
         log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
             f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
