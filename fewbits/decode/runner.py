@@ -249,14 +249,13 @@ class StaticDecoder:
         self.direct = direct is not None  # the graph called with its tensors (`graph_call`), not via the bytecode
         if direct is not None:
             graph, flat = direct
-
-            def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
-                ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
-                return graph(*flat)[0]
+            call = lambda: graph(*flat)[0]  # noqa: E731
         else:
-            def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
-                ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
-                return fn(*args)
+            call = lambda: fn(*args)  # noqa: E731
+
+        def run(new_ids: torch.Tensor, new_pos: torch.Tensor, new_slot: torch.Tensor) -> torch.Tensor:
+            ids.copy_(new_ids), pos.copy_(new_pos), slot.copy_(new_slot)
+            return call()
 
         self._fn = run
 
