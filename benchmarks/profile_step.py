@@ -1,12 +1,14 @@
 """Where a decode step's time goes: step times, then a torch.profiler table of a few decode steps.
 
-    python benchmarks/profile_step.py [MODEL] [--weights bf16,int8] [--kv bf16] [--device cuda]
-        [--random-weights] [--batch 1] [--prompt 128] [--steps 16] [--threads 1,0] [--top 20]
+    python benchmarks/profile_step.py [MODEL] [--weights bf16,int8,int4-g32+a8] [--kv bf16] [--device cuda]
+        [--random-weights] [--batch 1] [--prompt 128] [--steps 16] [--threads 1,0] [--top 20] [--eager]
 
-For each weight format: the fastest and median decode step at each --threads setting (0 = torch's
-default), then one profiled generate call: the operators that took the most host (CPU) time, their call
-counts per step, and the device's busy time per step beside the step's wall time.  On a GPU, a step whose
-wall time is far above its device time is bound by the host launching kernels, not by the weights.
+Steps run on the compiled static-cache path (`fewbits.decode.generate.generate_static`, what `fewbits bench`
+and `generate` run; `--eager`: the eager path).  For each weight format: the fastest and median decode step at
+each --threads setting (0 = torch's default), then one profiled generate call: the operators that took the most
+host (CPU) time, their call counts per step, and the device's busy time per step beside the step's wall time.
+On a GPU, a step whose wall time is far above its device time is bound by the host launching kernels, not by
+the weights.
 """
 
 from __future__ import annotations
@@ -18,13 +20,16 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fewbits.bench.decode import load_quantized
+from fewbits.decode.generate import generate_static
 from fewbits.generate import check_device, generate
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("model", nargs="?", default="smollm2-135m")
-    ap.add_argument("--weights", default="bf16,int8")
+    ap.add_argument("--weights", default="bf16,int8",
+                    help="formats, comma-separated; a trailing +a8 (int4-g32+a8) lets the kernels round the "
+                         "activations to int8")
     ap.add_argument("--kv", default="bf16")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--random-weights", action="store_true")
@@ -33,27 +38,31 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", default="1,0", help="torch thread counts to time (0 = the default)")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--eager", action="store_true", help="the eager decode path instead of the compiled step")
     args = ap.parse_args()
+    run = generate if args.eager else generate_static
     device = check_device(args.device)
     default_threads = torch.get_num_threads()
     for w in args.weights.split(","):
-        model, kernels = load_quantized(args.model, w, device=str(device), random_weights=args.random_weights)
+        act = "q8" if w.endswith("+a8") else "16"  # +a8: kernels that round the activations to int8
+        model, kernels = load_quantized(args.model, w.removesuffix("+a8"), device=str(device),
+                                        random_weights=args.random_weights, activations=act)
         vocab = int(model.config.get_text_config().vocab_size)
         ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-        generate(model, ids, 4, kv=args.kv)  # warm-up: compiles, allocator
+        run(model, ids, 4, kv=args.kv)  # warm-up: compiles, allocator
         print(f"\n## {args.model} weights {w} ({kernels}), kv {args.kv}, batch {args.batch}, prompt {args.prompt}, "
-              f"{device}")
+              f"{device}, {'eager' if args.eager else 'compiled step'}")
         for th in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(th or default_threads)
             steps = []
             for _ in range(3):
-                steps += generate(model, ids, args.steps + 1, kv=args.kv).decode_step_s
+                steps += run(model, ids, args.steps + 1, kv=args.kv).decode_step_s
             print(f"threads {torch.get_num_threads():>3}: step fastest {min(steps) * 1e3:7.2f} ms, "
                   f"median {statistics.median(steps) * 1e3:7.2f} ms ({len(steps)} steps)")
         torch.set_num_threads(default_threads)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=acts) as prof:
-            res = generate(model, ids, args.steps + 1, kv=args.kv)
+            res = run(model, ids, args.steps + 1, kv=args.kv)
         n = len(res.decode_step_s) + 1  # the prefill is one forward too
         ev = prof.key_averages()
         dev_us = sum(e.self_device_time_total for e in ev) if device.type == "cuda" else 0.0
