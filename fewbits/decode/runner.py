@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from fewbits.decode import precompiled
+from fewbits.decode import pages, precompiled
 from fewbits.decode.arch import Arch, describe, unsupported
 from fewbits.decode.cache import LayerKV, make_cache
 from fewbits.decode.fuse import Fused, fuse_projections
@@ -167,6 +167,9 @@ class StaticDecoder:
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.compiled = compile
         self.fused = fuse_projections(model, self.arch.n_layers) if fuse else None  # q/k/v, gate/up: one matmul
+        # the weights and the cache in huge pages (the step reads them all; `pages` says what it gains)
+        self.placement = (pages.place([model, self.fused, self.cache]) if self.device.type == "cpu"
+                          else pages.Placement(why_not=f"on {self.device.type}"))
         self.compile_s = 0.0
         self.direct = False
         self._fn = self._decode_eager

@@ -1,0 +1,193 @@
+"""A decode step's tensors moved into one block of memory backed by transparent huge pages (2 MiB).
+
+A decode step reads every weight once, in long sequential runs; on a CPU that read is limited by memory, and the
+hardware prefetchers stop at each 4 KiB page boundary (and every page costs a TLB entry).  torch allocates a
+large tensor with plain ``mmap`` (4 KiB pages: Linux gives huge pages to an anonymous mapping only where it is
+asked to, ``madvise(MADV_HUGEPAGE)``, under the default "madvise" setting).  `place` copies the tensors into
+one private anonymous mapping, aligned to 2 MiB and advised so, and points each tensor at its copy in place
+(`Tensor.set_`): the same tensor objects, the same values, views of one storage still views of one storage.
+
+`StaticDecoder` places its model's weights, fused projections and cache so on a CPU.  Measured on a 2-core
+AVX2 EPYC VM (`benchmarks/bench_hugepages.py`, 8 alternating rounds of 32 steps, batch 1, median step in 4 KiB
+pages / in huge pages): SmolLM2-135M bf16 1.069x, int4-g32+a8 1.047x; Gemma-3-270M bf16 1.018x, int4-g32+a8
+1.005x; a one-row bf16 GEMV over Gemma's 335 MB LM head 1.031x (16.9 -> 17.4 GB/s).  Small on a host whose two
+threads read ~20 GB/s; the TLB's reach matters more as weights grow.  The copy costs memory only while it runs
+(each old storage is freed as its tensors move, unless something else still holds it).
+
+Not done where it cannot help or is not asked for: off Linux, where the kernel's THP setting is "never", with
+``FEWBITS_HUGE_PAGES=0``; tensors off the CPU, tensors that are not plain strided ones, storages below
+`MIN_BYTES` (too small for page effects to matter) are left where they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import sys
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("fewbits.decode")
+
+HUGE = 2 << 20  # bytes of an x86-64 transparent huge page
+ALIGN = 64  # bytes each placed storage starts on (a cache line)
+MIN_BYTES = 64 << 10  # storages below this stay where they are
+THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+#: the mappings made here, (start address, end address, the mapping while it lives): a storage inside a live one
+#: is placed already
+_ARENAS: list[tuple[int, int, weakref.ref]] = []
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What `place` did: `nbytes` moved in `storages` storages (`tensors` tensors), the mapping's start address
+    (0 when nothing moved) and, when nothing moved, why."""
+
+    nbytes: int = 0
+    storages: int = 0
+    tensors: int = 0
+    address: int = 0
+    why_not: str | None = None
+
+    def huge_bytes(self) -> int:
+        """Bytes of the mapping that the kernel backs with huge pages now (/proc/self/smaps; 0 if unknown)."""
+        return mapping_huge_bytes(self.address) if self.address else 0
+
+
+def why_not_huge(huge: bool = True) -> str | None:
+    """None where huge pages can be asked for here, else why not (`huge` False: placing in 4 KiB pages,
+    benchmarks' other arm, is possible wherever ``madvise`` is)."""
+    if os.environ.get("FEWBITS_HUGE_PAGES", "1") == "0":
+        return "FEWBITS_HUGE_PAGES=0"
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return f"no transparent huge pages on {sys.platform}"
+    if not huge:
+        return None
+    try:
+        setting = THP_SETTING.read_text()
+    except OSError as e:
+        return f"cannot read {THP_SETTING} ({e.strerror})"
+    if "[never]" in setting:
+        return f"transparent huge pages are off ({THP_SETTING}: never)"
+    return None
+
+
+def tensors_of(roots: Iterable[object]) -> list[torch.Tensor]:
+    """Every tensor reachable from `roots`: modules' parameters, buffers and submodules, and the attributes of
+    fewbits' own objects (kernels, fused projections, caches) and of lists, tuples and dicts among them."""
+    seen: set[int] = set()
+    found: dict[int, torch.Tensor] = {}
+    stack = list(roots)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            found[id(o)] = o
+        elif isinstance(o, torch.nn.Module):
+            stack += [*o._parameters.values(), *o._buffers.values(), *o._modules.values()]
+            stack += [v for k, v in vars(o).items() if not k.startswith("_")]
+        elif isinstance(o, (list, tuple)):
+            stack += list(o)
+        elif isinstance(o, dict):
+            stack += list(o.values())
+        elif type(o).__module__.startswith("fewbits.") and hasattr(o, "__dict__"):
+            stack += list(vars(o).values())
+    return list(found.values())
+
+
+def _placeable(t: torch.Tensor, again: bool) -> bool:
+    return (t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized and t.numel() > 0
+            and (again or not _in_arena(t.untyped_storage().data_ptr())))
+
+
+def _in_arena(ptr: int) -> bool:
+    _ARENAS[:] = [a for a in _ARENAS if a[2]() is not None]  # a freed mapping's addresses may be reused
+    return any(lo <= ptr < hi for lo, hi, _ in _ARENAS)
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a tensor reads: [first, end)."""
+    first = t.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return first * t.element_size(), (last + 1) * t.element_size()
+
+
+def _groups(tensors: Iterable[torch.Tensor], again: bool) -> list[tuple[int, int, list[torch.Tensor]]]:
+    """The tensors grouped by the storage they view, each group with the span of bytes its tensors read
+    (first, end): a group moves as one block, so views stay views at the same distances."""
+    by: dict[int, list[torch.Tensor]] = {}
+    for t in tensors:
+        if _placeable(t, again):
+            by.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    out = []
+    for group in by.values():
+        spans = [_extent(t) for t in group]
+        first, end = min(a for a, _ in spans), max(b for _, b in spans)
+        first -= first % ALIGN  # so that every tensor's new offset is a whole number of its elements
+        if end - first >= MIN_BYTES:
+            out.append((first, end, group))
+    return out
+
+
+@torch.no_grad()
+def place(roots: Iterable[object], huge: bool = True, again: bool = False) -> Placement:
+    """Move the tensors reachable from `roots` (`tensors_of`) into one mapping advised for huge pages (`huge`
+    False: advised against them, the 4 KiB pages torch's own allocations get: benchmarks' other arm).  Each
+    tensor keeps its identity, values, dtype, shape and strides; tensors viewing one storage view one storage
+    after, at the same distances.  Tensors placed already (by an earlier call) stay where they are, unless
+    `again` (benchmarks moving the same tensors back and forth)."""
+    why = why_not_huge(huge)
+    if why is not None:
+        return Placement(why_not=why)
+    groups = _groups(tensors_of(roots), again)
+    sizes = [end - first for first, end, _ in groups]
+    if sum(sizes) < HUGE:
+        return Placement(why_not=f"{sum(sizes)} bytes of tensors to place, under one huge page")
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // ALIGN) * ALIGN
+    # private and anonymous (a shared mapping is shmem, whose huge pages follow another setting), one page over
+    # so that the block can start on a 2 MiB boundary
+    area = mmap.mmap(-1, end + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    lo = torch.frombuffer(area, dtype=torch.uint8, count=1).data_ptr()
+    start = -lo % HUGE
+    for (first, _, group), n, off in zip(groups, sizes, offsets, strict=True):
+        # a storage of its own for each group (each holds the mapping while it lives): tensors that did not alias
+        # do not alias after (the compiler treats views of one storage as one input, which a cache written in
+        # place among them would break)
+        dst = torch.frombuffer(area, dtype=torch.uint8, count=n, offset=start + off)
+        dst.copy_(torch.empty(0, dtype=torch.uint8).set_(group[0].untyped_storage(), first, (n,)))
+        for t in group:
+            byte = t.storage_offset() * t.element_size() - first
+            t.set_(dst.untyped_storage(), byte // t.element_size(), t.size(), t.stride())
+    _ARENAS.append((lo, lo + len(area), weakref.ref(area)))
+    return Placement(nbytes=sum(sizes), storages=len(groups), tensors=sum(len(g) for *_, g in groups),
+                     address=lo + start)
+
+
+def mapping_huge_bytes(address: int) -> int:
+    """Bytes of the mapping holding `address` backed by huge pages (its ``AnonHugePages`` in
+    /proc/self/smaps), 0 where that cannot be read."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return 0
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and ":" not in head:  # a mapping's header: start-end perms offset dev inode path
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0
