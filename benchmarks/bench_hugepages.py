@@ -4,7 +4,7 @@ and forth between the two kinds of mapping (`place(..., again=True)`), so the co
 the tokens are the same in both arms.  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_hugepages.py [--model smollm2-135m,gemma3-270m] [--weights bf16,int4-g32+a8]
-        [--batch 1] [--steps 32] [--rounds 6] [--gemv 262144x640]
+        [--random-weights] [--batch 1] [--steps 32] [--rounds 6] [--gemv 262144x640]
 
 Rows: per model and format, the compiled step's fastest and median time in each arm and the median's ratio
 (4 KiB / huge: above 1 the huge pages are faster), with the bytes placed and how many of them the kernel backed
@@ -55,7 +55,7 @@ def _decode_arms(name: str, w: str, args: argparse.Namespace) -> dict[str, list[
     from fewbits.decode.generate import decoder_for, generate_static
 
     act = "q8" if w.endswith("+a8") else "16"
-    model = load_quantized(name, w.removesuffix("+a8"), activations=act)[0]
+    model = load_quantized(name, w.removesuffix("+a8"), activations=act, random_weights=args.random_weights)[0]
     vocab = int(model.config.get_text_config().vocab_size)
     ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     first = generate_static(model, ids, args.steps + 1)  # compiles (or loads) the step, places its tensors
@@ -76,6 +76,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m,gemma3-270m")
     ap.add_argument("--weights", default="bf16,int4-g32+a8")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="build the models from their architecture alone (any preset, e.g. llama-3.2-1b)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32, help="decode steps a round and arm")

@@ -5,23 +5,24 @@ hardware prefetchers stop at each 4 KiB page boundary (and every page costs a TL
 large tensor with plain ``mmap`` (4 KiB pages: Linux gives huge pages to an anonymous mapping only where it is
 asked to, ``madvise(MADV_HUGEPAGE)``, under the default "madvise" setting).  `place` copies the tensors into
 one private anonymous mapping, aligned to 2 MiB and advised so, and points each tensor at its copy in place
-(`Tensor.set_`): the same tensor objects, the same values, views of one storage still views of one storage.
+(`Tensor.set_`): the same tensor objects and values; tensors that viewed one storage view one storage (a new
+one over their part of the mapping), tensors that did not share one still do not.
 
 `StaticDecoder` places its model's weights, fused projections and cache so on a CPU.  Measured on a 2-core
-AVX2 EPYC VM (`benchmarks/bench_hugepages.py`, 8 alternating rounds of 32 steps, batch 1, median step in 4 KiB
-pages / in huge pages): SmolLM2-135M bf16 1.069x, int4-g32+a8 1.047x; Gemma-3-270M bf16 1.018x, int4-g32+a8
-1.005x; a one-row bf16 GEMV over Gemma's 335 MB LM head 1.031x (16.9 -> 17.4 GB/s).  Small on a host whose two
-threads read ~20 GB/s; the TLB's reach matters more as weights grow.  The copy costs memory only while it runs
-(each old storage is freed as its tensors move, unless something else still holds it).
+AVX2 EPYC VM (`benchmarks/bench_hugepages.py`, batch 1, median step in 4 KiB pages / in huge pages, arms
+alternating): Llama-3.2-1B shapes (random weights, 6 rounds of 16 steps) bf16 1.089x, int4-g32+a8 1.065x; the
+small packaged models within this host's noise (two runs of 8 rounds x 32 steps: SmolLM2-135M bf16 1.069x /
+0.991x, int4-g32+a8 1.047x / 1.065x; Gemma-3-270M bf16 1.018x / 1.017x, int4-g32+a8 1.005x / 0.995x).  The gain
+grows with the weights (the TLB's reach: 2.5 GB are 600K 4 KiB pages).  The copy costs memory only while it
+runs (each old storage is freed as its tensors move, unless something else still holds it).
 
 Not done where it cannot help or is not asked for: off Linux, where the kernel's THP setting is "never", with
-``FEWBITS_HUGE_PAGES=0``; tensors off the CPU, tensors that are not plain strided ones, storages below
-`MIN_BYTES` (too small for page effects to matter) are left where they are.
+``FEWBITS_HUGE_PAGES=0``; tensors off the CPU, tensors that are not plain strided ones, storages whose viewed
+bytes are under `MIN_BYTES` (too small for page effects to matter) are left where they are.
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import sys
@@ -32,11 +33,9 @@ from pathlib import Path
 
 import torch
 
-log = logging.getLogger("fewbits.decode")
-
 HUGE = 2 << 20  # bytes of an x86-64 transparent huge page
 ALIGN = 64  # bytes each placed storage starts on (a cache line)
-MIN_BYTES = 64 << 10  # storages below this stay where they are
+MIN_BYTES = 64 << 10  # a storage whose tensors view fewer bytes stays where it is
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 #: the mappings made here, (start address, end address, the mapping while it lives): a storage inside a live one
