@@ -75,6 +75,7 @@ from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth
+from fewbits.decode import pages
 from fewbits.formats.format import parse_format
 from fewbits.generate import synchronizer
 from fewbits.kvcache.format import parse_kv_format
@@ -173,6 +174,8 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
         pool = min_bytes if min_bytes is not None else body.nbytes * spec.n_layers
         if pool > body.nbytes:
             body = build(f, pool)
+        if fused and not on_gpu:  # in huge pages, as the compiled step's decoder holds them (`fewbits.decode.pages`)
+            pages.place([body, head_set])
         calls = body.shapes  # one layer's calls: fused groups count once
         per_step = len(calls) * spec.n_layers
         # the same calls on a tiny shape, made the same way (the step's Python path when `fused`: ~11 us a call
