@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -93,8 +95,7 @@ def test_place_does_nothing_when_switched_off(monkeypatch: pytest.MonkeyPatch) -
     assert m[0].weight.data_ptr() == ptr
 
 
-def test_place_does_nothing_where_the_kernel_has_huge_pages_off(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: pytest.TempPathFactory) -> None:
+def test_place_does_nothing_where_huge_pages_are_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     if why_not_huge(huge=False) is not None:
         pytest.skip(why_not_huge(huge=False))
     setting = tmp_path / "enabled"
