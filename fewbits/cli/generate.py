@@ -1,13 +1,16 @@
-"""`fewbits generate MODEL --prompt TEXT`: decode text with a (quantised) model on the compiled static-cache path."""
+"""`fewbits generate MODEL [PROMPT]`: decode text with a (quantised) model on the compiled static-cache path."""
 
 from __future__ import annotations
 
 import click
 
+DEFAULT_PROMPT = "The history of the printing press"
+
 
 @click.command("generate")
 @click.argument("model")
-@click.option("--prompt", default="The history of the printing press", show_default=True)
+@click.argument("prompt_text", metavar="[PROMPT]", required=False)
+@click.option("--prompt", default=None, help=f"the prompt (or as the second argument)  [default: {DEFAULT_PROMPT}]")
 @click.option("-n", "--new-tokens", "new_tokens", type=click.IntRange(1, 1 << 16), default=64, show_default=True)
 @click.option("--weights", default="bf16", show_default=True, help="weight format (RTN, as `fewbits bench` loads it)")
 @click.option("--lm-head", "lm_head", default=None, help="also quantise the LM head to this format")
@@ -18,9 +21,12 @@ import click
               help="q8: kernels that can round the activations to int8 per block of 32 columns do (llama.cpp's "
                    "Q8_0; CPU with AVX512-VNNI or AVX2), 16: weight-only kernels")
 @click.option("--eager", is_flag=True, help="the model's own eager forward instead of the compiled step")
-def generate_cmd(model: str, prompt: str, new_tokens: int, weights: str, lm_head: str | None, kv: str, threads: int,
-                 device: str, activations: str, eager: bool) -> None:
+def generate_cmd(model: str, prompt_text: str | None, prompt: str | None, new_tokens: int, weights: str,
+                 lm_head: str | None, kv: str, threads: int, device: str, activations: str, eager: bool) -> None:
     """Greedy decode of PROMPT; prints the text, then compile time (apart), prefill time and decode tokens/s."""
+    if prompt_text is not None and prompt is not None:
+        raise click.UsageError("give the prompt once: as the second argument or with --prompt, not both")
+    prompt = prompt_text if prompt_text is not None else (prompt if prompt is not None else DEFAULT_PROMPT)
     import torch
 
     from fewbits.bench.decode import load_quantized

@@ -46,3 +46,29 @@ def test_activations_reach_the_kernel_choice(monkeypatch: pytest.MonkeyPatch) ->
     assert seen.get("activations") == "q8", res.output
     res = CliRunner().invoke(main, ["generate", "smollm2-135m", "--activations", "q4"])
     assert res.exit_code == 2 and "q4" in res.output
+
+
+def test_prompt_as_argument_or_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompt is the second argument or --prompt (the default when neither); both at once is refused before
+    any model is loaded."""
+    import fewbits.models.loading as loading
+
+    seen: list = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_tok(text: str, **kw):  # noqa: ANN003, ANN202
+        seen.append(text)
+        raise Stop
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, fake_tok))
+    monkeypatch.setattr("fewbits.bench.decode.load_quantized", lambda *a, **k: (None, "dense"))
+    for args, want in ((["Once upon a time"], "Once upon a time"), (["--prompt", "In 1850"], "In 1850"),
+                       ([], "The history of the printing press")):
+        res = CliRunner().invoke(main, ["generate", "smollm2-135m", *args])
+        assert isinstance(res.exception, Stop), res.output
+        assert seen[-1] == want
+    n = len(seen)
+    res = CliRunner().invoke(main, ["generate", "smollm2-135m", "Once", "--prompt", "Twice"])
+    assert res.exit_code == 2 and "not both" in res.output and len(seen) == n
