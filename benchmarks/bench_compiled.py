@@ -50,10 +50,10 @@ def _load(args: argparse.Namespace, weights: str) -> torch.nn.Module:
     """The model in `weights`; "FORMAT:torch" (e.g. int4-g32:torch) runs its <= 4-bit layers on torch's int4
     operator instead of fewbits' own (``FEWBITS_CPU_INT4=torch`` while the kernels are prepared); a trailing
     "+a8" (int4-g32+a8) lets the kernels round the activations to int8 (`cpu_q4_a8`)."""
-    from fewbits.bench.decode import load_quantized
+    from fewbits.bench.decode import load_quantized, split_activations
 
-    act = "q8" if weights.endswith("+a8") else "16"
-    fmt, _, kernel = weights.removesuffix("+a8").partition(":")
+    spec, act = split_activations(weights)
+    fmt, _, kernel = spec.partition(":")
     old = os.environ.get("FEWBITS_CPU_INT4")
     if kernel:
         os.environ["FEWBITS_CPU_INT4"] = kernel

@@ -51,11 +51,11 @@ def _row(label: str, arms: dict[str, list[float]], unit: str = "ms") -> str:
 
 def _decode_arms(name: str, w: str, args: argparse.Namespace) -> dict[str, list[float]]:
     """The compiled step of model `name` in format `w`, timed in both arms."""
-    from fewbits.bench.decode import load_quantized
+    from fewbits.bench.decode import load_quantized, split_activations
     from fewbits.decode.generate import decoder_for, generate_static
 
-    act = "q8" if w.endswith("+a8") else "16"
-    model = load_quantized(name, w.removesuffix("+a8"), activations=act, random_weights=args.random_weights)[0]
+    spec, act = split_activations(w)
+    model = load_quantized(name, spec, activations=act, random_weights=args.random_weights)[0]
     vocab = int(model.config.get_text_config().vocab_size)
     ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     first = generate_static(model, ids, args.steps + 1)  # compiles (or loads) the step, places its tensors

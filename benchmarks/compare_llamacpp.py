@@ -344,7 +344,7 @@ def main() -> None:
 
     import torch
 
-    from fewbits.bench.decode import load_quantized, model_spec
+    from fewbits.bench.decode import load_quantized, model_spec, split_activations
     from fewbits.bench.machine import memory_bandwidth
     from fewbits.bench.probe import skeleton_model
     from fewbits.models.packaged import packaged_entry, source_files
@@ -368,9 +368,9 @@ def main() -> None:
 
     fb: dict[str, Any] = {}
     for f in fb_formats:
-        spec, a8 = (f.removesuffix("+a8"), True) if f.endswith("+a8") else (f, False)
+        spec, act = split_activations(f)
         body, _, head = spec.partition("+h:")
-        model, kernels = load_quantized(args.model, body, lm_head=head or None, activations="q8" if a8 else "16")
+        model, kernels = load_quantized(args.model, body, lm_head=head or None, activations=act)
         fb[f] = (model, kernels, weight_bytes(model))
     m0 = fb[fb_formats[0]][0]
     n_layers = int(m0.config.num_hidden_layers)
@@ -446,6 +446,8 @@ def print_table(t: int, plens: list[int], times: dict[str, list[list[float]]], f
                 facts: dict[str, Any], fb_formats: list[str], kinds: list[str],
                 eval_ms: dict[str, list[float]]) -> None:
     """tok/s (fastest step / median step) per prompt; ratio to fewbits bf16 and fewbits / llama.cpp same bits."""
+    from fewbits.bench.decode import split_activations
+
     def tps(label: str, i: int) -> tuple[float, float]:
         best, med = _stat(times[label][i])
         return 1 / best, 1 / med
@@ -455,7 +457,7 @@ def print_table(t: int, plens: list[int], times: dict[str, list[list[float]]], f
     print(f"{'engine':<10}{'format':<9}{'linears':>9}{'embd/head':>10}{'MB':>7}{head}"
           f"{'vs fb bf16':>11}{'fb/llama':>9}{'llama own ms':>13}")
     base = "fewbits " + fb_formats[0]
-    rows = [("fewbits", f, f.partition("+h:")[0], "bf16/" + (f.removesuffix("+a8").partition("+h:")[2] or "bf16"),
+    rows = [("fewbits", f, f.partition("+h:")[0], "bf16/" + (split_activations(f)[0].partition("+h:")[2] or "bf16"),
              fb[f][2])
             for f in fb_formats]
     rows += [("llama.cpp", k, facts[k]["linears"], facts[k]["embd"], facts[k]["bytes"]) for k in kinds]

@@ -19,7 +19,7 @@ import statistics
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fewbits.bench.decode import load_quantized
+from fewbits.bench.decode import load_quantized, split_activations
 from fewbits.decode.generate import generate_static
 from fewbits.generate import check_device, generate
 
@@ -44,8 +44,8 @@ def main() -> None:
     device = check_device(args.device)
     default_threads = torch.get_num_threads()
     for w in args.weights.split(","):
-        act = "q8" if w.endswith("+a8") else "16"  # +a8: kernels that round the activations to int8
-        model, kernels = load_quantized(args.model, w.removesuffix("+a8"), device=str(device),
+        spec, act = split_activations(w)  # +a8: kernels that round the activations to int8
+        model, kernels = load_quantized(args.model, spec, device=str(device),
                                         random_weights=args.random_weights, activations=act)
         vocab = int(model.config.get_text_config().vocab_size)
         ids = torch.randint(0, vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))

@@ -72,6 +72,16 @@ def model_spec(name_or_path: str, model: torch.nn.Module) -> ModelSpec:
         return ModelSpec.from_config_dict(cfg, source=str(name_or_path), name=Path(str(name_or_path)).name)
 
 
+A8_SUFFIX = "+a8"
+
+
+def split_activations(spec: str) -> tuple[str, str]:
+    """A benchmark's weight spec -> (format spec, activations for `load_quantized`): a trailing "+a8"
+    (int4-g32+a8) lets the kernels round the activations to int8 ("q8"), else the kernels are weight-only
+    ("16")."""
+    return (spec.removesuffix(A8_SUFFIX), "q8") if spec.endswith(A8_SUFFIX) else (spec, "16")
+
+
 def load_quantized(name: str, weights: str, dtype: str = "bf16", device: str = "cpu",
                    random_weights: bool = False, lm_head: str | None = None,
                    activations: str = "16") -> tuple[torch.nn.Module, str]:

@@ -174,3 +174,13 @@ def test_int8_activations_choose_their_kernels(tmp_path):
                    "int4-g64": choose_kernel("int4-g64", (64, 128), "cpu", "q8")[0].name}
     res = CliRunner().invoke(main, ["bench", str(path), "--activations", "int4"])
     assert res.exit_code != 0 and "'int4' is not one of '16', 'q8'" in res.output
+
+
+def test_split_activations_reads_the_a8_suffix():
+    from fewbits.bench.decode import split_activations
+
+    assert split_activations("int4-g32+a8") == ("int4-g32", "q8")
+    assert split_activations("int4-g32+h:int8+a8") == ("int4-g32+h:int8", "q8")
+    assert split_activations("int4-g32:torch") == ("int4-g32:torch", "16")
+    assert split_activations("bf16") == ("bf16", "16")
+    assert split_activations("int4-a8") == ("int4-a8", "16")  # only the "+a8" suffix counts
