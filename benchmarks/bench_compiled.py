@@ -266,9 +266,9 @@ def _tokens(args: argparse.Namespace) -> None:
     from fewbits.decode.generate import decoder_for
     from fewbits.decode.runner import compile_scope
     from fewbits.generate import generate
-    from fewbits.models.loading import load_model
+    from fewbits.models.loading import load_tokenizer
 
-    tok = load_model(args.model, dtype="bf16")[1]
+    tok = load_tokenizer(args.model)
     ids = tok("The history of the printing press begins in", return_tensors="pt").input_ids
     n = args.n
     for w in args.weights.split(","):

@@ -34,7 +34,7 @@ def generate_cmd(model: str, prompt_text: str | None, prompt: str | None, new_to
     from fewbits.formats.format import parse_format
     from fewbits.generate import check_device, generate
     from fewbits.kvcache.format import parse_kv_format
-    from fewbits.models.loading import load_model
+    from fewbits.models.loading import load_tokenizer
 
     for spec in (weights,) + ((lm_head,) if lm_head else ()):
         try:
@@ -48,7 +48,7 @@ def generate_cmd(model: str, prompt_text: str | None, prompt: str | None, new_to
         raise click.BadParameter(str(exc)) from None
     if threads:
         torch.set_num_threads(threads)
-    tok = load_model(model, dtype="bf16")[1]
+    tok = load_tokenizer(model)
     m, kernels = load_quantized(model, weights, device=dev, lm_head=lm_head, activations=activations)
     ids = tok(prompt, return_tensors="pt").input_ids
     run = generate if eager else generate_static

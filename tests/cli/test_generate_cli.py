@@ -17,7 +17,8 @@ from fewbits.cli import main
 def test_bad_options_are_refused(args: list[str], needle: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import fewbits.models.loading as loading
 
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded a model despite bad options"))
+    for f in ("load_model", "load_tokenizer"):
+        monkeypatch.setattr(loading, f, lambda *a, **k: pytest.fail("loaded a model despite bad options"))
     res = CliRunner().invoke(main, ["generate", "smollm2-135m", *args])
     assert res.exit_code == 2, res.output
     assert needle in res.output and "Traceback" not in res.output
@@ -40,7 +41,7 @@ def test_activations_reach_the_kernel_choice(monkeypatch: pytest.MonkeyPatch) ->
         seen.update(kw)
         raise RuntimeError("stop after the kernel choice")
 
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: None)
     monkeypatch.setattr(decode, "load_quantized", fake_load)
     res = CliRunner().invoke(main, ["generate", "smollm2-135m", "--weights", "int4-g32", "--activations", "q8"])
     assert seen.get("activations") == "q8", res.output
@@ -62,7 +63,7 @@ def test_prompt_as_argument_or_option(monkeypatch: pytest.MonkeyPatch) -> None:
         seen.append(text)
         raise Stop
 
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (None, fake_tok))
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: fake_tok)
     monkeypatch.setattr("fewbits.bench.decode.load_quantized", lambda *a, **k: (None, "dense"))
     for args, want in ((["Once upon a time"], "Once upon a time"), (["--prompt", "In 1850"], "In 1850"),
                        ([], "The history of the printing press")):

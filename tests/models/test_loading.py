@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from fewbits.models import packaged
-from fewbits.models.loading import ModelLoadError, check_model_dir, load_model, resolve_model
+from fewbits.models.loading import ModelLoadError, check_model_dir, load_model, load_tokenizer, resolve_model
 from fewbits.models.packaged import grid_report, source_files
 
 
@@ -124,6 +124,20 @@ def test_local_folder_roundtrip(tiny_dir: Path, tiny_llama) -> None:
         assert torch.equal(model(ids).logits, tiny_llama(ids).logits)
     assert resolve_model(tiny_dir).kind == "local" and resolve_model("smollm2").kind == "packaged"
     assert resolve_model("someone/some-model").kind == "hub"
+
+
+def test_tokenizer_alone_reads_no_weights(smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`load_tokenizer` gives `load_model`'s tokenizer (the same ids) without building a model."""
+    import transformers
+
+    text = "The history of the printing press"
+    want = load_model("smollm2-135m", dtype="bf16")[1](text).input_ids
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("load_tokenizer built a model"))
+    assert load_tokenizer("smollm2-135m")(text).input_ids == want
+    monkeypatch.delenv("FEWBITS_HUB", raising=False)
+    with pytest.raises(ModelLoadError, match=r"did you mean smollm2-135m\b.*FEWBITS_HUB=1"):
+        load_tokenizer("smolm2-135m")
 
 
 def test_truncated_weight_file_names_it(tiny_dir: Path) -> None:
