@@ -182,10 +182,12 @@ class TritonWeightOnlyKernel:
         why = _group_ok(qt.fmt)
         if why is not None:
             raise ValueError(f"{qt.fmt.spec}: {why}")
-        codes = qt.unpacked_codes()  # (N, K) uint8
+        codes = qt.unpacked_codes()  # (N, K) uint8 (8-bit codes: the stored tensor itself)
         self.fp8 = qt.fmt.kind == "fp8"
         self.pack = 2 if qt.fmt.kind == "int" and qt.fmt.bits <= 4 else 1
-        if self.pack == 2:
+        if self.pack == 2 and qt.fmt.bits == 4 and cols % 2 == 0:
+            codes = qt.codes  # stored as this kernel reads them (low nibble = even column): held once, not copied
+        elif self.pack == 2:
             c = torch.nn.functional.pad(codes, (0, cols % 2))
             codes = c[:, 0::2] | (c[:, 1::2] << 4)  # (N, ceil(K/2)), low nibble = even column
         s = qt.scale_values().float()

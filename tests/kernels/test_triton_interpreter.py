@@ -38,6 +38,8 @@ SCRIPT = textwrap.dedent("""
                 assert int(qt.unpacked_codes().min()) == 0 and bool((qt.scale_values() < 0).any()), spec
             x = torch.randn(m, k, generator=g)
             kern = TritonWeightOnlyKernel(qt, device="cpu")
+            if qt.fmt.bits in (4, 8):  # the stored codes are what the kernel reads: one copy
+                assert kern.q.untyped_storage().data_ptr() == qt.codes.untyped_storage().data_ptr(), spec
             r = reference_linear(x, qt)
             # the kernel's own tiles, then narrow ones with split-K (partial sums added atomically)
             for tiles in (None, (16, 16, 32, 3) if m <= 16 else (32, 16, 32, 2)):
