@@ -133,8 +133,7 @@ def use_kernels(model: nn.Module, chooser: KernelChooser | str | None = None) ->
     choose = chooser if callable(chooser) else kernel_chooser(chooser or DEFAULT_KERNEL)
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
-            mod.chooser = choose
-            mod.kernel = choose(mod.qweight)
+            mod.set_kernel(choose)
     counts = kernels_in_use(model)
     if counts:
         log.info("fewbits.api: quantised layers run on %s", ", ".join(f"{n} x {k}" for k, n in counts.items()))

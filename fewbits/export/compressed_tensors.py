@@ -124,7 +124,7 @@ def export_compressed_tensors(model: nn.Module, out_dir: str | os.PathLike[str],
 
     check_output(out_dir, overwrite)  # before the tensors are converted
     layers = quantised_layers(model, "compressed-tensors")
-    schemes = {name: _scheme(m.qweight.fmt) for name, m in layers.items()}  # refuses before writing
+    schemes = {name: _scheme(m.fmt) for name, m in layers.items()}  # refuses before writing
     tensors: dict[str, torch.Tensor] = {}
     for name, m in layers.items():
         tensors.update(_layer_tensors(name, m.qweight, m.bias))

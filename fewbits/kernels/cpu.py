@@ -110,6 +110,11 @@ class Int8PackKernel:
         extra = 0 if self.corr is None else self.corr.numel() * 4
         return self.q.numel() + self.scales.numel() * 2 + extra
 
+    def unpacked_codes(self) -> torch.Tensor:
+        """The codes as the quantised tensor holds them, uint8 (N, K) (q + 128): this kernel is their only copy
+        in a `QuantLinear` (`fewbits.models.qlinear`)."""
+        return (self.q.to(torch.int16) + 128).to(torch.uint8)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = _as_bf16_rows(x)  # (M, K)
         if torch.compiler.is_compiling():  # one opaque node of the compiled graph

@@ -54,6 +54,7 @@ from pathlib import Path
 import torch
 
 from fewbits.formats.format import Format
+from fewbits.formats.packing import unpack_bits
 from fewbits.kernels import act8, native
 from fewbits.tensor import QuantizedTensor
 
@@ -121,6 +122,24 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.int32).reshape(n // ROWS, ROWS, k // COLS, 4, 2).permute(0, 2, 1, 4, 3)  # (NB, C, i, h, j)
     words = (c << torch.tensor([0, 4, 8, 12], dtype=torch.int32)).sum(-1).reshape(n // ROWS, k // COLS, 2 * ROWS)
     return torch.where(words >= 32768, words - 65536, words).to(torch.int16).contiguous()
+
+
+def unpack_codes(words: torch.Tensor) -> torch.Tensor:
+    """The operator's int16 chunks (N/16, K/8, 32) -> uint8 codes (N, K): `pack_codes` undone.
+
+    A chunk's 32-bit lane i (little-endian: word h = 0 in the low half) holds row i's codes of columns 0 2 4 6 in
+    its low 16 bits and 1 3 5 7 in its high 16; spreading each half's nibbles to the low nibbles of 4 bytes and
+    merging them gives the row's 4 bytes in the 4-bit row-major packing (column 2m in byte m's low nibble), so the
+    lanes transposed to rows are that packing: whole-tensor integer operations, ~7x a permute of nibbles."""
+    nb, c, _ = words.shape
+    lane = words.contiguous().view(torch.int32)  # (NB, C, i)
+
+    def spread(v: torch.Tensor) -> torch.Tensor:  # nibbles 0-3 of v -> the low nibbles of bytes 0-3
+        return (v & 0xF) | ((v & 0xF0) << 4) | ((v & 0xF00) << 8) | ((v & 0xF000) << 12)
+
+    packed = spread(lane & 0xFFFF) | (spread((lane >> 16) & 0xFFFF) << 4)
+    rows = packed.transpose(1, 2).contiguous().reshape(-1).view(torch.uint8).reshape(nb * ROWS, c * COLS // 2)
+    return unpack_bits(rows, 4, c * COLS)
 
 
 def _exact_half(*ts: torch.Tensor) -> bool:
@@ -199,6 +218,11 @@ class Q4Kernel:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """The codes as the quantised tensor holds them, uint8 (N, K): this kernel is their only copy in a
+        `QuantLinear` (`fewbits.models.qlinear`)."""
+        return unpack_codes(self.codes)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the operator sees it, (N, K) bf16."""

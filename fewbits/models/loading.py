@@ -317,9 +317,10 @@ def _packaged_names() -> list[str]:
 
 
 def model_bytes(model: Any) -> int:
-    """Bytes of a module's parameters and buffers, each shared tensor counted once."""
+    """Bytes of a module's parameters and buffers, each shared tensor counted once, and the packed codes that
+    QuantLinear kernels hold in their stead."""
     seen: set[int] = set()
-    total = 0
+    total = sum(getattr(m, "held_codes_nbytes", 0) for m in model.modules())
     for t in list(model.parameters()) + list(model.buffers()):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:

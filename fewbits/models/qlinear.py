@@ -5,7 +5,15 @@ The packed tensors (codes, scales, zero points, tensor scale) are registered as 
 stored; the format and shape live in `qweight_meta` (JSON-able, the QuantizedTensor's `meta()`).
 
 The matmul runs through `self.kernel`, a callable ``kernel(x, bias) -> y`` prepared once per layer by a
-*chooser* ``chooser(qt) -> kernel``.  A QuantLinear built without one runs the reference path,
+*chooser* ``chooser(qt) -> kernel``.
+
+The codes are held once.  A kernel that keeps the codes in a layout of its own (fewbits' CPU int4 operator
+repacks them into 64-byte chunks, the int8 operators shift them to signed) and can give them back exactly,
+``kernel.unpacked_codes()``, lets the layer drop its ``qweight_codes`` buffer (checked equal when dropped):
+else every such layer held its weight twice (SmolLM2-135M int4-g64: 56 MB of packed buffers beside the
+kernels' 56 MB).  The codes come back, packed, wherever they are read: `qweight`, `state_dict()` (saving and
+exporting see the same tensors as before), a move (`model.to`) or another kernel (`set_kernel`), and
+`weight_nbytes` counts them.  A QuantLinear built without one runs the reference path,
 dequantise then matmul (`reference_linear`): cheap to build, exact.  The api (`fewbits.api.quantize`,
 `load_quantized_model`) prepares the kernel dispatcher on every layer of a finished model by default;
 `kernel_name` says which kernel a layer runs.
@@ -30,9 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fewbits.formats.format import Format
+from fewbits.formats.packing import pack_bits
 from fewbits.tensor import QuantizedTensor
 
 PREFIX = "qweight_"
+CODES = PREFIX + "codes"  # the buffer a kernel holding the codes lets the layer drop
 #: a prepared matmul for one weight: kernel(x, bias) -> y
 LinearKernel = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 #: picks a kernel for a weight (by format, shape, device)
@@ -108,22 +119,66 @@ class QuantLinear(nn.Module):
         for key, t in qweight.state_dict(PREFIX).items():
             self.register_buffer(key, t)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.chooser: KernelChooser = chooser or reference_chooser
+        self.codes_holder: Any = None  # the kernel that holds the codes once the buffer is dropped
+        self.set_kernel(chooser or reference_chooser)
+
+    def set_kernel(self, chooser: KernelChooser | None = None) -> None:
+        """Prepare the matmul with `chooser` (default: the layer's own) and, where the new kernel can give the
+        codes back exactly, drop the packed codes buffer (module docstring)."""
+        if chooser is not None:
+            self.chooser = chooser
+        self._restore_codes()
         self.kernel: LinearKernel = self.chooser(self.qweight)
+        back = getattr(self.kernel, "unpacked_codes", None)
+        if back is None:
+            return
+        qt = self.qweight
+        if not (qt.fmt.is_quantized and torch.equal(back(), qt.unpacked_codes())):
+            return
+        self.codes_holder = self.kernel
+        self._buffers[CODES] = None
+
+    def _codes(self) -> torch.Tensor:
+        """The packed codes: the buffer, or rebuilt from the kernel that holds them."""
+        codes = self._buffers.get(CODES)
+        if codes is None:
+            codes = pack_bits(self.codes_holder.unpacked_codes(), self.fmt.bits)
+        return codes
+
+    def _restore_codes(self) -> None:
+        """The codes buffer back (before the kernel that holds the codes changes)."""
+        if self.codes_holder is not None:
+            self._buffers[CODES] = self._codes()
+            self.codes_holder = None
 
     @property
     def qweight(self) -> QuantizedTensor:
-        """The packed weight, built over the current buffers (no copy)."""
+        """The packed weight, built over the current buffers (no copy; codes held by the kernel are rebuilt)."""
         bufs = {k: b for k, b in self._buffers.items() if b is not None}
+        bufs[CODES] = self._codes()
         return QuantizedTensor.from_state_dict(bufs, PREFIX, self.qweight_meta)
 
     @property
+    def fmt(self) -> Format:
+        """The weight's format (from the metadata: no codes rebuilt)."""
+        return Format.from_dict(self.qweight_meta["format"])
+
+    @property
     def fmt_spec(self) -> str:
-        return self.qweight.fmt.spec
+        return self.fmt.spec
+
+    @property
+    def held_codes_nbytes(self) -> int:
+        """Bytes of the packed codes when the kernel holds them instead of the buffer (else 0)."""
+        if self.codes_holder is None:
+            return 0
+        return self.out_features * -(-int(self.qweight_meta["shape"][-1]) * self.fmt.bits // 8)
 
     @property
     def weight_nbytes(self) -> int:
-        return self.qweight.nbytes
+        """Bytes of the packed weight as stored (codes held by the kernel counted as their packed size)."""
+        return self.held_codes_nbytes + sum(b.numel() * b.element_size() for k, b in self._buffers.items()
+                                            if b is not None and k.startswith(PREFIX))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.bias)
@@ -131,6 +186,8 @@ class QuantLinear(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> QuantLinear:
         """Moving between devices moves the packed buffers; a dtype cast (model.to(bf16)) never touches them
         (scales keep their stored dtype, so the stored values stay exact).  The kernel is prepared again."""
+        if "codes_holder" in self.__dict__:
+            self._restore_codes()
         orig = {k: b for k, b in self._buffers.items() if b is not None}
         super()._apply(fn, recurse)
         for k, t in orig.items():
@@ -138,12 +195,18 @@ class QuantLinear(nn.Module):
             if new is not None and new.dtype != t.dtype:
                 self._buffers[k] = t.to(new.device)
         if "kernel" in self.__dict__:
-            self.kernel = self.chooser(self.qweight)
+            self.set_kernel()
         return self
 
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self._buffers.get(CODES) is None and CODES in self._buffers:
+            destination[prefix + CODES] = self._codes()
+
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        self._restore_codes()  # a buffer for the saved codes to load into
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.kernel = self.chooser(self.qweight)
+        self.set_kernel()
 
     def layer_meta(self) -> dict[str, Any]:
         """Saved parameters: the packed weight's format and shape, whether there is a bias."""

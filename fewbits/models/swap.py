@@ -81,12 +81,15 @@ def _is_shared(model: nn.Module, p: torch.Tensor, tied: set[int] | None = None) 
 
 
 def model_nbytes(model: nn.Module) -> int:
-    """Bytes of every parameter and persistent buffer, each storage counted once (tied weights once)."""
+    """Bytes of every parameter and persistent buffer, each storage counted once (tied weights once), and the
+    packed codes that a QuantLinear's kernel holds in its stead (`QuantLinear.held_codes_nbytes`)."""
     seen: set[tuple[str, int]] = set()
     total = 0
-    persistent = set(model.state_dict(keep_vars=True))
     tensors = [t for _, t in model.named_parameters(remove_duplicate=False)]
-    tensors += [t for n, t in model.named_buffers(remove_duplicate=False) if n in persistent]
+    for mod in model.modules():
+        tensors += [t for n, t in mod._buffers.items() if t is not None and n not in mod._non_persistent_buffers_set]
+        if isinstance(mod, QuantLinear):
+            total += mod.held_codes_nbytes
     for t in tensors:
         key = (str(t.device), t.untyped_storage().data_ptr() if t.numel() else id(t))
         if key in seen:

@@ -210,3 +210,13 @@ def test_dispatcher_offers_int8_activations_only_in_their_mode() -> None:
     why = cpu_int4.Q4A8Kernel.supports(parse_format("int4-g16"), (64, 256))
     assert why is not None and "multiple of 32" in why
     assert choose_kernel(parse_format("int4-g16"), (64, 256), "cpu", "q8")[0] is Q4Kernel
+
+
+@pytest.mark.parametrize("shape", [(16, 8), (48, 256), (64, 24)])
+def test_unpack_codes_undoes_pack_codes(shape: tuple[int, int]) -> None:
+    """The kernel gives its codes back exactly (a `QuantLinear` holds them only in the kernel): every code value
+    in every nibble position of the chunks."""
+    g = torch.Generator().manual_seed(shape[1])
+    codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
+    codes[0, :8] = torch.arange(8, dtype=torch.uint8) + 8  # high codes in the nibbles that reach the sign bit
+    assert torch.equal(cpu_int4.unpack_codes(cpu_int4.pack_codes(codes)), codes)

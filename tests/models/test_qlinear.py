@@ -94,3 +94,58 @@ def test_bad_shapes_are_clear_errors(w):
         QuantLinear(qt)(torch.randn(2, 63))
     with pytest.raises(ValueError, match="2-D"):
         QuantLinear(quantize_tensor(torch.randn(2, 3, 64), "int8"))
+
+
+# ------------------------------------------------------------------------ codes held once by the kernel
+HELD = ["int4-g32", "int4-g64-asym", "int3-g64", "int2-g32", "int4-g128-asym-zfp16", "int8", "int8-asym"]
+
+
+def _storages(layer: QuantLinear) -> int:
+    """Bytes of the distinct storages the layer's buffers and kernel reach."""
+    seen: dict[int, int] = {}
+    for t in [*layer.buffers(), *(v for v in vars(layer.kernel).values() if isinstance(v, torch.Tensor))]:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("spec", HELD)
+def test_a_kernel_that_holds_the_codes_is_their_only_copy(spec):
+    """With a kernel that repacks the codes (the CPU int4 operator, the int8 ones) the layer drops its codes
+    buffer: the state dict, `qweight`, `weight_nbytes` and the output are what they were with the buffer, a
+    fresh layer loads that state dict, a move and a change of kernel bring the buffer back."""
+    from fewbits.kernels import prepare_linear
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(len(spec))) * 0.05
+    qt = quantize_tensor(w, spec)
+    kept = QuantLinear(qt, torch.randn(64))  # the reference path: the buffer stays
+    layer = QuantLinear(qt, kept.bias.data, prepare_linear)
+    if not hasattr(layer.kernel, "unpacked_codes"):
+        pytest.skip(f"{spec} runs on {type(layer.kernel).__name__} here, which keeps no codes of its own")
+    assert "qweight_codes" not in dict(layer.named_buffers()) and layer.codes_holder is layer.kernel
+    sd, want = layer.state_dict(), kept.state_dict()
+    assert sd.keys() == want.keys() and all(torch.equal(sd[k], want[k]) for k in want)
+    assert sd["qweight_codes"].dtype == torch.uint8
+    assert torch.equal(layer.qweight.unpacked_codes(), qt.unpacked_codes())
+    assert layer.weight_nbytes == kept.weight_nbytes == qt.nbytes
+    assert _storages(layer) < _storages(kept) + layer.kernel.nbytes - qt.codes.numel() // 2
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    y = layer(x)
+    fresh = QuantLinear(quantize_tensor(torch.zeros(64, 256), spec), torch.zeros(64), prepare_linear)
+    fresh.load_state_dict(sd)
+    assert torch.equal(fresh(x), y) and torch.equal(fresh.state_dict()["qweight_codes"], want["qweight_codes"])
+    layer.to(torch.bfloat16)  # prepares the kernel again: still one copy, same output
+    assert layer.codes_holder is layer.kernel and torch.equal(layer(x), y)
+    layer.set_kernel(reference_chooser)  # a kernel without codes of its own: the buffer is back
+    assert layer.codes_holder is None and torch.equal(dict(layer.named_buffers())["qweight_codes"], qt.codes)
+
+
+def test_model_size_counts_the_codes_the_kernels_hold():
+    from fewbits.kernels import prepare_linear
+    from fewbits.models.loading import model_bytes
+    from fewbits.models.swap import model_nbytes
+
+    qt = quantize_tensor(torch.randn(64, 256) * 0.05, "int4-g32")
+    held, kept = torch.nn.Sequential(QuantLinear(qt, None, prepare_linear)), torch.nn.Sequential(QuantLinear(qt))
+    assert model_nbytes(held) == model_nbytes(kept) == qt.nbytes
+    if held[0].codes_holder is not None:  # model_bytes counts the kernel's codes as packed, once
+        assert model_bytes(held) == qt.nbytes
