@@ -5,7 +5,10 @@ The packed tensors (codes, scales, zero points, tensor scale) are registered as 
 stored; the format and shape live in `qweight_meta` (JSON-able, the QuantizedTensor's `meta()`).
 
 The matmul runs through `self.kernel`, a callable ``kernel(x, bias) -> y`` prepared once per layer by a
-*chooser* ``chooser(qt) -> kernel``.
+*chooser* ``chooser(qt) -> kernel``.  A QuantLinear built without one runs the reference path,
+dequantise then matmul (`reference_linear`): cheap to build, exact.  The api (`fewbits.api.quantize`,
+`load_quantized_model`) prepares the kernel dispatcher on every layer of a finished model by default;
+`kernel_name` says which kernel a layer runs.
 
 The codes are held once.  A kernel that keeps the codes in a layout of its own (fewbits' CPU int4 operator
 repacks them into 64-byte chunks, the int8 operators shift them to signed) and can give them back exactly,
@@ -13,10 +16,7 @@ repacks them into 64-byte chunks, the int8 operators shift them to signed) and c
 else every such layer held its weight twice (SmolLM2-135M int4-g64: 56 MB of packed buffers beside the
 kernels' 56 MB).  The codes come back, packed, wherever they are read: `qweight`, `state_dict()` (saving and
 exporting see the same tensors as before), a move (`model.to`) or another kernel (`set_kernel`), and
-`weight_nbytes` counts them.  A QuantLinear built without one runs the reference path,
-dequantise then matmul (`reference_linear`): cheap to build, exact.  The api (`fewbits.api.quantize`,
-`load_quantized_model`) prepares the kernel dispatcher on every layer of a finished model by default;
-`kernel_name` says which kernel a layer runs.
+`weight_nbytes` counts them.
 
 Saved layers.  A module that replaces a linear layer describes itself for the saved metadata and is
 rebuilt from it, one mechanism for every such module: its class names a `layer_kind` listed in
@@ -128,12 +128,10 @@ class QuantLinear(nn.Module):
         if chooser is not None:
             self.chooser = chooser
         self._restore_codes()
-        self.kernel: LinearKernel = self.chooser(self.qweight)
-        back = getattr(self.kernel, "unpacked_codes", None)
-        if back is None:
-            return
         qt = self.qweight
-        if not (qt.fmt.is_quantized and torch.equal(back(), qt.unpacked_codes())):
+        self.kernel: LinearKernel = self.chooser(qt)
+        back = getattr(self.kernel, "unpacked_codes", None)
+        if back is None or not (qt.fmt.is_quantized and torch.equal(back(), qt.unpacked_codes())):
             return
         self.codes_holder = self.kernel
         self._buffers[CODES] = None
@@ -200,7 +198,7 @@ class QuantLinear(nn.Module):
 
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self._buffers.get(CODES) is None and CODES in self._buffers:
+        if self.codes_holder is not None:
             destination[prefix + CODES] = self._codes()
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
