@@ -24,7 +24,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;
 4. decode steps of a skeleton model (the model's heads, head size and vocabulary, 16-wide linears) per
    KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache as `fewbits
-   bench`.  One least-squares fit over all formats (see `step_costs`) gives the fixed cost per step (a
+   bench`.  One least-squares fit over all formats (see `step_costs`; every cost held >= 0,
+   `fewbits.bench.stepfit.bounded_lstsq`) gives the fixed cost per step (a
    of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per format (1 / (s
    beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which the store copies
    every step, at its own rate) and the extra fixed cost of each quantised cache per layer (a KIVI

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
 
 from fewbits.cost.profile import DEFAULT, format_family
 from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
@@ -22,14 +21,38 @@ def _clamp(x: float) -> float:
 
 
 
+#: fitted columns that may be negative: a quantised cache's fixed cost per layer relative to the 16-bit cache's (its
+#: operator may do less per layer than the 16-bit one); every other column is a time or a time per byte (>= 0)
+SIGNED = ("x:",)
+
+
+def bounded_lstsq(x: np.ndarray, y: np.ndarray, cols: list[str]) -> dict[str, float]:
+    """Least squares of y over the columns of x, every column but the `SIGNED` ones held >= 0
+    (`scipy.optimize.lsq_linear`, bounded-variable least squares; the columns scaled to unit norm first).
+
+    An unbounded fit of noisy steps trades one cost against another it is nearly collinear with: on a shared host
+    whose steps varied 30% a probe fitted -0.98 ms per extra sequence (a batch-8 step's larger cache read standing
+    in for it) and -0.14 ms fixed, figures no step can have; bounded, such a column is 0 and the others carry
+    the time.  Exact data inside the bounds give the plain least-squares solution."""
+    from scipy.optimize import lsq_linear
+
+    if not cols:
+        return {}
+    scale = np.linalg.norm(x, axis=0)
+    scale[scale == 0] = 1.0
+    lo = np.array([-np.inf if n.startswith(SIGNED) else 0.0 for n in cols])
+    sol = lsq_linear(x / scale, y, bounds=(lo, np.full(len(cols), np.inf)), method="bvls", tol=1e-12)
+    return dict(zip(cols, (sol.x / scale).tolist(), strict=True))
+
+
 def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[int | str, ...], float],
                    steps: int, x_cache: int, refill_s: float | None = None,
                    refill_curve: list[tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
-    """The joint least-squares fit of `step_costs` over measured step times {(kv, batch, prompt[, depth]):
-    seconds} (no depth: the model's own); `refill_s` (E, measured) is taken as given, None fits it; with
-    `refill_curve` (measured E(x), seconds per layer) the fit subtracts L E(x) instead of L E min(1, x / X).
-    A column the measurements cannot tell apart (no quantised bytes, a window that never overflows or always
-    has, a single depth) is left out: its cost is 0.  The figures are for `spec.n_layers` layers."""
+    """The joint least-squares fit (`bounded_lstsq`) of `step_costs` over measured step times
+    {(kv, batch, prompt[, depth]): seconds} (no depth: the model's own); `refill_s` (E, measured) is taken as
+    given, None fits it; with `refill_curve` (measured E(x), seconds per layer) the fit subtracts L E(x) instead
+    of L E min(1, x / X).  A column the measurements cannot tell apart (no quantised bytes, a window that never
+    overflows or always has, a single depth) is left out: its cost is 0.  The figures are for `spec.n_layers` layers."""
     import dataclasses
 
     pts = {(k[0], k[1], k[2], k[3] if len(k) > 3 else spec.n_layers): t for k, t in fastest.items()}
@@ -78,9 +101,9 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         known = [r["E"] for r in rows]
 
     def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
-        x = torch.tensor([[r.get(n, 0.0) for n in cols] for r in rows], dtype=torch.float64)
-        y = torch.tensor([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=torch.float64)
-        return dict(zip(cols, torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1).tolist(), strict=True))
+        x = np.array([[r.get(n, 0.0) for n in cols] for r in rows], dtype=np.float64)
+        y = np.array([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=np.float64)
+        return bounded_lstsq(x, y, cols)
 
     no_e = [n for n in names if n != "E"]
     if refill_curve:
@@ -90,9 +113,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         refill = refill_s if "E" in names and refill_s is not None else 0.0
         sol = fit(no_e, refill)
     else:
-        sol = fit(names)
-        if sol["E"] < 0:
-            sol = fit(no_e)
+        sol = fit(names)  # (E >= 0: a refill the points do not show is 0, as if fitted without it)
         refill = sol.get("E", 0.0)
     out: dict[str, dict[str, Any]] = {}
     s16 = sol.get("s16", 0.0) * 1e-9

@@ -1,0 +1,54 @@
+"""The probe's step fit (`fewbits.bench.stepfit`): bounded least squares, so that noisy steps give no negative costs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fewbits.bench import stepfit
+from fewbits.bench.stepfit import bounded_lstsq, fit_step_costs
+from fewbits.models.presets import get_preset
+
+# A probe's skeleton steps on a shared host whose step times varied ~30% (SmolLM2-135M's shape, compiled path,
+# 2 and 6 layers; seconds after the skeleton's own linears were taken off): (kv, batch, prompt, depth) -> s
+NOISY = {("bf16", 1, 128, 6): 183.7e-6, ("bf16", 1, 512, 2): 181.9e-6, ("bf16", 1, 512, 6): 226.0e-6,
+         ("bf16", 8, 128, 6): -389.7e-6, ("bf16", 8, 512, 2): 757.8e-6, ("bf16", 8, 512, 6): 823.5e-6,
+         ("int8", 1, 512, 6): 101.9e-6, ("int8", 8, 512, 6): 2737.6e-6}
+
+
+def test_exact_data_inside_the_bounds_give_the_plain_least_squares_solution():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.1, 2.0, size=(12, 4))
+    truth = np.array([3e-3, 2e-4, 1.5, -4e-4])  # the last column signed, its value negative
+    got = bounded_lstsq(x, x @ truth, ["a0", "a1", "s16", "x:int8"])
+    assert list(got) == ["a0", "a1", "s16", "x:int8"]
+    assert np.array(list(got.values())) == pytest.approx(truth, rel=1e-9, abs=1e-15)
+
+
+def test_a_cost_the_data_would_fit_negative_is_held_at_zero():
+    """Data whose plain fit is negative in a cost column: bounded, that column is 0 and the rest is the plain fit
+    without it (optimal: the residual's gradient pushes the column below zero)."""
+    rng = np.random.default_rng(1)
+    x = rng.uniform(0.0, 1.0, size=(20, 3))
+    y = x @ np.array([2.0, -0.5, 1.0]) + rng.normal(0, 0.01, 20)
+    plain = np.linalg.lstsq(x, y, rcond=None)[0]
+    assert plain[1] < 0
+    got = bounded_lstsq(x, y, ["a0", "p0", "s16"])
+    assert got["p0"] == 0.0
+    rest = np.linalg.lstsq(x[:, [0, 2]], y, rcond=None)[0]
+    assert [got["a0"], got["s16"]] == pytest.approx(rest.tolist(), rel=1e-9)
+    r = y - x[:, [0, 2]] @ rest
+    assert x[:, 1] @ r < 0  # KKT: raising p0 from 0 would only add to the squared residual
+
+
+def test_noisy_skeleton_steps_fit_no_negative_cost(monkeypatch):
+    spec = get_preset("smollm2-135m")
+    fit = fit_step_costs(spec, ("bf16", "int8"), NOISY, 8, 1 << 19, refill_s=6e-6)
+    for s in ("bf16", "int8"):
+        assert fit[s]["per_seq_s"] >= 0 and fit[s]["s_per_byte"] >= 0 and fit[s]["quantized_s"] >= 0
+    assert fit["bf16"]["fixed_s"] >= 0
+    # the unbounded fit of the same points has a step that costs less for each sequence added
+    monkeypatch.setattr(stepfit, "bounded_lstsq", lambda x, y, cols: dict(
+        zip(cols, np.linalg.lstsq(x, y, rcond=None)[0].tolist(), strict=True)))
+    plain = fit_step_costs(spec, ("bf16", "int8"), NOISY, 8, 1 << 19, refill_s=6e-6)
+    assert plain["bf16"]["per_seq_s"] < 0
