@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from fewbits.formats.format import Format
-from fewbits.formats.packing import unpack_bits
+from fewbits.formats.packing import pack_bits, unpack_bits
 from fewbits.kernels import act8, native
 from fewbits.tensor import QuantizedTensor
 
@@ -125,7 +125,14 @@ def pack_codes(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_codes(words: torch.Tensor) -> torch.Tensor:
-    """The operator's int16 chunks (N/16, K/8, 32) -> uint8 codes (N, K): `pack_codes` undone.
+    """The operator's int16 chunks (N/16, K/8, 32) -> uint8 codes (N, K): `pack_codes` undone (`row_packing`'s
+    bytes unpacked)."""
+    return unpack_bits(row_packing(words), 4, words.shape[1] * COLS)
+
+
+def row_packing(words: torch.Tensor) -> torch.Tensor:
+    """The operator's int16 chunks (N/16, K/8, 32) -> uint8 (N, K/2): the codes in the 4-bit row-major packing
+    (`fewbits.formats.packing.pack_bits(codes, 4)`: column 2m in byte m's low nibble).
 
     A chunk's 32-bit lane i (little-endian: word h = 0 in the low half) holds row i's codes of columns 0 2 4 6 in
     its low 16 bits and 1 3 5 7 in its high 16; spreading each half's nibbles to the low nibbles of 4 bytes and
@@ -138,8 +145,7 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
         return (v & 0xF) | ((v & 0xF0) << 4) | ((v & 0xF00) << 8) | ((v & 0xF000) << 12)
 
     packed = spread(lane & 0xFFFF) | (spread((lane >> 16) & 0xFFFF) << 4)
-    rows = packed.transpose(1, 2).contiguous().reshape(-1).view(torch.uint8).reshape(nb * ROWS, c * COLS // 2)
-    return unpack_bits(rows, 4, c * COLS)
+    return packed.transpose(1, 2).contiguous().reshape(-1).view(torch.uint8).reshape(nb * ROWS, c * COLS // 2)
 
 
 def _exact_half(*ts: torch.Tensor) -> bool:
@@ -223,6 +229,11 @@ class Q4Kernel:
         """The codes as the quantised tensor holds them, uint8 (N, K): this kernel is their only copy in a
         `QuantLinear` (`fewbits.models.qlinear`)."""
         return unpack_codes(self.codes)
+
+    def packed_codes(self, bits: int) -> torch.Tensor:
+        """`pack_bits(self.unpacked_codes(), bits)`; 4-bit codes straight from the chunks (`row_packing`), half
+        the work of unpacking and packing them again."""
+        return row_packing(self.codes) if bits == 4 else pack_bits(self.unpacked_codes(), bits)
 
     def dequantized(self) -> torch.Tensor:
         """The weight as the operator sees it, (N, K) bf16."""

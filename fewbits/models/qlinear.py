@@ -12,7 +12,9 @@ dequantise then matmul (`reference_linear`): cheap to build, exact.  The api (`f
 
 The codes are held once.  A kernel that keeps the codes in a layout of its own (fewbits' CPU int4 operator
 repacks them into 64-byte chunks, the int8 operators shift them to signed) and can give them back exactly,
-``kernel.unpacked_codes()``, lets the layer drop its ``qweight_codes`` buffer (checked equal when dropped):
+``kernel.unpacked_codes()`` (and, where it can do it faster, ``kernel.packed_codes(bits)``: the CPU int4 operator's
+4-bit chunks turn straight into the stored packing), lets the layer drop its ``qweight_codes`` buffer (checked equal
+when dropped):
 else every such layer held its weight twice (SmolLM2-135M int4-g64: 56 MB of packed buffers beside the
 kernels' 56 MB).  The codes come back, packed, wherever they are read: `qweight`, `state_dict()` (saving and
 exporting see the same tensors as before), a move (`model.to`) or another kernel (`set_kernel`), and
@@ -140,7 +142,8 @@ class QuantLinear(nn.Module):
         """The packed codes: the buffer, or rebuilt from the kernel that holds them."""
         codes = self._buffers.get(CODES)
         if codes is None:
-            codes = pack_bits(self.codes_holder.unpacked_codes(), self.fmt.bits)
+            k, bits = self.codes_holder, self.fmt.bits
+            codes = k.packed_codes(bits) if hasattr(k, "packed_codes") else pack_bits(k.unpacked_codes(), bits)
         return codes
 
     def _restore_codes(self) -> None:

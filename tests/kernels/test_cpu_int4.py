@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fewbits.formats.format import parse_format
+from fewbits.formats.packing import pack_bits
 from fewbits.kernels import cpu_int4, native, prepare_linear
 from fewbits.kernels.cpu import Int4PackKernel
 from fewbits.kernels.cpu_int4 import Q4Kernel
@@ -220,3 +222,16 @@ def test_unpack_codes_undoes_pack_codes(shape: tuple[int, int]) -> None:
     codes = torch.randint(0, 16, shape, generator=g, dtype=torch.uint8)
     codes[0, :8] = torch.arange(8, dtype=torch.uint8) + 8  # high codes in the nibbles that reach the sign bit
     assert torch.equal(cpu_int4.unpack_codes(cpu_int4.pack_codes(codes)), codes)
+    # and packed as the quantised tensor stores 4-bit codes, straight from the chunks
+    assert torch.equal(cpu_int4.row_packing(cpu_int4.pack_codes(codes)), pack_bits(codes, 4))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_kernel_packed_codes_are_the_stored_packing(bits: int) -> None:
+    """`Q4Kernel.packed_codes(bits)`, what a layer whose kernel holds its codes saves, is `pack_bits` of its codes."""
+    fmt = parse_format(f"int{bits}-g32")
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(bits))
+    qt = quantize_tensor(w, fmt)
+    k = Q4Kernel(qt)
+    assert torch.equal(k.packed_codes(bits), pack_bits(qt.unpacked_codes(), bits))
+    assert torch.equal(k.packed_codes(bits), qt.codes)
