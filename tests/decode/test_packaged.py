@@ -29,10 +29,10 @@ def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, re
     from fewbits.bench.decode import load_quantized
     from fewbits.decode.runner import StaticDecoder
     from fewbits.generate import generate
-    from fewbits.models.loading import load_model
+    from fewbits.models.loading import load_tokenizer
 
     request.getfixturevalue("smollm2_dir" if name.startswith("smollm2") else "gemma3_dir")
-    tok = load_model(name, dtype="bf16")[1]
+    tok = load_tokenizer(name)
     model = load_quantized(name, weights)[0]
     ids = tok("The history of the printing press begins in", return_tensors="pt").input_ids
     seen: list[torch.Tensor] = []  # the eager path's logits, taken at its LM head
