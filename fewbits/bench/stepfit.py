@@ -20,7 +20,6 @@ def _clamp(x: float) -> float:
     return float(min(1.0, max(1e-3, x)))
 
 
-
 #: fitted columns that may be negative: a quantised cache's fixed cost per layer relative to the 16-bit cache's (its
 #: operator may do less per layer than the 16-bit one); every other column is a time or a time per byte (>= 0)
 SIGNED = ("x:",)
