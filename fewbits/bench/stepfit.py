@@ -20,14 +20,16 @@ def _clamp(x: float) -> float:
     return float(min(1.0, max(1e-3, x)))
 
 
-#: fitted columns that may be negative: a quantised cache's fixed cost per layer relative to the 16-bit cache's (its
-#: operator may do less per layer than the 16-bit one); every other column is a time or a time per byte (>= 0)
+#: fitted columns that may be negative where the skeleton ran at one depth: a quantised cache's fixed cost per layer
+#: relative to the 16-bit cache's (its operator may do less per layer); every other column is a time or a time per
+#: byte (>= 0).  At several depths that column is the cache's own fixed cost per layer, >= 0 too.
 SIGNED = ("x:",)
 
 
-def bounded_lstsq(x: np.ndarray, y: np.ndarray, cols: list[str]) -> dict[str, float]:
-    """Least squares of y over the columns of x, every column but the `SIGNED` ones held >= 0
-    (`scipy.optimize.lsq_linear`, bounded-variable least squares; the columns scaled to unit norm first).
+def bounded_lstsq(x: np.ndarray, y: np.ndarray, cols: list[str], signed: tuple[str, ...] = SIGNED
+                  ) -> dict[str, float]:
+    """Least squares of y over the columns of x, every column but those whose names start with one of `signed`
+    held >= 0 (`scipy.optimize.lsq_linear`, bounded-variable least squares; the columns scaled to unit norm first).
 
     An unbounded fit of noisy steps trades one cost against another it is nearly collinear with: on a shared host
     whose steps varied 30% a probe fitted -0.98 ms per extra sequence (a batch-8 step's larger cache read standing
@@ -39,7 +41,7 @@ def bounded_lstsq(x: np.ndarray, y: np.ndarray, cols: list[str]) -> dict[str, fl
         return {}
     scale = np.linalg.norm(x, axis=0)
     scale[scale == 0] = 1.0
-    lo = np.array([-np.inf if n.startswith(SIGNED) else 0.0 for n in cols])
+    lo = np.array([-np.inf if signed and n.startswith(signed) else 0.0 for n in cols])
     sol = lsq_linear(x / scale, y, bounds=(lo, np.full(len(cols), np.inf)), method="bvls", tol=1e-12)
     return dict(zip(cols, (sol.x / scale).tolist(), strict=True))
 
@@ -85,8 +87,13 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         ys.append(t)
         points[s].append((b, c, q + w, t, depth))  # batch, prompt, bytes, seconds, depth
     names = [n for n in dict.fromkeys(k for r in rows for k in r) if n != "_fmt"]
-    if len({d for _, d in stream}) < 2:  # one depth: the fixed costs are not split by layer
+    by_layer = len({d for _, d in stream}) > 1
+    if not by_layer:  # one depth: the fixed costs are not split by layer
         names = [n for n in names if n not in ("a1", "p1")]
+    else:  # x:s is then another cache's own fixed cost per layer (a1 the 16-bit cache's), a time like a1: >= 0
+        for r in rows:
+            if kv_specs[int(r["_fmt"])] != base_kv:
+                r["a1"] = 0.0
     for n in list(names):  # columns the points cannot identify
         col = [r.get(n, 0.0) for r in rows]
         own = [r.get(n, 0.0) for r in rows if n[:2] == "o:" and kv_specs[int(r["_fmt"])] == n[2:]]
@@ -102,7 +109,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
         x = np.array([[r.get(n, 0.0) for n in cols] for r in rows], dtype=np.float64)
         y = np.array([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=np.float64)
-        return bounded_lstsq(x, y, cols)
+        return bounded_lstsq(x, y, cols, signed=() if by_layer else SIGNED)
 
     no_e = [n for n in names if n != "E"]
     if refill_curve:
@@ -119,7 +126,8 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     n = float(spec.n_layers)
     fixed16 = sol["a0"] + n * sol.get("a1", 0.0)
     for s in kv_specs:
-        out[s] = {"fixed_s": fixed16 + n * sol.get(f"x:{s}", 0.0),
+        own = sol["a0"] + n * sol[f"x:{s}"] if by_layer and f"x:{s}" in sol else fixed16 + n * sol.get(f"x:{s}", 0.0)
+        out[s] = {"fixed_s": own,
                   "per_seq_s": sol.get("p0", 0.0) + n * sol.get("p1", 0.0),
                   "s_per_byte": sol[f"s:{s}"] * 1e-9 if f"s:{s}" in sol else s16,
                   "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,

@@ -44,11 +44,22 @@ def test_a_cost_the_data_would_fit_negative_is_held_at_zero():
 def test_noisy_skeleton_steps_fit_no_negative_cost(monkeypatch):
     spec = get_preset("smollm2-135m")
     fit = fit_step_costs(spec, ("bf16", "int8"), NOISY, 8, 1 << 19, refill_s=6e-6)
-    for s in ("bf16", "int8"):
+    for s in ("bf16", "int8"):  # skeletons at two depths: every cache's own fixed cost per layer is >= 0 too
         assert fit[s]["per_seq_s"] >= 0 and fit[s]["s_per_byte"] >= 0 and fit[s]["quantized_s"] >= 0
-    assert fit["bf16"]["fixed_s"] >= 0
+        assert fit[s]["fixed_s"] >= 0
     # the unbounded fit of the same points has a step that costs less for each sequence added
-    monkeypatch.setattr(stepfit, "bounded_lstsq", lambda x, y, cols: dict(
+    monkeypatch.setattr(stepfit, "bounded_lstsq", lambda x, y, cols, signed=(): dict(
         zip(cols, np.linalg.lstsq(x, y, rcond=None)[0].tolist(), strict=True)))
     plain = fit_step_costs(spec, ("bf16", "int8"), NOISY, 8, 1 << 19, refill_s=6e-6)
     assert plain["bf16"]["per_seq_s"] < 0
+
+
+def test_one_depth_keeps_a_cache_fixed_cost_relative_to_the_16_bit_one():
+    """Skeletons at the model's own depth only (the eager path): a quantised cache's fixed cost is fitted relative
+    to the 16-bit cache's and may lie below it."""
+    spec = get_preset("smollm2-135m")
+    pts = {("bf16", b, c): 2e-3 + 1e-3 * (b - 1) + 1e-6 * c * b for b in (1, 8) for c in (128, 512)}
+    pts.update({("int8", b, 512): 1.5e-3 + 1e-3 * (b - 1) + 0.6e-6 * 512 * b for b in (1, 8)})
+    fit = fit_step_costs(spec, ("bf16", "int8"), pts, 8, 0, refill_s=0.0)
+    assert fit["bf16"]["fixed_s"] == pytest.approx(2e-3, abs=2e-4)
+    assert fit["int8"]["fixed_s"] < fit["bf16"]["fixed_s"]
