@@ -124,10 +124,10 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     out: dict[str, dict[str, Any]] = {}
     s16 = sol.get("s16", 0.0) * 1e-9
     n = float(spec.n_layers)
-    fixed16 = sol["a0"] + n * sol.get("a1", 0.0)
     for s in kv_specs:
-        own = sol["a0"] + n * sol[f"x:{s}"] if by_layer and f"x:{s}" in sol else fixed16 + n * sol.get(f"x:{s}", 0.0)
-        out[s] = {"fixed_s": own,
+        xs = sol.get(f"x:{s}", 0.0)  # at several depths this cache's own cost per layer, else relative to a1's
+        per_layer = xs if by_layer and f"x:{s}" in sol else sol.get("a1", 0.0) + xs
+        out[s] = {"fixed_s": sol["a0"] + n * per_layer,
                   "per_seq_s": sol.get("p0", 0.0) + n * sol.get("p1", 0.0),
                   "s_per_byte": sol[f"s:{s}"] * 1e-9 if f"s:{s}" in sol else s16,
                   "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,
