@@ -3,7 +3,7 @@ as GB/s of weight bytes read, beside the machine's read bandwidth (`fewbits.benc
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/bench_rows.py [--rows 1,8] [--rounds 7]
         [--shapes head-smollm2,head-gemma3,qkv,o,gateup,down] [--ops bf16,fp16,int8,int8-asym]
-        [--portable] [--clock wall|cpu --threads 1]
+        [--portable] [--baseline OLD_ROWS_CPP] [--clock wall|cpu --threads 1]
 
 Shapes (out x in): the LM heads of SmolLM2-135M (tied embedding 49152 x 576) and Gemma-3-270M (262144 x 640),
 and SmolLM2's layers (fused q/k/v 960 x 576, o 576 x 576, fused gate/up 3072 x 576, down 576 x 1536).  A
@@ -15,6 +15,15 @@ alternate between every (shape, rows, op) cell; a round times each cell's calls 
 milliseconds and keeps the fastest call (on a shared host most calls lose time slices to other processes),
 and the table shows each cell's median over rounds of those; the ratio column is torch's time over the
 fewbits operator's.  --portable adds the operators' plain-C++ path built without AVX-512 (-mno-avx512f).
+--baseline FILE adds the operators built from another version of rows.cpp, and a column of the baseline's
+time over this version's: a change's before / after in one run, e.g.
+
+    git show HEAD~1:fewbits/kernels/rows.cpp > /tmp/rows_before.cpp
+    PYTHONPATH=. python benchmarks/bench_rows.py --rows 7,8 --shapes down-gemma3,o-1b,gateup-1b,down-1b \
+        --ops bf16,int8 --baseline /tmp/rows_before.cpp
+
+Wider shapes than SmolLM2's (not run by default): Gemma-3-270M's down projection (640 x 2048), Llama-3.2-1B's
+fused q/k/v (3072 x 2048), o (2048 x 2048), fused gate/up (16384 x 2048) and down (2048 x 8192).
 """
 
 from __future__ import annotations
@@ -27,7 +36,11 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = {"head-smollm2": (49152, 576), "head-gemma3": (262144, 640), "qkv": (960, 576), "o": (576, 576),
-          "gateup": (3072, 576), "down": (576, 1536)}
+          "gateup": (3072, 576), "down": (576, 1536),
+          # wider layers (not in the default list): Gemma-3-270M's down projection, Llama-3.2-1B's
+          "down-gemma3": (640, 2048), "qkv-1b": (3072, 2048), "o-1b": (2048, 2048), "gateup-1b": (16384, 2048),
+          "down-1b": (2048, 8192)}
+DEFAULT_SHAPES = "head-smollm2,head-gemma3,qkv,o,gateup,down"
 
 
 CLOCK = time.perf_counter
@@ -47,12 +60,15 @@ def _time(fn, calls: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,8")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"of {','.join(SHAPES)}")
     ap.add_argument("--ops", default="bf16,fp16,int8,int8-asym")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pool", type=int, default=128, help="MB of copies a small layer's weight is rotated over")
     ap.add_argument("--portable", action="store_true")
+    ap.add_argument("--baseline", metavar="FILE",
+                    help="another rows.cpp (git show REV:fewbits/kernels/rows.cpp > FILE), built and timed beside "
+                         "this one: a column 'baseline', before / after a change in one run")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="cpu: this thread's CPU time (time.thread_time; needs --threads 1): what a call costs "
                          "when the host is too busy for any call to run undisturbed")
@@ -65,7 +81,7 @@ def main() -> None:
         global CLOCK
         CLOCK = time.thread_time
     from fewbits.bench.machine import memory_bandwidth
-    from fewbits.kernels import rows
+    from fewbits.kernels import native, rows
 
     if not rows.available():
         raise SystemExit("fewbits.kernels.rows did not build: " + str(rows.why_not()))
@@ -74,6 +90,12 @@ def main() -> None:
         if not rows.build_portable():
             raise SystemExit("the portable variant did not build")
         impls["portable"] = getattr(torch.ops, rows.PORTABLE_NS)
+    if args.baseline:
+        from pathlib import Path
+
+        if not rows.build_variant("fewbits_rows_baseline", source=Path(args.baseline).read_text()):
+            raise SystemExit(f"{args.baseline} did not build: {native.why('fewbits_rows_baseline')}")
+        impls["baseline"] = torch.ops.fewbits_rows_baseline
     g = torch.Generator().manual_seed(0)
     shapes = [SHAPES[n] for n in args.shapes.split(",")]
     # one buffer per weight dtype; every weight (and every copy of a small one) is a view into it
@@ -122,7 +144,7 @@ def main() -> None:
     head = f"{'shape':>13} {'N x K':>12} {'rows':>4} {'weights':>9} {'torch us':>9} {'GB/s':>6}"
     for lab in labs:
         head += f" {lab + ' us':>12} {'GB/s':>6} {'x torch':>7}"
-    print(head + f" {'best/bw':>7}")
+    print(head + f" {'best/bw':>7}" + (f" {'vs base':>7}" if "baseline" in impls else ""))
     seen = []
     for key, per, _, _ in cells:
         k0 = key[:3]
@@ -137,7 +159,10 @@ def main() -> None:
             tl = statistics.median(times[(*k0, lab)])
             best = max(best, per / tl)
             line += f" {tl * 1e6:12.1f} {per / tl / 1e9:6.1f} {t / tl:6.2f}x"
-        print(line + f" {best / bw:7.2f}")
+        line += f" {best / bw:7.2f}"
+        if "baseline" in impls:
+            line += f" {statistics.median(times[(*k0, 'baseline')]) / statistics.median(times[(*k0, 'fewbits')]):6.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -183,9 +183,56 @@ inline float row1_avx2(const float* __restrict x, int64_t K, const char* w, int6
 // row1_avx2)
 template <int M> constexpr int chans2() { return M == 1 ? 1 : (M == 2 ? 4 : (M == 3 ? 3 : (M <= 6 ? 2 : 1))); }
 
+// 7 or 8 rows of x whose fp32 copy outgrows the L1 data cache (8 rows: in_features above 1024): chans2 gives one
+// output channel a pass (no room in 16 registers for more), M + 1 loads for M FMAs, and with x's vectors coming
+// from L2 those loads bound the product.  Here the rows go in two groups, 4 + 4 or 4 + 3, each times TILE_CHANS
+// channels (8 accumulators: 6 loads for 8 FMAs); both groups take each chunk of channels in turn, so the second
+// finds those weight rows in cache.  Where x fits L1 the one-channel pass stays faster; 5 and 6 rows already
+// run 2 channels a pass.  Measured on an AVX2 EPYC, 2 threads, against the one-channel pass in one run
+// (benchmarks/bench_rows.py --rows 7,8 --baseline, bf16 and int8 weights of 1536-8192 columns): 8 rows
+// 1.26-1.53x, 7 rows 1.16-1.40x; 6 rows in such tiles ran 0.76-0.94x of their own 2-channel pass.
+constexpr int TILE_CHANS = 2;
+constexpr int64_t L1_X_BYTES = 32768;  // x (M x K fp32) above this takes the tiles
+
+template <Kind KIND, int M>
+void tiles_avx2(const float* x, const char* w, int64_t ld_bytes, int64_t K, int64_t n0, int64_t n1,
+                float* __restrict out, int64_t N) {
+  constexpr int G1 = 4, G2 = M - G1;
+  auto group = [&](auto gtag, int m0, int64_t c0, int64_t c1) {
+    constexpr int G = decltype(gtag)::value;
+    float acc[G * TILE_CHANS];
+    const float* xg = x + m0 * K;
+    int64_t n = c0;
+    for (; n + TILE_CHANS <= c1; n += TILE_CHANS) {
+      block_avx2<KIND, G, TILE_CHANS>(xg, K, w + n * ld_bytes, ld_bytes, acc);
+      for (int m = 0; m < G; ++m)
+        for (int r = 0; r < TILE_CHANS; ++r) out[(m0 + m) * N + n + r] = acc[m * TILE_CHANS + r];
+    }
+    for (; n < c1; ++n) {
+      block_avx2<KIND, G, 1>(xg, K, w + n * ld_bytes, ld_bytes, acc);
+      for (int m = 0; m < G; ++m) out[(m0 + m) * N + n] = acc[m];
+    }
+  };
+  for (int64_t c = n0; c < n1; c += TILE_CHANS) {
+    const int64_t c1 = std::min(n1, c + TILE_CHANS);
+    group(std::integral_constant<int, G1>{}, 0, c, c1);
+    group(std::integral_constant<int, G2>{}, G1, c, c1);
+  }
+}
+
 template <int M>
 void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
                float* __restrict out, int64_t N) {
+  if constexpr (M >= 7) {
+    if (M * K * 4 > L1_X_BYTES) {
+      if (kind == BF16) tiles_avx2<BF16, M>(x, w, ld_bytes, K, n0, n1, out, N);
+      else if (kind == F16) tiles_avx2<F16, M>(x, w, ld_bytes, K, n0, n1, out, N);
+      else if (kind == E4M3) tiles_avx2<E4M3, M>(x, w, ld_bytes, K, n0, n1, out, N);
+      else if (kind == E5M2) tiles_avx2<E5M2, M>(x, w, ld_bytes, K, n0, n1, out, N);
+      else tiles_avx2<I8, M>(x, w, ld_bytes, K, n0, n1, out, N);
+      return;
+    }
+  }
   channel_blocks<M, chans2<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     constexpr int RR = decltype(rtag)::value;
     const char* wn = w + n * ld_bytes;

@@ -23,8 +23,9 @@ the result is rounded once to x's dtype.  Three builds of one source, by the CPU
 above), AVX2 + FMA (8 columns a step, every weight dtype widened to fp32 and multiplied with x in fp32 by
 FMAs; ``int8_mm_a8`` through ``vpmaddubsw``; one row of x reads one weight row at a time, a single sequential
 stream, where several rows side by side ran at about half the memory's speed: SmolLM2's int8 head from memory
-at 14.9 GB/s on an AVX2 EPYC, 2 threads, against 8.9), and plain loops the compiler vectorises (no AVX2, or the
-source compiled with ``FEWBITS_ROWS_PORTABLE``).
+at 14.9 GB/s on an AVX2 EPYC, 2 threads, against 8.9; 7 or 8 rows whose fp32 copy outgrows L1 run as two
+groups of 4 rows by 2 channels, 1.26-1.53x the 8-by-1 pass on 1536-8192 columns), and plain loops the compiler
+vectorises (no AVX2, or the source compiled with ``FEWBITS_ROWS_PORTABLE``).
 
 The operators are built once per machine through `fewbits.kernels.native` (`available()`); where that
 fails callers keep torch's operators.  ``FEWBITS_CPU_ROWS=torch`` turns them off (`enabled()`), for
@@ -134,8 +135,11 @@ def build_avx2() -> bool:
     return build_variant(AVX2_NS, (), ("-mno-avx512f",))
 
 
-def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...] = ()) -> bool:
+def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...] = (),
+                  source: str | None = None) -> bool:
     """Build the same source under operator namespace `ns` with extra macros / compiler flags (tests and
-    benchmarks of the portable path: ``defines=("FEWBITS_ROWS_PORTABLE",)``, ``cflags=("-mno-avx512f",)``)."""
-    src = "".join(f"#define {d}\n" for d in (f"ROWS_NS {ns}", *defines)) + SRC
+    benchmarks of the portable path: ``defines=("FEWBITS_ROWS_PORTABLE",)``, ``cflags=("-mno-avx512f",)``), or
+    `source`, another version of ``rows.cpp`` (a benchmark's baseline: ``git show REV:fewbits/kernels/rows.cpp``)."""
+    text = SRC if source is None else source.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC)
+    src = "".join(f"#define {d}\n" for d in (f"ROWS_NS {ns}", *defines)) + text
     return native.build(ns, src, fakes(ns), native.CFLAGS + list(cflags))

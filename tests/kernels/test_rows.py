@@ -56,7 +56,7 @@ def test_built_path_is_the_one_the_cpu_flags_name() -> None:
 @needs_ops
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("K", [576, 77])
+@pytest.mark.parametrize("K", [576, 77, 2051])
 def test_dense_equals_fp32_matmul(impl: str, dtype: torch.dtype, K: int) -> None:
     ops = _ops(impl)
     g = torch.Generator().manual_seed(K)
@@ -87,7 +87,7 @@ def test_dense_rejects_mixed_dtypes() -> None:
 @needs_ops
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("asym", [False, True])
-@pytest.mark.parametrize("K", [576, 77])
+@pytest.mark.parametrize("K", [576, 77, 2051])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: torch.dtype) -> None:
     ops = _ops(impl)
@@ -202,7 +202,7 @@ def test_fp8_reads_every_code_as_torchs_float8_value(impl: str, e5m2: bool) -> N
 @needs_ops
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("e5m2", [False, True])
-@pytest.mark.parametrize("K", [576, 77])
+@pytest.mark.parametrize("K", [576, 77, 2051])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_equals_dequantised_matmul(impl: str, e5m2: bool, K: int, dtype: torch.dtype) -> None:
     ops = _ops(impl)
