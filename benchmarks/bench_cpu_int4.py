@@ -123,7 +123,7 @@ def main() -> None:
         makers["q4"] = cpu_int4.Q4Kernel
     if "q4a8" in kinds:
         if not cpu_int4.a8_path():
-            sys.exit("the operator has no int8-activation path here (AVX512-VNNI)")
+            sys.exit("the operator has no int8-activation path here (AVX512-VNNI or AVX2)")
         makers["q4a8"] = cpu_int4.Q4A8Kernel
     if "torch" in kinds:
         makers["torch"] = Int4PackKernel
@@ -137,8 +137,9 @@ def main() -> None:
     isa = "not built"
     if cpu_int4.available():
         code = int(torch.ops.fewbits_q4.q4_isa())
+        # +4: the int8-activation path is built: vpdpbusd (AVX512-VNNI) on AVX-512, vpmaddubsw on AVX2
         isa = ("AVX2 + FMA" if code & 8 else {0: "portable", 1: "AVX512-BF16", 2: "AVX512-BF16 + AMX"}[code & 3]) + (
-            " + VNNI" if code & 4 else "")
+            (" + int8 x (vpmaddubsw)" if code & 8 else " + VNNI") if code & 4 else "")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.clock} clock, q4 path: "
           f"{isa}, memory read {bw / 1e9:.1f} GB/s, weights >= {args.min_mb:.0f} MB per kernel, "
           f"~{args.sample_mb:.0f} MB per sample, fastest of {args.rounds}")

@@ -32,6 +32,9 @@ constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
 constexpr int64_t PREFETCH_CHUNKS = 32;
 // rows of x from which the AMX path runs (fewer: vdpbf16ps, which decodes less per call)
 constexpr int64_t AMX_MIN_ROWS = 3;
+// rows of x up to which the AVX2 path takes x in int16 (X16); from 2 rows the fp32 path's AND and convert per 8
+// weights are shared by the rows and X16 gained nothing (2-3 rows 0.99-1.00x, 4 rows 0.88-0.92x; one row 1.11-1.26x)
+constexpr int64_t X16_MAX_ROWS = 1;
 
 struct Args {
   const uint16_t* codes;  // (NB, K/8, 32)
@@ -541,6 +544,113 @@ void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt
 }
 #endif
 
+#if FB_AVX2
+// ---------------------------------------------------------------- AVX2, x in int16 (path 0 where group % 32 == 0)
+// x per row and block of 32 columns as int16 times a power of two: d = 2^(e - 14) for the block's largest |x| in
+// [2^e, 2^(e+1)), q = x / d rounded to nearest even.  A bf16 has 8 significant bits, so |x| / d <= 255 * 2^7 fits
+// and every element within 2^-7 of the block's largest is exact; smaller ones round to the step d (<= 2^-14 of
+// the largest).  The codes then meet x through vpmaddwd: a lane's two 16-bit words hold columns 2 j and 2 j + 1
+// of its row in nibble j, so (lane >> 4 j) & 0x000F000F are the int16 pair that multiplies the broadcast pair
+// (q_2j, q_2j+1), summed exactly in int32 (a block: <= 32 * 15 * 2^15); one convert and FMA by d per block.
+// Per 128 weights of a row: 36 instructions against the fp32 path's 58 (AND, convert, FMA per 8).  One row only
+// (X16_MAX_ROWS).
+struct X16 {
+  const int16_t* q;    // (M, K)
+  const float* d;      // (M, K/32) block steps
+  const float* gsum;   // (M, G): sum over the group's blocks of d * sum(q): the zero term's sum of x
+};
+
+// false (nothing usable written) where a block holds an Inf or NaN: the caller takes the fp32 path, which
+// carries them into the output as a plain product does
+bool quantize_x16(const uint16_t* x, int64_t M, int64_t K, int64_t group, int16_t* xq, float* xd, float* gsum) {
+  const int64_t nb = K / 32, G = K / group;
+  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) gsum[m * G + g] = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint16_t* v = x + m * K + b * 32;
+      __m256i f[4], mx = _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        f[i] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 8 * i))), 16);
+        mx = _mm256_max_epu32(mx, _mm256_and_si256(f[i], absmask));  // |x| bits: ordered as the magnitudes
+      }
+      __m128i h = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
+      h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+      h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+      const uint32_t e = uint32_t(_mm_cvtsi128_si32(h)) >> 23;  // biased exponent of the largest |x|
+      if (e == 255) return false;
+      float d = 0.f, id = 0.f;
+      if (e > 14) {  // else every |x| < 2^-112: the block reads as zero
+        const uint32_t db = (e - 14) << 23, ib = (268 - e) << 23;  // 2^(e-127-14) and its inverse (e <= 254)
+        std::memcpy(&d, &db, 4);
+        std::memcpy(&id, &ib, 4);
+      }
+      const __m256 iv = _mm256_set1_ps(id);
+      __m256i c[4];
+      for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(f[i]), iv));
+      // packs interleave 128-bit lanes: 64-bit quarters 0 2 1 3 back in column order
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32 + 16),
+                          _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
+      const __m256i sv = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      xd[m * nb + b] = d;
+      gsum[m * G + (b * 32) / group] += d * float(_mm_cvtsi128_si32(s4));
+    }
+  }
+  return true;
+}
+
+// one row m of x (int16, X16) times block b's 16 output rows; both chunk halves share x's broadcasts
+void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t nb = a.K / 32, bpg = a.group / 32;
+  const float off = float(1 << (a.bits - 1));
+  const int16_t* xr = q.q + m * a.K;
+  float y[R] = {};
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
+      __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      const uint16_t* cx = cb + xb * 4 * 32;
+      for (int p = 0; p < 4; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + p) * 32), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int cc = 0; cc < 4; ++cc) {
+        const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cx + cc * 32));
+        const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cx + cc * 32 + 16));
+        const int64_t col = xb * 32 + cc * KC;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m256i w0 = _mm256_and_si256(_mm256_srli_epi32(d0, 4 * j), low4);
+          const __m256i w1 = _mm256_and_si256(_mm256_srli_epi32(d1, 4 * j), low4);
+          int32_t pair;
+          std::memcpy(&pair, xr + col + 2 * j, 4);
+          const __m256i xv = _mm256_set1_epi32(pair);
+          acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(w0, xv));
+          acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(w1, xv));
+        }
+      }
+      const __m256 dv = _mm256_set1_ps(q.d[m * nb + xb]);
+      for (int h = 0; h < 2; ++h) f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h]), dv, f[h]);
+    }
+    const int64_t ti = (b * a.G + g) * R;
+    for (int h = 0; h < 2; ++h) {  // s * (sum c x - (2^(bits-1) + zero) * sum x)
+      const __m256 s = load8(a.scales, a.half, ti + 8 * h);
+      const __m256 o = a.zeros ? _mm256_add_ps(_mm256_set1_ps(off), load8(a.zeros, a.half, ti + 8 * h))
+                               : _mm256_set1_ps(off);
+      const __m256 sum = _mm256_fnmadd_ps(o, _mm256_set1_ps(q.gsum[m * a.G + g]), f[h]);
+      _mm256_storeu_ps(y + 8 * h, _mm256_fmadd_ps(sum, s, _mm256_loadu_ps(y + 8 * h)));
+    }
+  }
+  for (int i = 0; i < R; ++i) a.y[m * a.N + b * R + i] = f2bf(y[i]);
+}
+#endif
+
 Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                int64_t bits) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 32 && codes.scalar_type() == at::kShort && codes.is_contiguous(),
@@ -577,9 +687,10 @@ int64_t q4_isa() {
 }
 
 // (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
-// AMX_MIN_ROWS rows on where the group is a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8
-// (blocks of 32 columns) through vpdpbusd (AVX2: vpmaddubsw) at every row count where the group is a multiple
-// of 32 (else path 0).
+// AMX_MIN_ROWS rows on where the group is a multiple of 32; on AVX2, one row of x in int16, X16, where the group is
+// a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8 (blocks of 32 columns) through vpdpbusd
+// (AVX2: vpmaddubsw) at every row count where the group is a multiple of 32 (else path 0), 4 as 0 but on AVX2
+// always the fp32 path (x exact).
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
   const int64_t portable = path == 1;
@@ -592,9 +703,25 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   if (M == 0 || a.N == 0) return y;
   const bool fast = FB_FAST && !portable;
   const bool a8 = FB_A8 && !portable && path == 3 && a.group % 32 == 0;
-  const bool avx2 = FB_AVX2 && !portable && !a8;
+  bool avx2 = FB_AVX2 && !portable && !a8;
+  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if FB_AVX2
+  // path 0: x in int16 (X16) up to X16_MAX_ROWS rows where the group is a multiple of 32; path 4: the fp32 path
+  bool x16 = avx2 && path == 0 && M <= X16_MAX_ROWS && a.group % 32 == 0;
+  std::vector<int16_t> x16q;
+  std::vector<float> x16d, x16s;
+  if (x16) {
+    x16q.resize(M * a.K); x16d.resize(M * (a.K / 32)); x16s.resize(M * a.G);
+    x16 = quantize_x16(a.x, M, a.K, a.group, x16q.data(), x16d.data(), x16s.data());
+  }
+  const X16 xq16{x16q.data(), x16d.data(), x16s.data()};
+  if (x16) avx2 = false;
+#else
+  const bool x16 = false;
+#endif
   std::vector<float> xs;
-  if ((a.zeros || avx2) && !a8) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
+  if ((a.zeros || avx2) && !a8 && !x16) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
     xs.resize(M * a.G);
     const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     for (int64_t m = 0; m < M; ++m)
@@ -605,8 +732,6 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
       }
     a.xsum = xs.data();
   }
-  a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
 #if FB_AMX
   const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
 #else
@@ -631,9 +756,17 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
     scaled_x(a.x, M, a.K, x32.data());
   }
 #endif
+  (void)x16;
   at::parallel_for(0, NB, 1, [&](int64_t lo, int64_t hi) {
 #if FB_FAST
     const __m512i tab = code_table(a.bits);
+#endif
+#if FB_AVX2
+    if (x16) {
+      for (int64_t b = lo; b < hi; ++b)
+        for (int64_t m = 0; m < M; ++m) block_x16(a, xq16, b, m);
+      return;
+    }
 #endif
 #if FB_AMX
     if (amx) {

@@ -5,7 +5,8 @@ so against an fp32 product of the same dequantised weight each output is within 
 relative) plus fp32 accumulation-order error (bounded here by 1e-4 x sum_k |x_k w_k|): a wrong code, scale,
 zero point or layout is off by orders of magnitude more.  Every path is checked: the fastest built (AMX from 3
 rows, where the CPU has it), vdpbf16ps alone, the AVX2 path (its uncentred codes: the centring term is
-subtracted per group) and the portable loops.
+subtracted per group; one row of x in int16, `cpu_int4.int16_blocks`, whose rounding of the elements below 2^-7 of
+their block's largest stays far inside that bound; and its fp32 path at one row too) and the portable loops.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _case(spec: str, n: int, k: int, seed: int = 0) -> tuple:
 
 def _kernel(qt, path: str) -> Q4Kernel:  # noqa: ANN001
     k = Q4Kernel(qt)
-    if path == "avx2":  # the AVX2 path: the main build on an AVX2 CPU, else the build without AVX-512
+    if path.startswith("avx2"):  # the AVX2 path: the main build on an AVX2 CPU, else the build without AVX-512
+        k.path = 4 if path == "avx2-fp32" else 0  # avx2-fp32: x in fp32 at one row too
         if int(torch.ops.fewbits_q4.q4_isa()) & 8:
             return k
         if not _has_avx2():
@@ -64,7 +66,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert excess <= 0, f"error exceeds the bound by {float(excess):.3g} (max |ref| {float(ref.abs().max()):.3g})"
 
 
-@pytest.mark.parametrize("path", [*PATHS, "avx2"])
+@pytest.mark.parametrize("path", [*PATHS, "avx2", "avx2-fp32"])
 @pytest.mark.parametrize("spec", SPECS)
 def test_matches_dequantise_then_matmul(spec: str, path: str) -> None:
     k_in = 192 if spec == "int4-g96" else 256
@@ -167,6 +169,59 @@ def test_compiled_graph_keeps_one_operator_node() -> None:
     assert ex.graph_break_count == 0 and ex.graph_count == 1
     targets = [str(n.target) for gr in ex.graphs for n in gr.graph.nodes if n.op == "call_function"]
     assert sum("fewbits_q4.q4_mm" in t for t in targets) == 1, targets
+
+
+def test_int16_blocks_are_exact_near_the_block_maximum() -> None:
+    """The specification of the AVX2 one-row path's activations: the step is 2^-14 of the block's leading power of
+    two, elements within 2^-7 of the largest come back exactly, the rest within half a step; a block of zeros
+    or of magnitudes below 2^-112 reads as zero."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(3, 96, generator=g) * torch.logspace(-4, 2, 96)).to(torch.bfloat16)
+    x[1, 32:64] = 0
+    x[2, 64:96] = 2.0**-120
+    q, d = cpu_int4.int16_blocks(x)
+    xf = x.float().view(3, 3, 32)
+    amax = xf.abs().amax(-1)
+    lead = 2.0 ** torch.floor(torch.log2(amax.clamp_min(2.0**-126)))
+    assert torch.equal(d[amax >= 2.0**-112], lead[amax >= 2.0**-112] * 2.0**-14)
+    assert (d[1, 1] == 0) and (d[2, 2] == 0) and not q.view(3, 3, 32)[1, 1].any() and not q.view(3, 3, 32)[2, 2].any()
+    back = q.view(3, 3, 32).float() * d[..., None]
+    live = (d > 0)[..., None].expand_as(xf)
+    near = (xf.abs() >= amax[..., None] * 2.0**-7) & live
+    assert near.sum() > 32 and torch.equal(back[near], xf[near])
+    assert ((back - xf).abs() <= d[..., None] / 2)[live].all() and not back[~live].any()
+    assert q.abs().max() <= 255 * 128
+
+
+@pytest.mark.parametrize("spec", ["int4-g32", "int4-g64-asym", "int4", "int3-g64", "int2-g32", "int4-g128-asym-zfp16"])
+def test_one_row_on_avx2_is_the_int16_blocks_times_the_weight(spec: str) -> None:
+    """The AVX2 path at one row of x (group a multiple of 32) multiplies `int16_blocks`' values, not x: to fp32
+    summation (1e-6 x sum |x w|) and one bf16 rounding, against an x whose blocks span 2^12 in magnitude (the
+    small elements rounded, so one activation's code off by a step, or a pair's columns swapped, exceeds it)."""
+    qt, g = _case(spec, 64, 256, seed=len(spec))
+    kern = _kernel(qt, "avx2")
+    w = qt.dequantize(torch.float32).double()
+    x = (torch.randn(1, 256, generator=g) * torch.logspace(-3, 1, 256)[torch.randperm(256, generator=g)])
+    x = x.to(torch.bfloat16)
+    q, d = cpu_int4.int16_blocks(x)
+    xr = (q.double().view(1, 8, 32) * d.double()[..., None]).view(1, 256)
+    assert not torch.equal(xr, x.double()), "the case should round some activations"
+    ref = xr @ w.T
+    bound = 2.0**-8 * ref.abs() + 1e-6 * (xr.abs() @ w.abs().T)
+    y = kern(x).double()
+    assert ((y - ref).abs() - bound).max() <= 0, spec
+
+
+def test_a_non_finite_activation_reaches_every_output() -> None:
+    """A row of x holding a NaN or an Inf gives no finite output on any path (NaN, or +-Inf where the code is
+    off centre), as a plain product does: the AVX2 one-row path hands such a row to its fp32 path."""
+    qt, g = _case("int4-g32", 48, 256)
+    for path in ("fastest", "portable", "avx2"):
+        kern = _kernel(qt, path)
+        for bad in (float("nan"), float("inf")):
+            x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
+            x[0, 37] = bad
+            assert not torch.isfinite(kern(x)).any(), (path, bad)
 
 
 needs_a8 = pytest.mark.skipif(not cpu_int4.a8_path(), reason="no int8-activation path (AVX512-VNNI, AVX2) here")

@@ -1,0 +1,68 @@
+"""The compiled batch-1 decode step with `q4_mm`'s one-row int16 activations (AVX2, `cpu_int4.int16_blocks`) beside
+the same step on its fp32 path (``Q4Kernel.path = 4``): both compiled in one process (each its own cache folder),
+rounds alternating; each round's median step of `--steps`, the median over rounds.
+
+    PYTHONPATH=. python benchmarks/bench_x16_step.py [--model smollm2-135m] [--weights int4-g64] [--lm-head same]
+        [--rounds 8] [--steps 64] [--threads 2]
+
+On a CPU with AVX-512 both arms run the same AVX-512 path (the int16 path is AVX2's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from fewbits.bench.decode import load_quantized
+from fewbits.decode.runner import StaticDecoder
+from fewbits.kernels.cpu_int4 import Q4Kernel
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--weights", default="int4-g64")
+    ap.add_argument("--lm-head", default="same", help="same (the weights' format), none (16-bit) or a format")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    head = {"same": args.weights, "none": None}.get(args.lm_head, args.lm_head)
+    decs = {}
+    for arm, path in (("int16 x", 0), ("fp32 x", 4)):
+        Q4Kernel.path = path  # read by each kernel at its call: the compiled graph keeps the value it traced
+        try:
+            model, kernels = load_quantized(args.model, args.weights, lm_head=head)
+            decs[arm] = StaticDecoder(model, kv="bf16", batch=1, max_len=256, cache_dir=Path(tempfile.mkdtemp()))
+        finally:
+            Q4Kernel.path = 0
+        print(f"{arm}: {kernels}, compiled in {decs[arm].compile_s:.1f} s", flush=True)
+    ids = torch.randint(0, 1000, (1, 128), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {a: [] for a in decs}
+    for rnd in range(args.rounds):
+        for arm in list(decs) if rnd % 2 == 0 else list(decs)[::-1]:
+            dec = decs[arm]
+            dec.prefill(ids)
+            tok, steps = torch.tensor([1]), []
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                out = dec.step(tok)
+                steps.append(time.perf_counter() - t0)
+                tok = out.argmax(-1)
+            times[arm].append(statistics.median(steps))
+    med = {a: statistics.median(v) for a, v in times.items()}
+    print(f"{args.model} {args.weights}, LM head {head or 'bf16'}, batch 1, {args.threads} threads, "
+          f"{args.rounds} rounds")
+    for arm, m in med.items():
+        print(f"  {arm:>8}: median step {m * 1e3:6.2f} ms (fastest round {min(times[arm]) * 1e3:6.2f}), "
+              f"{med['fp32 x'] / m:.3f}x the fp32 path")
+
+
+if __name__ == "__main__":
+    main()
