@@ -19,8 +19,9 @@ else fp32).  Blocks concatenate along the rows: fused projections are the parts'
 Numerics.  With w = s (c - o) (the numeric core's codes: o = 2^(b-1) for symmetric codes, else the zero
 point), a group's contribution to y_n is  s * (sum_k (c_k - 2^(b-1)) x_k - (o - 2^(b-1)) * sum_k x_k):  the
 centred codes are exact in bf16, the products and sums are fp32, and the zero term uses the per-call group
-sums of x (only asymmetric formats).  Activations stay bf16 (no activation quantisation) and the output is
-bf16, the class of numerics of torch's operator.
+sums of x (only asymmetric formats).  Activations stay bf16 (no activation quantisation; the AVX2 path's one
+row holds them in int16, exact to 2^-7 of each 32 columns' largest, see below) and the output is bf16, the class
+of numerics of torch's operator.
 
 Fast path (``__AVX512BF16__``): one 512-bit load is a chunk; the word shifted right by 4 j and looked up in a
 32-entry table (``vpermw``; the table repeats its 16 entries so the fifth index bit is ignored) gives 16 rows'
@@ -40,13 +41,13 @@ rows run as two tiles of 4 over the same block (in L1).  One row of x (a batch-1
 a multiple of 32, goes another way: x as int16 per block of 32 columns times a power of two (`int16_blocks`, the
 specification; exact for every element within 2^-7 of its block's largest magnitude, the rest rounded to a step of
 2^-14 of it), the codes paired per 32-bit lane against x's pairs by ``vpmaddwd``, exact int32 sums scaled once
-per block: 36 instructions per 128 weights against the fp32 path's 58.  A kernel-only sequence of SmolLM2's
-and Gemma-3-270M's int4-g32 linears ran 1.09-1.26x the fp32 path (2 threads, alternating; at 2-4 rows it gained
-nothing, so more rows keep the fp32 path).  A row holding an Inf or NaN takes the fp32 path.
-On an AVX2 host (EPYC, 2 threads, SmolLM2 shapes,
-`bench_cpu_int4.py --rows 1,8 --models smollm2 --min-mb 128 --kernels q4,torch`): 1.47-2.46x torch's operator
-at one row, 1.27-1.69x at eight.  Elsewhere a portable path runs the same layout with plain loops (``path=1``);
-the dispatcher does not choose it (torch's operator is faster).
+per block: 36 instructions per 128 weights against the fp32 path's 58.  The compiled SmolLM2 step on an AVX2
+EPYC (2 threads, `benchmarks/bench_x16_step.py`): 1.10-1.15x the same step on the fp32 path (at 2-4 rows a
+scratch A/B of the operator gained nothing, so more rows keep the fp32 path).  A row holding an Inf or NaN takes
+the fp32 path.  Before the int16 path, on an AVX2 host (EPYC, 2 threads, SmolLM2 shapes, `bench_cpu_int4.py
+--rows 1,8 --models smollm2 --min-mb 128 --kernels q4,torch`): 1.47-2.46x torch's operator at one row,
+1.27-1.69x at eight.  Elsewhere a portable path runs the same layout with plain loops (``path=1``); the dispatcher
+does not choose it (torch's operator is faster).
 
 `fewbits_q4::q4_mm` is a torch operator with a fake implementation, so a compiled graph keeps it as one node.
 It is compiled once per machine (`fewbits.kernels.native`); where that fails `available()` is False and the
