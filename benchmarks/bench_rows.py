@@ -3,7 +3,7 @@ as GB/s of weight bytes read, beside the machine's read bandwidth (`fewbits.benc
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/bench_rows.py [--rows 1,8] [--rounds 7]
         [--shapes head-smollm2,head-gemma3,qkv,o,gateup,down] [--ops bf16,fp16,int8,int8-asym]
-        [--portable] [--baseline OLD_ROWS_CPP] [--clock wall|cpu --threads 1]
+        [--portable] [--avx2] [--int8-fp32] [--baseline OLD_ROWS_CPP] [--clock wall|cpu --threads 1]
 
 Shapes (out x in): the LM heads of SmolLM2-135M (tied embedding 49152 x 576) and Gemma-3-270M (262144 x 640),
 and SmolLM2's layers (fused q/k/v 960 x 576, o 576 x 576, fused gate/up 3072 x 576, down 576 x 1536).  A
@@ -15,6 +15,8 @@ alternate between every (shape, rows, op) cell; a round times each cell's calls 
 milliseconds and keeps the fastest call (on a shared host most calls lose time slices to other processes),
 and the table shows each cell's median over rounds of those; the ratio column is torch's time over the
 fewbits operator's.  --portable adds the operators' plain-C++ path built without AVX-512 (-mno-avx512f).
+--avx2 adds the AVX2 + FMA build on an AVX-512 CPU; --int8-fp32 adds, per build, int8_mm's path 1 (x in fp32 at one
+row, where the AVX2 build's default multiplies one row of x as int16 blocks, `fewbits.kernels.act8.int16_blocks`).
 --baseline FILE adds the operators built from another version of rows.cpp, and a column of the baseline's
 time over this version's: a change's before / after in one run, e.g.
 
@@ -66,6 +68,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pool", type=int, default=128, help="MB of copies a small layer's weight is rotated over")
     ap.add_argument("--portable", action="store_true")
+    ap.add_argument("--avx2", action="store_true",
+                    help="add the AVX2 + FMA build on an AVX-512 CPU (built apart with -mno-avx512f; on an AVX2 "
+                         "CPU the native build, 'fewbits', is that one)")
+    ap.add_argument("--int8-fp32", action="store_true",
+                    help="add, per build, int8_mm's path 1 (x in fp32 at one row too) as '<build>:fp32x', beside "
+                         "the default path (on AVX2 one row of x in int16 blocks); 16-bit ops call the same there")
     ap.add_argument("--baseline", metavar="FILE",
                     help="another rows.cpp (git show REV:fewbits/kernels/rows.cpp > FILE), built and timed beside "
                          "this one: a column 'baseline', before / after a change in one run")
@@ -90,12 +98,20 @@ def main() -> None:
         if not rows.build_portable():
             raise SystemExit("the portable variant did not build")
         impls["portable"] = getattr(torch.ops, rows.PORTABLE_NS)
+    if args.avx2 and rows.built_isa() == 2:
+        if not rows.build_avx2():
+            raise SystemExit(f"the AVX2 variant did not build: {native.why(rows.AVX2_NS)}")
+        impls["avx2"] = getattr(torch.ops, rows.AVX2_NS)
     if args.baseline:
         from pathlib import Path
 
         if not rows.build_variant("fewbits_rows_baseline", source=Path(args.baseline).read_text()):
             raise SystemExit(f"{args.baseline} did not build: {native.why('fewbits_rows_baseline')}")
         impls["baseline"] = torch.ops.fewbits_rows_baseline
+    # label -> (operators, int8_mm's path; None for a baseline source, which may predate the argument)
+    arms = {lab: (ns, None if lab == "baseline" else 0) for lab, ns in impls.items()}
+    if args.int8_fp32:
+        arms.update({f"{lab}:fp32x": (ns, 1) for lab, ns in impls.items() if lab != "baseline"})
     g = torch.Generator().manual_seed(0)
     shapes = [SHAPES[n] for n in args.shapes.split(",")]
     # one buffer per weight dtype; every weight (and every copy of a small one) is a view into it
@@ -120,11 +136,12 @@ def main() -> None:
                         y = torch.ops.aten._weight_int8pack_mm(x, ws[i % len(ws)], s)
                         return y if c is None else y + x.float().sum(-1, keepdim=True).to(x.dtype) * c.to(x.dtype)
                     fns = {"torch": base}
-                    for lab, ns in impls.items():
-                        fns[lab] = lambda i, x=x, ws=ws, s=scales, c=corr, ns=ns: ns.int8_mm(x, ws[i % len(ws)], s, c)
+                    for lab, (ns, path) in arms.items():
+                        fns[lab] = lambda i, x=x, ws=ws, s=scales, c=corr, ns=ns, p=path: ns.int8_mm(
+                            x, ws[i % len(ws)], s, c, *(() if p is None else (p,)))
                 else:
                     fns = {"torch": lambda i, x=x, ws=ws: F.linear(x, ws[i % len(ws)])}
-                    for lab, ns in impls.items():
+                    for lab, (ns, _) in arms.items():
                         fns[lab] = lambda i, x=x, ws=ws, ns=ns: ns.dense_mm(x, ws[i % len(ws)])
                 for lab, fn in fns.items():
                     fn(0)
@@ -140,7 +157,7 @@ def main() -> None:
           f"alternating rounds of each "
           f"round's fastest call; "
           f"memory_bandwidth {bw / 1e9:.1f} GB/s")
-    labs = list(impls)
+    labs = list(arms)
     head = f"{'shape':>13} {'N x K':>12} {'rows':>4} {'weights':>9} {'torch us':>9} {'GB/s':>6}"
     for lab in labs:
         head += f" {lab + ' us':>12} {'GB/s':>6} {'x torch':>7}"

@@ -546,14 +546,14 @@ void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt
 
 #if FB_AVX2
 // ---------------------------------------------------------------- AVX2, x in int16 (path 0 where group % 32 == 0)
-// x per row and block of 32 columns as int16 times a power of two: d = 2^(e - 14) for the block's largest |x| in
-// [2^e, 2^(e+1)), q = x / d rounded to nearest even.  A bf16 has 8 significant bits, so |x| / d <= 255 * 2^7 fits
-// and every element within 2^-7 of the block's largest is exact; smaller ones round to the step d (<= 2^-14 of
-// the largest).  The codes then meet x through vpmaddwd: a lane's two 16-bit words hold columns 2 j and 2 j + 1
+// x per row and block of 32 columns as int16 times a power of two (fb_x16_block, fewbits.kernels.act8: exact for
+// every bf16 element within 2^-7 of the block's largest, the rest rounded to a step of 2^-14 of it).  The codes
+// then meet x through vpmaddwd: a lane's two 16-bit words hold columns 2 j and 2 j + 1
 // of its row in nibble j, so (lane >> 4 j) & 0x000F000F are the int16 pair that multiplies the broadcast pair
 // (q_2j, q_2j+1), summed exactly in int32 (a block: <= 32 * 15 * 2^15); one convert and FMA by d per block.
 // Per 128 weights of a row: 36 instructions against the fp32 path's 58 (AND, convert, FMA per 8).  One row only
 // (X16_MAX_ROWS).
+@X16_BLOCK@
 struct X16 {
   const int16_t* q;    // (M, K)
   const float* d;      // (M, K/32) block steps
@@ -564,41 +564,17 @@ struct X16 {
 // carries them into the output as a plain product does
 bool quantize_x16(const uint16_t* x, int64_t M, int64_t K, int64_t group, int16_t* xq, float* xd, float* gsum) {
   const int64_t nb = K / 32, G = K / group;
-  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t g = 0; g < G; ++g) gsum[m * G + g] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
       const uint16_t* v = x + m * K + b * 32;
-      __m256i f[4], mx = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {
-        f[i] = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 8 * i))), 16);
-        mx = _mm256_max_epu32(mx, _mm256_and_si256(f[i], absmask));  // |x| bits: ordered as the magnitudes
-      }
-      __m128i h = _mm_max_epu32(_mm256_castsi256_si128(mx), _mm256_extracti128_si256(mx, 1));
-      h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
-      h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
-      const uint32_t e = uint32_t(_mm_cvtsi128_si32(h)) >> 23;  // biased exponent of the largest |x|
-      if (e == 255) return false;
-      float d = 0.f, id = 0.f;
-      if (e > 14) {  // else every |x| < 2^-112: the block reads as zero
-        const uint32_t db = (e - 14) << 23, ib = (268 - e) << 23;  // 2^(e-127-14) and its inverse (e <= 254)
-        std::memcpy(&d, &db, 4);
-        std::memcpy(&id, &ib, 4);
-      }
-      const __m256 iv = _mm256_set1_ps(id);
-      __m256i c[4];
-      for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_castsi256_ps(f[i]), iv));
-      // packs interleave 128-bit lanes: 64-bit quarters 0 2 1 3 back in column order
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(c[0], c[1]), 0xD8));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + m * K + b * 32 + 16),
-                          _mm256_permute4x64_epi64(_mm256_packs_epi32(c[2], c[3]), 0xD8));
-      const __m256i sv = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sv), _mm256_extracti128_si256(sv, 1));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      xd[m * nb + b] = d;
-      gsum[m * G + (b * 32) / group] += d * float(_mm_cvtsi128_si32(s4));
+      __m256 f[4];
+      for (int i = 0; i < 4; ++i)
+        f[i] = _mm256_castsi256_ps(
+            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + 8 * i))), 16));
+      int32_t s;
+      if (!fb_x16_block(f, xq + m * K + b * 32, xd + m * nb + b, &s)) return false;
+      gsum[m * G + (b * 32) / group] += xd[m * nb + b] * float(s);
     }
   }
   return true;

@@ -38,7 +38,7 @@ gives code * 16^t exactly, and x's column for that nibble is pre-scaled by 16^-t
 convert and one FMA per 8 weights and row of x, the codes uncentred (a group's sum less (2^(b-1) + zero) *
 sum(x over the group)).  Few rows run several FMA chains and both halves of a chunk per broadcast of x; 5-8
 rows run as two tiles of 4 over the same block (in L1).  One row of x (a batch-1 decode step), where the group is
-a multiple of 32, goes another way: x as int16 per block of 32 columns times a power of two (`int16_blocks`, the
+a multiple of 32, goes another way: x as int16 per block of 32 columns times a power of two (`act8.int16_blocks`, the
 specification; exact for every element within 2^-7 of its block's largest magnitude, the rest rounded to a step of
 2^-14 of it), the codes paired per 32-bit lane against x's pairs by ``vpmaddwd``, exact int32 sums scaled once
 per block: 36 instructions per 128 weights against the fp32 path's 58.  The compiled SmolLM2 step on an AVX2
@@ -72,7 +72,8 @@ COLS = 8  # input columns per 64-byte chunk: group sizes and in_features need mu
 _SRC = Path(__file__).with_name("cpu_int4.cpp").read_text()  # the operators' C++ source, package data
 
 NAME = "fewbits_q4"
-_SRC = _SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC)
+_SRC = _SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC).replace("@X16_BLOCK@", act8.X16_BLOCK_SRC)
+int16_blocks = act8.int16_blocks  # the one-row int16 path's specification
 
 
 def _fake_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -158,20 +159,6 @@ def row_packing(words: torch.Tensor) -> torch.Tensor:
 
 def _exact_half(*ts: torch.Tensor) -> bool:
     return all(bool(torch.equal(t.half().float(), t)) for t in ts)
-
-
-def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) (K a multiple of 32) as the AVX2 path takes one row of it: (q int16 (M, K), d fp32 (M, K/32)) with
-    x ~ q * d per block of 32 columns.  d = 2^(e - 14) where 2^e <= the block's largest |x| < 2^(e+1) (0 where that
-    is below 2^-112), q = x / d rounded half to even: a bf16 has 8 significant bits, so every element within 2^-7
-    of the block's largest is exact (|q| <= 255 * 2^7)."""
-    M, K = x.shape
-    xf = x.float().reshape(M, K // 32, 32)
-    amax = xf.abs().amax(-1)
-    _, e = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1): 2^(e-1) <= amax
-    d = torch.where(amax >= 2.0**-112, torch.ldexp(torch.ones_like(amax), e - 15), torch.zeros_like(amax))
-    q = torch.where(d[..., None] > 0, torch.round(xf / torch.where(d > 0, d, 1.0)[..., None]), 0.0)
-    return q.to(torch.int16).reshape(M, K), d
 
 
 def group_of(fmt: Format, in_features: int) -> int:

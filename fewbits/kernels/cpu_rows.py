@@ -25,6 +25,10 @@ class Int8RowsKernel(Int8PackKernel):
 
     name = "cpu_int8_rows"
     max_rows = rows.MAX_ROWS
+    # the few-row operator's path: 0 the fastest built (on AVX2 one row of x in int16 blocks, `act8.int16_blocks`),
+    # 1 x in fp32 at every row count (tests, benchmarks); read at each call, so a compiled graph keeps the value
+    # it traced
+    path = 0
 
     @staticmethod
     def supports(fmt: Format, shape: tuple[int, ...]) -> str | None:
@@ -35,7 +39,7 @@ class Int8RowsKernel(Int8PackKernel):
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.shape[0] > self.max_rows:
             return super().__call__(x, bias)
-        return _finish(torch.ops.fewbits_rows.int8_mm(x2, self.q, self.scales, self.corr), x, bias)
+        return _finish(torch.ops.fewbits_rows.int8_mm(x2, self.q, self.scales, self.corr, self.path), x, bias)
 
 
 class Int8RowsA8Kernel(Int8RowsKernel):

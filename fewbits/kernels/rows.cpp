@@ -295,6 +295,7 @@ void rows_a8(const int8_t* xq, const float* d, const int8_t* w, int64_t ld, int6
     block_a8<M, decltype(rtag)::value>(xq, d, K, w + n * ld, ld, acc);
   });
 }
+
 #endif
 
 #ifdef ROWS_AVX512
@@ -411,11 +412,72 @@ inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64
 }
 
 // channels per block for M rows: as many accumulators as the 32 vector registers allow
-template <int M> constexpr int chans() { return M == 1 ? 8 : (M == 2 ? 6 : (M <= 4 ? 4 : 3)); }
+// (one row of x: one weight row at a time, row1_avx512; several side by side, as more rows of x need to reuse each
+// loaded weight vector, are as many interleaved streams, which the hardware prefetchers of an AVX-512 EPYC followed
+// at about half the memory's speed: one row's 8-channel blocks ran 0.47-0.78x of one channel at a time)
+template <int M> constexpr int chans() { return M == 1 ? 1 : (M == 2 ? 6 : (M <= 4 ? 4 : 3)); }
+
+// one row of x times one weight row: bf16 pairs through dpbf16 (two chains, 64 columns a step), other weights
+// widened to fp32 (four FMA chains); the row PREFETCH_ROWS ahead prefetched once per cache line
+inline float row1_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* w, int64_t ld) {
+#ifdef __AVX512BF16__
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k + 32), _MM_HINT_T0);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32), (__m512bh)_mm512_loadu_si512(w + k + 32));
+  }
+  for (; k < K; k += 32) {
+    const __mmask32 mk = K - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (K - k)) - 1);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k), _MM_HINT_T0);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mk, x + k), (__m512bh)_mm512_maskz_loadu_epi16(mk, w + k));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#else
+  float acc;
+  block_bf16<1, 1>(x, K, w, ld, &acc);
+  return acc;
+#endif
+}
+
+template <Kind KIND>
+inline float row1_f32(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes) {
+  constexpr int64_t ESZ = esz(KIND);
+  __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) {
+#pragma GCC unroll 2
+    for (int64_t c = 0; c < 64 * ESZ; c += 64) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ + c, _MM_HINT_T0);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16 * j), widen16<KIND>(w, k + 16 * j, 0, true), a[j]);
+  }
+  for (; k + 16 <= K; k += 16) a[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), widen16<KIND>(w, k, 0, true), a[0]);
+  if (k < K) {
+    const __mmask16 mk = static_cast<__mmask16>((1u << (K - k)) - 1);
+    a[1] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, x + k), widen16<KIND>(w, k, mk, false), a[1]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+}
 
 template <int M>
 void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
                  float* __restrict out, int64_t N) {
+  if constexpr (M == 1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const char* wn = w + n * ld_bytes;
+      const float* xf = static_cast<const float*>(xv);
+      if (kind == BF16) out[n] = row1_bf16(static_cast<const uint16_t*>(xv), K, reinterpret_cast<const uint16_t*>(wn),
+                                           ld_bytes / 2);
+      else if (kind == F16) out[n] = row1_f32<F16>(xf, K, wn, ld_bytes);
+      else if (kind == E4M3) out[n] = row1_f32<E4M3>(xf, K, wn, ld_bytes);
+      else if (kind == E5M2) out[n] = row1_f32<E5M2>(xf, K, wn, ld_bytes);
+      else out[n] = row1_f32<I8>(xf, K, wn, ld_bytes);
+    }
+    return;
+  }
   channel_blocks<M, chans<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     constexpr int RR = decltype(rtag)::value;
     const char* wn = w + n * ld_bytes;
@@ -475,6 +537,61 @@ void rows_a8(const uint8_t* xu, const float* d, const int8_t* w, int64_t ld, int
 #endif
 #ifndef ROWS_A8
 #define ROWS_A8 0
+#endif
+
+#if defined(ROWS_AVX2) || defined(ROWS_AVX512)
+#define ROWS_X16 1
+// One row of x on int8 weights through int16 (X16_MAX_ROWS): x per block of 32 columns as int16 codes times a power
+// of two (fb_x16_block, fewbits.kernels.act8.int16_blocks: every bf16 element within 2^-7 of its block's largest
+// exact, the rest rounded to a step of 2^-14 of it), the weight's bytes sign-extended to int16 and multiplied by
+// vpmaddwd, a block's products summed exactly in int32 (a lane: 4 products of <= 2^7 * 2^15), then one convert and
+// FMA by the block's step: per 32 weights two extensions, two vpmaddwd and an add, where the fp32 path widens,
+// converts and FMAs every 8 (20 instructions against 8): at one row that path ran out of instructions before
+// the memory ran out of bytes.  256-bit in both builds (AVX-512's widened fp32 path, one row at a time, ran
+// 0.65-0.99x of this on an AVX-512 EPYC).
+@X16_BLOCK@
+constexpr int64_t X16_MAX_ROWS = 1;
+
+// x (K fp32, K a multiple of 32) -> int16 codes and steps; false where x holds an Inf or NaN (the fp32 path then)
+inline bool quantize_x16(const float* x, int64_t K, int16_t* xq, float* xd) {
+  for (int64_t b = 0; b < K / 32; ++b) {
+    __m256 f[4];
+    for (int i = 0; i < 4; ++i) f[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+    int32_t s;
+    if (!fb_x16_block(f, xq + 32 * b, xd + b, &s)) return false;
+  }
+  return true;
+}
+
+inline __m256 x16_block_sum(const int16_t* xq, const float* xd, const int8_t* w, int64_t b, __m256 f) {
+  const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * b)));
+  const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 32 * b + 16)));
+  const __m256i s = _mm256_add_epi32(
+      _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b))),
+      _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b + 16))));
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xd[b]), f);
+}
+
+// one int8 weight row (K a multiple of 32) times x's int16 blocks; two FMA chains, one weight row at a time (one
+// sequential stream, as row1_avx2 / row1_avx512), the row PREFETCH_ROWS ahead prefetched
+inline float row1_x16(const int16_t* xq, const float* xd, int64_t K, const int8_t* w, int64_t ld) {
+  __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
+  const int64_t nb = K / 32;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T0);
+    f0 = x16_block_sum(xq, xd, w, b, f0);
+    f1 = x16_block_sum(xq, xd, w, b + 1, f1);
+  }
+  if (b < nb) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T0);
+    f0 = x16_block_sum(xq, xd, w, b, f0);
+  }
+  const __m256 f = _mm256_add_ps(f0, f1);
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
 #endif
 
 @Q8_BLOCK@
@@ -631,8 +748,9 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
+// path: 0 the fastest built (on AVX2 one row of x in int16 where in_features is a multiple of 32), 1 x in fp32
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
-                   const c10::optional<at::Tensor>& corr) {
+                   const c10::optional<at::Tensor>& corr, int64_t path) {
   check_w(x, q, "int8_mm");
   TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm: q must be int8, got ", q.scalar_type());
   TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
@@ -644,7 +762,24 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
                                                                                            : std::vector<float>();
   std::vector<float> acc(M * N);
-  if (M && N) matmul_rows(xf.data(), M, K, 4, static_cast<const char*>(q.data_ptr()), q.stride(0), I8, N, acc.data());
+  const char* W = static_cast<const char*>(q.data_ptr());
+  bool done = !(M && N);
+#ifdef ROWS_X16
+  if (!done && path == 0 && M <= X16_MAX_ROWS && K % 32 == 0) {
+    std::vector<int16_t> xq(K);
+    std::vector<float> xd(K / 32);
+    if (quantize_x16(xf.data(), K, xq.data(), xd.data())) {
+      const int64_t ld = q.stride(0);
+      float* out = acc.data();
+      at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t n = b0 * BLOCK; n < std::min(N, b1 * BLOCK); ++n)
+          out[n] = row1_x16(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + n * ld, ld);
+      });
+      done = true;
+    }
+  }
+#endif
+  if (!done) matmul_rows(xf.data(), M, K, 4, W, q.stride(0), I8, N, acc.data());
   return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
@@ -851,7 +986,7 @@ int64_t rows_isa() {
 
 TORCH_LIBRARY(ROWS_NS, m) {
   m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
-  m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
+  m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr, int path=0) -> Tensor");
   m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("fp8_mm(Tensor x, Tensor codes, Tensor scales, bool e5m2) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");

@@ -90,6 +90,7 @@ def test_dense_rejects_mixed_dtypes() -> None:
 @pytest.mark.parametrize("K", [576, 77, 2051])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: torch.dtype) -> None:
+    """x in fp32 (path 1 at one row, where the vector builds' default takes int16 blocks of x: tested below)."""
     ops = _ops(impl)
     g = torch.Generator().manual_seed(K + asym)
     N = 133
@@ -102,7 +103,72 @@ def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: to
         ref = x.float() @ w.T
         if corr is not None:
             ref = ref + x.float().sum(-1, keepdim=True) * corr
-        _close(ops.int8_mm(x, q, s, corr), ref, dtype)
+        _close(ops.int8_mm(x, q, s, corr, 1 if M == 1 else 0), ref, dtype)
+
+
+def _takes_x16(impl: str, K: int) -> bool:
+    """Whether int8_mm at one row multiplies int16 blocks of x on this implementation (the AVX2 and AVX-512 builds,
+    K a multiple of 32)."""
+    return K % 32 == 0 and (impl == "avx2" or (impl == "native" and rows.built_isa() >= 1))
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("K", [576, 96, 1536, 2051])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_one_row_is_the_int16_blocks_times_the_weight(impl: str, asym: bool, K: int, dtype: torch.dtype) -> None:
+    """int8_mm at one row: on the AVX2 and AVX-512 builds (K a multiple of 32) the product of
+    `act8.int16_blocks`' values, not x's; elsewhere, and on ``path=1`` everywhere, x's own.  To fp32 summation
+    (2^-20 of sum |x w|) and one rounding of the output, against an x whose blocks span 2^16 in magnitude, so
+    rounding the int16 blocks moves an fp32 x's product past that bound, and one code off by a step or two columns
+    swapped move either."""
+    from fewbits.kernels.act8 import int16_blocks
+
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(K + 2 * asym)
+    N = 101
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    q[::5, ::3] = -128
+    s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    corr = torch.randn(N, generator=g) * 0.01 if asym else None
+    w = q.double() * s.double()[:, None]
+    x = (torch.randn(1, K, generator=g) * torch.logspace(-4, 1, K)[torch.randperm(K, generator=g)]).to(dtype)
+
+    def check(y: torch.Tensor, xr: torch.Tensor) -> None:
+        ref = xr @ w.T
+        if corr is not None:
+            ref = ref + x.double().sum(-1, keepdim=True) * corr.double()
+        bound = torch.finfo(dtype).eps * ref.abs() + 2.0**-20 * (xr.abs() @ w.abs().T) + 1e-9
+        assert y.dtype == dtype and y.shape == (1, N)
+        assert ((y.double() - ref).abs() - bound).max() <= 0, (impl, K, dtype)
+
+    y = ops.int8_mm(x, q, s, corr)
+    if _takes_x16(impl, K):
+        xq, d = int16_blocks(x)
+        xr = (xq.double().view(1, K // 32, 32) * d.double()[..., None]).view(1, K)
+        if dtype == torch.float32:
+            assert not torch.equal(xr, x.double()), "the case should round some activations"
+        check(y, xr)
+    else:
+        check(y, x.double())
+    check(ops.int8_mm(x, q, s, corr, 1), x.double())
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", IMPLS)
+def test_int8_one_row_carries_a_non_finite_activation_to_every_output(impl: str) -> None:
+    """A NaN or an Inf in the one row of x gives no finite output (the int16 path hands such a row to its fp32
+    path, as a plain product carries them)."""
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g)
+    q[q == 0] = 1  # every product with the Inf non-zero
+    s = torch.rand(64, generator=g) + 0.5
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(1, 576, generator=g).to(torch.bfloat16)
+        x[0, 301] = bad
+        assert not torch.isfinite(ops.int8_mm(x, q, s, None)).any(), (impl, bad)
 
 
 def _a8_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
