@@ -11,14 +11,22 @@ these operators aim at the bandwidth instead:
 * `fewbits_rows::int8_mm(x, q, scales, corr)`: x (M, K) any float dtype, q (N, K) int8, scales (N,) ->
   (x @ q.T) * scales [+ sum_k(x) * corr], the layout of `fewbits.kernels.cpu.Int8PackKernel` (codes shifted
   to int8, one scale per output channel, `corr` the asymmetric formats' rank-1 correction or None).  The
-  codes are widened to fp32 and multiplied in fp32.
+  codes are widened to fp32 and multiplied in fp32; at one row of x on the AVX2 and AVX-512 builds (in_features a
+  multiple of 32) x is taken as int16 blocks instead (`fewbits.kernels.act8.int16_blocks`: exact for every bf16
+  element within 2^-7 of its block's largest, the rest to 2^-14 of it) and the codes meet it through ``vpmaddwd``
+  in exact int32 sums, one convert and FMA per 32 weights: 1.13-1.51x the fp32 path on an AVX-512 EPYC, SmolLM2's
+  and Gemma-3's shapes (``path=1`` keeps x in fp32; `benchmarks/bench_rows.py --int8-fp32`).
 * `fewbits_rows::fp8_mm(x, codes, scales, e5m2)`: x (M, K) any float dtype, codes (N, K) uint8 FP8 codes (E4M3,
   or E5M2), scales (N,) or (1,) -> (x @ w.T) * scales, the layout of `fewbits.kernels.cpu.Fp8DequantKernel` with
   one scale per channel or tensor.  Each code is widened to fp32 as an fp16 (E5M2 is an fp16's top byte, E4M3's
   bits shifted into an fp16's, its value / 2^8), exactly, then multiplied in fp32: one byte a weight read.
 
 Every loaded weight vector is used for all M rows, several output channels are read at once (independent
-accumulators), and the output channels are split between threads (``at::parallel_for``).  Sums are fp32;
+accumulators), and the output channels are split between threads (``at::parallel_for``).  One row of x reads one
+weight row at a time instead, a single sequential stream: several rows side by side are as many interleaved
+streams, which the hardware prefetchers of both an AVX2 and an AVX-512 EPYC followed at about half the memory's
+speed (on the AVX-512 one, 8 channels a pass against one: SmolLM2's and Gemma-3's bf16 layers and heads 1.27-1.78x
+faster one at a time, `benchmarks/bench_rows.py --rows 1 --baseline`).  Sums are fp32;
 the result is rounded once to x's dtype.  Three builds of one source, by the CPU (`built_isa`): AVX-512 (the
 above), AVX2 + FMA (8 columns a step, every weight dtype widened to fp32 and multiplied with x in fp32 by
 FMAs; ``int8_mm_a8`` through ``vpmaddubsw``; one row of x reads one weight row at a time, a single sequential
