@@ -19,10 +19,12 @@ pytestmark = pytest.mark.slow
 N = 64
 
 
-# Gemma-3 int8 with a 16-bit cache: the eager logits tie exactly (23.00, 23.00) at token 54, where the compiled
-# step picked the other token; SmolLM2's greedy run meets one-bf16-step ties (bf16 at token 6, int8 at 18), and
-# Gemma-3 int4-g64 on fewbits' own int4 operator at 17 (18.50 vs 18.38): fp32 sums in another order break them
-# the other way, so only exact ties are accepted here.
+# Gemma-3 int8 with a 16-bit cache: the eager logits tie exactly (23.00, 23.00) at token 54 on an AVX2 EPYC, where
+# the compiled step picked the other token; on an AVX-512 EPYC (its own operator paths) they tie exactly at 54
+# (22.875) and the compiled step's pick at 57 is one bf16 step below the eager maximum (23.875 against 24.0).
+# SmolLM2's greedy run meets one-bf16-step ties too (bf16 at token 6, int8 at 18), and Gemma-3 int4-g64 on
+# fewbits' own int4 operator at 17 (18.50 vs 18.38): fp32 sums in another order, rounded to bf16 logits, break
+# them either way.  So a compiled pick must be the eager maximum or one bf16 step of it below, at most twice.
 @pytest.mark.parametrize(("name", "weights", "kv"), [("gemma3-270m", "int8", "bf16")])
 def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:
@@ -51,6 +53,8 @@ def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, re
     picks = torch.cat(got).argmax(-1)
     at_pick = eager.gather(1, picks[:, None])[:, 0]
     off = [(j, int(picks[j]), int(ref[j])) for j in range(N) if picks[j] != ref[j]]
-    assert bool((at_pick == eager.max(-1).values).all()), \
-        f"compiled picks (position, compiled, eager) {off} are not tied at the top of the eager logits"
-    assert len(off) <= 2, f"more than two exact ties taken the other way: {off}"
+    top = eager.max(-1).values
+    step = torch.ldexp(torch.ones_like(top), torch.frexp(top.abs())[1] - 8)  # one bf16 step at the maximum
+    assert bool((top - at_pick <= step).all()), \
+        f"compiled picks (position, compiled, eager) {off} are more than one bf16 step below the eager maximum"
+    assert len(off) <= 2, f"more than two near-ties taken the other way: {off}"
