@@ -29,7 +29,8 @@ constexpr int64_t BLOCK = 32;   // output channels per parallel unit
 // read side by side)
 constexpr int64_t PREFETCH_ROWS = 16;
 
-enum Kind { BF16 = 0, F16 = 1, I8 = 2, E4M3 = 3, E5M2 = 4 };
+// I8B: int8 weights times bf16 x through dpbf16 (AVX512-BF16 builds, 2+ rows of a bf16 x)
+enum Kind { BF16 = 0, F16 = 1, I8 = 2, E4M3 = 3, E5M2 = 4, I8B = 5 };
 constexpr int64_t esz(Kind kind) { return kind == BF16 || kind == F16 ? 2 : 1; }  // bytes per weight
 
 // FP8 codes as the bits of an fp16 (what F16C / AVX-512 widen to fp32 exactly): E5M2 is an fp16's top byte; E4M3's
@@ -359,6 +360,40 @@ inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
 #endif
 }
 
+#ifdef __AVX512BF16__
+// int8 weights x bf16 x (M x K) through dpbf16: 32 codes widened to fp32 and packed to bf16 (exact: |code| <= 128
+// has at most 8 significant bits) once, then one dpbf16 per row of x (the products exact, fp32 sums), where the
+// fp32 path spends two FMAs per row and 32 columns: 5 + M instructions per 32 weights against 4 + 2 M.
+template <int M, int R>
+inline void block_i8_bf16(const uint16_t* __restrict x, int64_t K, const int8_t* w, int64_t ld, float* acc_out) {
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const int64_t left = K - k;
+    const __mmask16 m0 = left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const __mmask16 m1 = left >= 32 ? __mmask16(0xFFFF) : left <= 16 ? __mmask16(0)
+                                                                      : static_cast<__mmask16>((1u << (left - 16)) - 1);
+    __m512i wv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* p = w + r * ld + k;
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, p)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, p + 16)));
+      wv[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // columns k .. k+15 from lo, k+16 .. k+31 from hi
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * ld), _MM_HINT_T0);
+    }
+    const __mmask32 mk = left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << left) - 1);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+#endif
+
 // fp16 or int8 weights widened to fp32, x fp32 (M x K): 16 columns a step.
 template <Kind KIND>
 inline __m512 widen16(const void* w, int64_t k, __mmask16 mk, bool full) {
@@ -474,6 +509,10 @@ void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int
       else if (kind == F16) out[n] = row1_f32<F16>(xf, K, wn, ld_bytes);
       else if (kind == E4M3) out[n] = row1_f32<E4M3>(xf, K, wn, ld_bytes);
       else if (kind == E5M2) out[n] = row1_f32<E5M2>(xf, K, wn, ld_bytes);
+#ifdef __AVX512BF16__
+      else if (kind == I8B) block_i8_bf16<1, 1>(static_cast<const uint16_t*>(xv), K,
+                                                reinterpret_cast<const int8_t*>(wn), ld_bytes, out + n);
+#endif
       else out[n] = row1_f32<I8>(xf, K, wn, ld_bytes);
     }
     return;
@@ -486,6 +525,10 @@ void rows_avx512(const void* xv, const char* w, int64_t ld_bytes, Kind kind, int
     else if (kind == F16) block_f32<F16, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
     else if (kind == E4M3) block_f32<E4M3, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
     else if (kind == E5M2) block_f32<E5M2, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
+#ifdef __AVX512BF16__
+    else if (kind == I8B) block_i8_bf16<M, RR>(static_cast<const uint16_t*>(xv), K, reinterpret_cast<const int8_t*>(wn),
+                                               ld_bytes, acc);
+#endif
     else block_f32<I8, M, RR>(static_cast<const float*>(xv), K, wn, ld_bytes, acc);
   });
 }
@@ -748,7 +791,8 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
-// path: 0 the fastest built (on AVX2 one row of x in int16 where in_features is a multiple of 32), 1 x in fp32
+// path: 0 the fastest built (one row of x in int16 blocks where in_features is a multiple of 32 on the AVX2 and
+// AVX-512 builds; 2+ rows of a bf16 x through dpbf16 with AVX512-BF16), 1 x in fp32
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& corr, int64_t path) {
   check_w(x, q, "int8_mm");
@@ -777,6 +821,13 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
       });
       done = true;
     }
+  }
+#endif
+#if defined(ROWS_AVX512) && defined(__AVX512BF16__)
+  if (!done && path == 0 && M >= 2 && x.scalar_type() == at::kBFloat16) {  // bf16 x: dpbf16 on bf16 codes
+    const at::Tensor xc = x.contiguous();
+    matmul_rows(xc.data_ptr(), M, K, 2, W, q.stride(0), I8B, N, acc.data());
+    done = true;
   }
 #endif
   if (!done) matmul_rows(xf.data(), M, K, 4, W, q.stride(0), I8, N, acc.data());

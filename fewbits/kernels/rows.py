@@ -15,7 +15,10 @@ these operators aim at the bandwidth instead:
   multiple of 32) x is taken as int16 blocks instead (`fewbits.kernels.act8.int16_blocks`: exact for every bf16
   element within 2^-7 of its block's largest, the rest to 2^-14 of it) and the codes meet it through ``vpmaddwd``
   in exact int32 sums, one convert and FMA per 32 weights: 1.13-1.51x the fp32 path on an AVX-512 EPYC, SmolLM2's
-  and Gemma-3's shapes (``path=1`` keeps x in fp32; `benchmarks/bench_rows.py --int8-fp32`).
+  and Gemma-3's shapes (``path=1`` keeps x in fp32; `benchmarks/bench_rows.py --int8-fp32`).  With AVX512-BF16,
+  2-8 rows of a bf16 x multiply the codes converted to bf16 (exact) by ``dpbf16`` instead of fp32 FMAs: 5 + M
+  instructions per 32 weights against 4 + 2 M; on that EPYC at 4 and 8 rows 1.02-1.36x the fp32 pass (SmolLM2's
+  fused q/k/v, gate/up, down and head; 2 rows 0.96-1.18x), `bench_rows.py --rows 2,4,8 --ops int8 --baseline`.
 * `fewbits_rows::fp8_mm(x, codes, scales, e5m2)`: x (M, K) any float dtype, codes (N, K) uint8 FP8 codes (E4M3,
   or E5M2), scales (N,) or (1,) -> (x @ w.T) * scales, the layout of `fewbits.kernels.cpu.Fp8DequantKernel` with
   one scale per channel or tensor.  Each code is widened to fp32 as an fp16 (E5M2 is an fp16's top byte, E4M3's
