@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -94,10 +95,18 @@ def _run(mode: str, out: Path, src: Path, env: dict[str, str], kill_after: float
          phase: str = "READY") -> tuple[bool, float, float]:
     """Run the driver; SIGKILL it `kill_after` seconds after it prints `phase` (READY: imports done; WRITING:
     the first temporary is made).  -> (finished, seconds of work, seconds of writing)."""
+    # stderr to a file: stdout is read line by line through its buffered file object, and `communicate` would read
+    # the pipe's descriptor past that buffer (a "DONE" read ahead with "SWAPPED" was lost that way)
+    errf = tempfile.TemporaryFile(mode="w+")
     p = subprocess.Popen([sys.executable, "-c", DRIVER, mode, str(out), str(src)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+                         stderr=errf, text=True, env=env, cwd=ROOT)
+
+    def stderr_text() -> str:
+        errf.seek(0)
+        return errf.read()
+
     seen = [p.stdout.readline()]
-    assert seen[0].strip() == "READY", p.stderr.read()
+    assert seen[0].strip() == "READY", (p.wait(), stderr_text())
     t0 = time.perf_counter()
     t_write = None
 
@@ -120,7 +129,10 @@ def _run(mode: str, out: Path, src: Path, env: dict[str, str], kill_after: float
     t_swap = None
     if kill_after is None and t_write is not None and read_until("SWAPPED"):
         t_swap = time.perf_counter()
-    rest, err = p.communicate(timeout=300)
+    rest = p.stdout.read()  # to the end of the output (the child closes it as it exits, or is killed)
+    p.wait(timeout=300)
+    err = stderr_text()
+    errf.close()
     seen.append(rest)
     t1 = time.perf_counter()
     said = f"return code {p.returncode}; stdout:\n{''.join(seen)[-2000:]}\nstderr:\n{err[-2000:]}"
