@@ -305,6 +305,21 @@ inline __m512 widen_bf16(const uint16_t* p, __mmask16 mk) {  // up to 16 bf16 ->
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, p)), 16));
 }
 
+#ifdef __AVX512BF16__
+// acc[m][r] += dpbf16(x row m's 32 columns from k (mk: those before K), wv[r]): each weight vector serves every row
+template <int M, int R>
+inline void dpbf16_rows(__m512 (&acc)[M][R], const uint16_t* x, int64_t K, int64_t k, __mmask32 mk,
+                        const __m512i* wv) {
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
+  }
+}
+
+#endif
+
 // R output channels at once, M rows of x: M * R accumulators, each loaded weight vector used M times.
 // bf16 x bf16 (x as bf16, M x K): 32 columns a step through dpbf16 (exact products, fp32 sums).
 template <int M, int R>
@@ -320,24 +335,14 @@ inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
       wv[r] = _mm512_loadu_si512(w + r * ld + k);
       _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512i xv = _mm512_loadu_si512(x + m * K + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-    }
+    dpbf16_rows<M, R>(acc, x, K, k, ~__mmask32(0), wv);
   }
   if (k < K) {
     const __mmask32 mk = static_cast<__mmask32>((1ull << (K - k)) - 1);
     __m512i wv[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_epi16(mk, w + r * ld + k);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-    }
+    dpbf16_rows<M, R>(acc, x, K, k, mk, wv);
   }
   for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
 #else
@@ -382,13 +387,7 @@ inline void block_i8_bf16(const uint16_t* __restrict x, int64_t K, const int8_t*
       wv[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // columns k .. k+15 from lo, k+16 .. k+31 from hi
       if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * ld), _MM_HINT_T0);
     }
-    const __mmask32 mk = left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << left) - 1);
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      const __m512i xv = _mm512_maskz_loadu_epi16(mk, x + m * K + k);
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], (__m512bh)xv, (__m512bh)wv[r]);
-    }
+    dpbf16_rows<M, R>(acc, x, K, k, left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << left) - 1), wv);
   }
   for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = _mm512_reduce_add_ps(acc[m][r]);
 }
