@@ -11,8 +11,10 @@
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#define FEWBITS_KV_I16 1  // KIVI codes times 16-bit integers (256-bit vpmaddwd), on AVX-512 CPUs too
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define FEWBITS_KV_AVX2 1  // attend_rows and attend_kv in 256-bit vectors
+#define FEWBITS_KV_I16 1
 #include <immintrin.h>
 #endif
 
@@ -542,8 +544,10 @@ void values_fast8(const uint8_t* rows, int64_t nb, int64_t gv, const uint8_t* ok
     }
   }
 }
+#endif
 
-// The KIVI paths in 16-bit integers (AVX2): a 4- or 2-bit code times an int16 is exact in vpmaddwd, which does
+#ifdef FEWBITS_KV_I16
+// The KIVI paths in 16-bit integers (256-bit vectors, AVX2 and AVX-512 builds): a 4- or 2-bit code times an int16 is exact in vpmaddwd, which does
 // two such products and their sum in one instruction where fp32 needs a shift, a mask, a conversion and an FMA
 // per code.  The query (times a key group's scales) and the softmax weights (times the value scales) are rounded
 // to int16 against their largest magnitude (relative step 2^-15, finer than the bf16 the eager path rounds to);
@@ -924,10 +928,14 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   constexpr int64_t VBLOCK = 1;
 #endif
   const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
-#ifdef FEWBITS_KV_AVX2
-  // KIVI in 16-bit integers (scores_i16, values_i16): whole 16-byte blocks, int32 sums that cannot overflow
+#ifdef FEWBITS_KV_I16
+  // KIVI in 16-bit integers (scores_i16, values_i16): whole 16-byte blocks of codes, 8-byte blocks within one value
+  // group, int32 sums that cannot overflow.  On an AVX-512 CPU too: one layer at 2048 tokens (SmolLM2's heads, 2
+  // threads) took 61 us where the 512-bit fp32 path below took 92 (int2: 64 / 97)
   const int64_t qmax = (1 << bits) - 1, lim = (int64_t{1} << 31) / (qmax * 32767);
-  const bool i16 = fast && kivi && nb % 16 == 0 && D <= lim && chunk <= lim;
+  const bool i16 = kivi && D % 8 == 0 && nb % 16 == 0 && gv % (8 * per) == 0 && D <= lim && chunk <= lim;
+#else
+  constexpr bool i16 = false;
 #endif
   const uint8_t* KC = static_cast<const uint8_t*>(kc_.data_ptr());
   const uint8_t* VC = static_cast<const uint8_t*>(vc_.data_ptr());
@@ -941,7 +949,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
     std::vector<float> s(Rpad * std::max(chunk, W));
     // the vector path's per-token value scales and minima in fp32, and the weights times each group's scale
     std::vector<float> vsf, vmf, wg, tmp, tmp2, ksc;
-    if (fast) {
+    if (fast || i16) {
       ksc.resize(std::max(chunk, W));
       vsf.resize(std::max(chunk, W) * ng);
       vmf.resize(std::max(chunk, W) * ng);
@@ -952,7 +960,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
     alignas(64) float c[MAXD], qp[MAXR * MAXD], bias[MAXR], acc[MAXR * MAXD], vb[MAXR * MAXD], sgf[MAXD], mgf[MAXD];
     alignas(64) float qpl[MAXR * MAXD], sgp[MAXD];  // the query and a group's key scales in plane order
     [[maybe_unused]] alignas(64) float scratch[MAXD];
-#ifdef FEWBITS_KV_AVX2
+#ifdef FEWBITS_KV_I16
     // the integer path's query, scores, weights (pairs of tokens: npad a row) and weighted codes
     alignas(64) int16_t q16[MAXR * MAXD];
     alignas(64) int32_t acc32[MAXR * MAXD];
@@ -979,8 +987,8 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         halves(KS + (bh * (T / G) + g) * D, sgf, D);
         halves(KM + (bh * (T / G) + g) * D, mgf, D);
         const auto to_planes = [&](const float* x, float* y) {  // channel j * per + k -> k * nb + j
-#ifdef FEWBITS_KV_AVX2
-          if (fast) {  // (per a power of 2)
+#ifdef FEWBITS_KV_I16
+          if (fast || i16) {  // (per a power of 2)
             unweave(x, y, D, per, scratch);
             return;
           }
@@ -1016,6 +1024,36 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
             for (int64_t i = 0; i < m; ++i) x[i] = ok[i] ? x[i] * ksc[i] : NEG_INF;
         }
       };
+#ifdef FEWBITS_KV_I16
+      if (i16 && !ring) {  // KIVI group by group: the scaled query in int16, the sums in int32, then times the
+                           // query's step, plus the bias
+        for (int64_t i0 = 0; i0 < n; i0 += G) {
+          const int64_t m_ = std::min(G, n - i0), t = t0 + i0;
+          group_query(t / G);
+          const uint8_t* rows = KC + (bh * T + t) * nb;
+          float* so = s.data() + i0;
+          float qs[MAXR];
+          for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qp + r * D, D, D, q16 + r * D);
+          by_bits(bits, [&](auto B) { scores_i16<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
+          const uint8_t* ok = okp + i0;
+          const int64_t m8 = m_ / 8 * 8;
+          for (int64_t r = 0; r < R; ++r) {  // masked: -inf
+            const __m256 step = _mm256_set1_ps(qs[r]), br = _mm256_set1_ps(bias[r]), ninf = _mm256_set1_ps(NEG_INF);
+            const int32_t* sr = s32.data() + r * m_;
+            float* x = so + r * n;
+            for (int64_t i = 0; i < m8; i += 8) {
+              const __m256i okv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + i)));
+              const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
+                                                   reinterpret_cast<const __m256i*>(sr + i))), step, br);
+              _mm256_storeu_ps(x + i, _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(
+                                                             _mm256_cmpgt_epi32(okv, _mm256_setzero_si256()))));
+            }
+            for (int64_t i = m8; i < m_; ++i)
+              x[i] = ok[i] ? std::fma(static_cast<float>(sr[i]), qs[r], bias[r]) : NEG_INF;
+          }
+        }
+      } else
+#endif
 #ifdef FEWBITS_KV_AVX512
       if (fast && !ring) {  // scores: group by group (KIVI: the query scaled per group), then scale or bias
         const int64_t span = kivi ? G : n;
@@ -1058,30 +1096,8 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           if (kivi) group_query(t / G);
           const uint8_t* rows = KC + (bh * T + t) * nb;
           float* so = s.data() + i0;
-          if (i16) {  // the scaled query in int16, the sums in int32, then times the query's step, plus the bias
-            float qs[MAXR];
-            for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qp + r * D, D, D, q16 + r * D);
-            by_bits(bits, [&](auto B) { scores_i16<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
-            const uint8_t* ok = okp + i0;
-            const int64_t m8 = m_ / 8 * 8;
-            for (int64_t r = 0; r < R; ++r) {  // masked: -inf
-              const __m256 step = _mm256_set1_ps(qs[r]), br = _mm256_set1_ps(bias[r]), ninf = _mm256_set1_ps(NEG_INF);
-              const int32_t* sr = s32.data() + r * m_;
-              float* x = so + r * n;
-              for (int64_t i = 0; i < m8; i += 8) {
-                const __m256i okv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + i)));
-                const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256(
-                                                     reinterpret_cast<const __m256i*>(sr + i))), step, br);
-                _mm256_storeu_ps(x + i, _mm256_blendv_ps(ninf, v, _mm256_castsi256_ps(
-                                                               _mm256_cmpgt_epi32(okv, _mm256_setzero_si256()))));
-              }
-              for (int64_t i = m8; i < m_; ++i)
-                x[i] = ok[i] ? std::fma(static_cast<float>(sr[i]), qs[r], bias[r]) : NEG_INF;
-            }
-          } else {
-            by_bits(bits, [&](auto B) { scores_fast8<B.value>(rows, nb, okp + i0, m_, qp, R, D, so, n); });
-            finish_scores(so, i0, m_, t);
-          }
+          by_bits(bits, [&](auto B) { scores_fast8<B.value>(rows, nb, okp + i0, m_, qp, R, D, so, n); });
+          finish_scores(so, i0, m_, t);
         }
       } else
 #endif
@@ -1116,6 +1132,65 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         for (int64_t d = 0; d < D; ++d) acc[r * D + d] = 0.f;
         for (int64_t x = 0; x < ng; ++x) vb[r * ng + x] = 0.f;
       }
+#ifdef FEWBITS_KV_I16
+      // the weighted sum of values in 256-bit vectors: wg[g * Rpad * n + r * n + i] = the softmax weight times token
+      // i's scale of value group g (masked tokens: 0), vb[r * ng + g] = the weights times the group's minima (KIVI)
+      const auto group_weights = [&](int64_t bh_t, int64_t gs) {
+        // the value scales and minima group by group: vsf[g * n + i] (converted by vectors, then regrouped)
+        const auto regroup = [&](const at::Half* src, float* dst) {
+          halves(src + bh_t * ng, ng == 1 ? dst : tmp.data(), n * ng);
+          if (ng == 1) return;
+          if ((ng & (ng - 1)) == 0) {  // a power of 2: even/odd splits
+            unweave(tmp.data(), dst, n * ng, ng, tmp2.data());
+            return;
+          }
+          for (int64_t i = 0; i < n; ++i)  // (another count of groups: the plain loop)
+            for (int64_t g = 0; g < ng; ++g) dst[g * n + i] = tmp[i * ng + g];
+        };
+        regroup(VS, vsf.data());
+        if (kivi) regroup(VM, vmf.data());
+        else std::fill(vmf.begin(), vmf.begin() + n * ng, 0.f);
+        for (int64_t r = 0; r < R; ++r) {
+          const float* sr = s.data() + r * n;
+          for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
+            float* wr = wg.data() + g * gs + r * n;
+            const float *sg = vsf.data() + g * n, *mg = vmf.data() + g * n;
+            float b = 0.f;
+#pragma omp simd reduction(+ : b)
+            for (int64_t i = 0; i < n; ++i) {
+              const float p = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
+              wr[i] = p * sg[i];
+              b += p * mg[i];
+            }
+            vb[r * ng + g] = b;
+          }
+        }
+      };
+#endif
+#ifdef FEWBITS_KV_I16
+      if (i16 && !ring) {  // the weights in int16 per query head and value group, the sums in int32, times the steps
+        const int64_t bh_t = bh * T + t0, gs = Rpad * n, gvv = gv;
+        group_weights(bh_t, gs);
+        const uint8_t* rows = VC + bh_t * nb;
+        const int64_t npad = (n + 1) / 2 * 2;
+        for (int64_t g = 0; g < ng; ++g)
+          for (int64_t r = 0; r < R; ++r)
+            wsc[g * Rpad + r] = to_i16(wg.data() + g * gs + r * n, n, npad, w16.data() + (g * Rpad + r) * npad);
+        by_bits(bits, [&](auto B) {
+          values_i16<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
+        });
+        const int64_t seg = gvv / per;  // bytes of one value group: j in g * seg .. g * seg + seg - 1
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t k = 0; k < per; ++k)
+            for (int64_t g = 0; g < ng; ++g) {
+              const float st = wsc[g * Rpad + r];
+              const int32_t* a = acc32 + r * D + k * nb + g * seg;
+              float* o = acc + r * D + k * nb + g * seg;
+#pragma omp simd
+              for (int64_t j = 0; j < seg; ++j) o[j] = static_cast<float>(a[j]) * st;
+            }
+      } else
+#endif
 #ifdef FEWBITS_KV_AVX512
       if (fast && !ring) {  // the weighted sum of values (plane order), int8's scales folded into the weights
         const int64_t bh_t = bh * T + t0;
@@ -1159,58 +1234,10 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
 #elif defined(FEWBITS_KV_AVX2)
       if (fast && !ring) {  // the weighted sum of values (plane order), the value scales folded into the weights
         const int64_t bh_t = bh * T + t0, gs = Rpad * n;
-        // the value scales and minima group by group: vsf[g * n + i] (converted by vectors, then regrouped)
-        const auto regroup = [&](const at::Half* src, float* dst) {
-          halves(src + bh_t * ng, ng == 1 ? dst : tmp.data(), n * ng);
-          if (ng == 1) return;
-          if ((ng & (ng - 1)) == 0) {  // a power of 2: even/odd splits
-            unweave(tmp.data(), dst, n * ng, ng, tmp2.data());
-            return;
-          }
-          for (int64_t i = 0; i < n; ++i)  // (another count of groups: the plain loop)
-            for (int64_t g = 0; g < ng; ++g) dst[g * n + i] = tmp[i * ng + g];
-        };
-        regroup(VS, vsf.data());
-        if (kivi) regroup(VM, vmf.data());
-        else std::fill(vmf.begin(), vmf.begin() + n * ng, 0.f);
-        for (int64_t r = 0; r < R; ++r) {
-          const float* sr = s.data() + r * n;
-          for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
-            float* wr = wg.data() + g * gs + r * n;
-            const float *sg = vsf.data() + g * n, *mg = vmf.data() + g * n;
-            float b = 0.f;
-#pragma omp simd reduction(+ : b)
-            for (int64_t i = 0; i < n; ++i) {
-              const float p = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
-              wr[i] = p * sg[i];
-              b += p * mg[i];
-            }
-            vb[r * ng + g] = b;
-          }
-        }
-        const uint8_t* rows = VC + bh_t * nb;
+        group_weights(bh_t, gs);
         const int64_t gvv = kivi ? gv : D;
-        if (i16) {  // the weights in int16 per query head and value group, the sums in int32, times the steps
-          const int64_t npad = (n + 1) / 2 * 2;
-          for (int64_t g = 0; g < ng; ++g)
-            for (int64_t r = 0; r < R; ++r)
-              wsc[g * Rpad + r] = to_i16(wg.data() + g * gs + r * n, n, npad, w16.data() + (g * Rpad + r) * npad);
-          by_bits(bits, [&](auto B) {
-            values_i16<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
-          });
-          const int64_t seg = gvv / per;  // bytes of one value group: j in g * seg .. g * seg + seg - 1
-          for (int64_t r = 0; r < R; ++r)
-            for (int64_t k = 0; k < per; ++k)
-              for (int64_t g = 0; g < ng; ++g) {
-                const float st = wsc[g * Rpad + r];
-                const int32_t* a = acc32 + r * D + k * nb + g * seg;
-                float* o = acc + r * D + k * nb + g * seg;
-#pragma omp simd
-                for (int64_t j = 0; j < seg; ++j) o[j] = static_cast<float>(a[j]) * st;
-              }
-        } else {
-          by_bits(bits, [&](auto B) { values_fast8<B.value>(rows, nb, gvv, okp, n, wg.data(), n, gs, R, D, acc); });
-        }
+        const uint8_t* rows = VC + bh_t * nb;
+        by_bits(bits, [&](auto B) { values_fast8<B.value>(rows, nb, gvv, okp, n, wg.data(), n, gs, R, D, acc); });
       } else
 #endif
       // the weighted sum of values (plane order for codes; the window as the scores)
@@ -1246,11 +1273,11 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         float* dst = pacc.data() + (base * R + r) * D;
         if (ring || !kivi)
           for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d];
-        else if (fast && gv % (VBLOCK * per) != 0)  // minima included (AVX-512 blocks across value groups)
+        else if (fast && !i16 && gv % (VBLOCK * per) != 0)  // minima included (AVX-512 blocks across value groups)
           for (int64_t j = 0; j < nb; ++j)
             for (int64_t k = 0; k < per; ++k) dst[j * per + k] = acc[r * D + k * nb + j];
-#ifdef FEWBITS_KV_AVX2
-        else if (fast) {  // the minima's sums added per value group in plane order, then the planes woven
+#ifdef FEWBITS_KV_I16
+        else if (fast || i16) {  // the minima's sums added per value group in plane order, then the planes woven
           float* a = acc + r * D;
           const int64_t seg = gv / per;  // bytes of one value group
           for (int64_t k = 0; k < per; ++k)

@@ -48,10 +48,10 @@ def mask(layer, B: int, n: int) -> torch.Tensor:  # noqa: ANN001
     return allowed
 
 
-# D = 64: the 512-bit path (whole 16-byte blocks of codes; value scales folded into the weights where a block
-# of 16 codes lies in one value group: int8, int4-g32, int2-g64; else picked per lane: int2-g32, g8, int4-g16);
-# the 256-bit path takes 8-byte blocks within one value group (int8 with a window, int4-g16/g32, int2-g32/g64),
-# the plain loops the rest (D = 16 / 24, g8).  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps),
+# D = 64: KIVI whose value groups span whole 8-byte blocks of codes (int4-g16/g32, int2-g32/g64) takes the 16-bit
+# integer path in both builds; the 512-bit fp32 path the other KIVI caches (g8: value scales picked per lane) and
+# int8 with a window (its scales folded into the weights); the 256-bit fp32 path int8 with a window; the plain loops
+# the rest (D = 16 / 24, g8 on AVX2).  Windows that wrap (int8-r8, int4-g8-r8: 16-slot rings, 8 steps),
 # KIVI's default g32-r128 at 300 tokens, GQA 3, 1 and 5 (query heads four at a time: a partial second tile).
 # 16-bit caches (`attend_rows`): several chunks of CHUNK_ROWS with a partial last one, D = 24 (no whole 512-bit
 # vectors), D = 20 (no whole 256-bit ones either), fp16.
@@ -92,9 +92,9 @@ def test_kernel_equals_dequantised_attention(kv: str, D: int, n: int, r: int, bu
 def test_kernel_in_fp32_is_close_to_dequantised_attention(kv: str, D: int, n: int, r: int, build: str,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An fp32 query (an fp32 result, no bf16 rounding at the end): the KIVI vector paths agree with attention
-    over the dequantised history to 1e-3, a quarter of one bf16 step at 1.0 (the fp32 paths to ~1e-5; the AVX2
-    one rounds the scaled query and the softmax weights to int16 steps of 2^-15 of their largest: seen here up
-    to 3e-4)."""
+    over the dequantised history to 1e-3, a quarter of one bf16 step at 1.0 (the fp32 paths to ~1e-5; the
+    integer path, in both builds, rounds the scaled query and the softmax weights to int16 steps of 2^-15 of their
+    largest: seen here up to 3e-4)."""
     if build == "avx2":
         ops = _rows_ops("avx2")
         if ops is torch.ops.fewbits_kv:
