@@ -1168,8 +1168,6 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           }
         }
       };
-#endif
-#ifdef FEWBITS_KV_I16
       if (i16 && !ring) {  // the weights in int16 per query head and value group, the sums in int32, times the steps
         const int64_t bh_t = bh * T + t0, gs = Rpad * n, gvv = gv;
         group_weights(bh_t, gs);
