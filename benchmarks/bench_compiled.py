@@ -9,6 +9,8 @@ and its median.  Threads pinned (default 2).
                          (weights FORMAT:torch, e.g. int4-g32:torch: the <= 4-bit layers on torch's int4 operator;
                           FORMAT+a8, e.g. int4-g32+a8: activations rounded to int8 where a kernel can, cpu_q4_a8)
     python benchmarks/bench_compiled.py kv     [--weights int4-g64] [--kv bf16,int8,int4] [--prompt 2048]
+                                               # (:where: a windowed cache's write in tensor operations;
+                                               # int8:append: an int8 cache's write through append_kv)
     python benchmarks/bench_compiled.py attn   [--kv bf16,int8,int4-r16,int4-r16:where] [--prompt 2048,512]
                                                # one layer's attention and cache write (:where: the write in
                                                # tensor operations, FEWBITS_KV_APPEND=torch; :torch: no C++ at all)
@@ -89,7 +91,7 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
     from fewbits.generate import generate
 
     run = generate if args.eager else generate_static
-    native_append = cache.NATIVE_APPEND
+    native_append, append_always = cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW
     variants = [v for v in args.cpu_rows.split(",")] if args.cpu_rows else [""]
     rows = [(*r, v) for r in rows for v in variants]
     models = {}
@@ -104,11 +106,13 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
             w, kv, b, p, v = r
             ids = torch.randint(0, vocab, (b, p), generator=torch.Generator().manual_seed(p + b))
             cache.NATIVE_APPEND = not kv.endswith(":where")  # int4-r16:where: FEWBITS_KV_APPEND=torch's cache write
+            cache.APPEND_WITHOUT_WINDOW = kv.endswith(":append")  # int8:append: FEWBITS_KV_APPEND=always's
             try:
                 with _cpu_rows(v):
-                    res = run(models[(w, v)], ids, args.steps + 1, kv=kv.removesuffix(":where"))
+                    res = run(models[(w, v)], ids, args.steps + 1,
+                              kv=kv.removesuffix(":where").removesuffix(":append"))
             finally:
-                cache.NATIVE_APPEND = native_append
+                cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW = native_append, append_always
             times[r] += res.decode_step_s
             compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
             med = statistics.median(res.decode_step_s) * 1e3

@@ -8,9 +8,10 @@ is one graph for every t) and attends over all slots under a mask.  Semantics ar
 with the C++ operators built (`fewbits.decode.kvkernel`), a decode step's write is one operator
 (`fewbits_kv::append_kv`) that mutates the cache in place and quantises a group only at the step that
 completes it (a branch in C++), with `fewbits.kvcache.quant`'s rounding; a compiled step holds one opaque node
-per layer for it.  Otherwise (a GPU, no compiler, ``FEWBITS_KV_APPEND=torch``) the step is written in
-tensor operations: the flush is computed at every step and kept under a condition (`torch.where`), so the
-graph has no branches.
+per layer for it.  A cache without a window (int8, fp8) quantises each token in tensor operations that inductor
+fuses into the step's kernels (cheaper than an operator call).  Otherwise (a GPU, no compiler,
+``FEWBITS_KV_APPEND=torch``) a windowed cache's step is written in tensor operations too: the flush is computed
+at every step and kept under a condition (`torch.where`), so the graph has no branches.
 
 Attention reads the stored codes, not a dequantised copy: on a CPU int8 and KIVI caches go through one C++
 operator (`fewbits.decode.kvkernel`); otherwise `LayerKV.scores` / `weighted_values` fold the scales and
@@ -32,9 +33,12 @@ from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 _FLOAT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NEG = -1e30  # finite "minus infinity": a fully masked row (a padded query) stays NaN-free
-#: decode steps write int8 / KIVI caches through `fewbits_kv::append_kv` where it is built (read when a cache is
-#: made); ``FEWBITS_KV_APPEND=torch`` keeps the tensor-operation write (`LayerKV.step`'s flush under torch.where)
+#: decode steps write windowed int8 / KIVI caches through `fewbits_kv::append_kv` where it is built (read when a
+#: cache is made); ``FEWBITS_KV_APPEND=torch`` keeps the tensor-operation write (`LayerKV.step`'s flush under
+#: torch.where); ``FEWBITS_KV_APPEND=always`` writes an int8 cache without a window through the operator too (the
+#: write before the fused one, for A/B measurements: `benchmarks/bench_compiled.py` kv specs ending in ":append")
 NATIVE_APPEND = os.environ.get("FEWBITS_KV_APPEND", "native") != "torch"
+APPEND_WITHOUT_WINDOW = os.environ.get("FEWBITS_KV_APPEND", "native") == "always"
 #: ``FEWBITS_KV_ATTEND=torch`` keeps the inductor-fused reductions for a decode step's attention (before/after
 #: measurements of `fewbits.decode.kvkernel`'s operators)
 NATIVE_ATTEND = os.environ.get("FEWBITS_KV_ATTEND", "native") != "torch"
@@ -58,8 +62,14 @@ class LayerKV:
             self.t = {"k": z(T, dim, dt=_FLOAT[fmt.element]), "v": z(T, dim, dt=_FLOAT[fmt.element])}
             self.ring = 0
             return
-        # decode steps write through `fewbits_kv::append_kv` (an fp8 cache: tensor operations)
-        self.native_append = self.kernel and NATIVE_APPEND and fmt.kind != "fp8"
+        # decode steps write through `fewbits_kv::append_kv` where tokens leave a 16-bit window (KIVI, int8-rN): it
+        # quantises a group only at the step that completes it.  A cache without a window (int8, fp8) quantises each
+        # token in tensor operations, which inductor fuses into the step's own kernels: one layer's compiled write
+        # took ~8 us against 11.5-13 through the operator (a custom operator's call alone costs ~6.5 us in a
+        # compiled graph), ~0.1 ms of a 30-layer step; whole steps (`bench_compiled.py kv --kv
+        # bf16,int8,int8:append`) differ by less than the host's noise (+-5%)
+        windowed = fmt.kind == "kivi" or (fmt.kind == "int8" and (fmt.residual > 0 or APPEND_WITHOUT_WINDOW))
+        self.native_append = self.kernel and NATIVE_APPEND and windowed
         self.G = fmt.group if fmt.kind == "kivi" else 1
         if fmt.kind in ("int8", "fp8"):
             cdt = torch.int8 if fmt.kind == "int8" else torch.uint8

@@ -38,7 +38,7 @@ def decoder_for(model: torch.nn.Module, kv: KVFormat | str, batch: int, max_len:
     from fewbits.decode import cache
 
     f = parse_kv_format(kv)
-    key = (f.full_spec, batch, -(-max_len // SLOT_ROUND) * SLOT_ROUND, cache.NATIVE_APPEND)
+    key = (f.full_spec, batch, -(-max_len // SLOT_ROUND) * SLOT_ROUND, cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW)
     per_model = model.__dict__.get("_fewbits_decoders")
     if not isinstance(per_model, Decoders):
         per_model = model.__dict__["_fewbits_decoders"] = Decoders(per_model or {})

@@ -82,8 +82,11 @@ def test_the_switch_keeps_the_tensor_write(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(kvcache, "NATIVE_APPEND", True)
     (layer,) = make_cache("int4-g8-r8", 1, 1, 1, 16, 32, torch.bfloat16, "cpu")
     assert layer.native_append == kvkernel.available()
-    (layer,) = make_cache("bf16", 1, 1, 1, 16, 32, torch.bfloat16, "cpu")
-    assert not layer.native_append
+    (layer,) = make_cache("int8-r8", 1, 1, 1, 16, 32, torch.bfloat16, "cpu")
+    assert layer.native_append == kvkernel.available()
+    for kv in ("bf16", "int8", "fp8-e4m3"):  # no window: tensor operations, fused into the compiled step
+        (layer,) = make_cache(kv, 1, 1, 1, 16, 32, torch.bfloat16, "cpu")
+        assert not layer.native_append, kv
 
 
 @needs_kernel
