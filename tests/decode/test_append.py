@@ -49,7 +49,8 @@ CASES = [("int8", 64, torch.bfloat16), ("int8-r8", 64, torch.float32), ("int4-g8
          ("int2-g8-r4", 24, torch.float32), ("int4-r16", 64, torch.float16), ("int2-g16-r32", 16, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("kv,D,dtype,native_append", [(*c, True) for c in CASES] + [(*c, False) for c in CASES[1::2]])
+@pytest.mark.parametrize("kv,D,dtype,native_append",
+                         [(*c, True) for c in CASES] + [(*c, False) for c in (CASES[0], *CASES[1::2])])
 def test_step_writes_the_quantisers_codes_and_scales(kv: str, D: int, dtype: torch.dtype, native_append: bool) -> None:
     if native_append and not kvkernel.available():
         pytest.skip(f"no kernel: {native.why(kvkernel.NAME)}")
