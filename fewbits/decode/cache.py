@@ -65,11 +65,11 @@ class LayerKV:
         # decode steps write through `fewbits_kv::append_kv` where tokens leave a 16-bit window (KIVI, int8-rN): it
         # quantises a group only at the step that completes it.  A cache without a window (int8, fp8) quantises each
         # token in tensor operations, which inductor fuses into the step's own kernels: one layer's compiled write
-        # took ~8 us against 11.5-13 through the operator (a custom operator's call alone costs ~6.5 us in a
-        # compiled graph), ~0.1 ms of a 30-layer step; whole steps (`bench_compiled.py kv --kv
+        # took ~8 us against 11.5-13 through the operator (an `append_kv` call on an int8 token costs ~6.5 us in a
+        # compiled graph, its small work included), ~0.1 ms of a 30-layer step; whole steps (`bench_compiled.py kv --kv
         # bf16,int8,int8:append`) differ by less than the host's noise (+-5%)
-        windowed = fmt.kind == "kivi" or (fmt.kind == "int8" and (fmt.residual > 0 or APPEND_WITHOUT_WINDOW))
-        self.native_append = self.kernel and NATIVE_APPEND and windowed
+        by_operator = fmt.kind == "kivi" or (fmt.kind == "int8" and (fmt.residual > 0 or APPEND_WITHOUT_WINDOW))
+        self.native_append = self.kernel and NATIVE_APPEND and by_operator
         self.G = fmt.group if fmt.kind == "kivi" else 1
         if fmt.kind in ("int8", "fp8"):
             cdt = torch.int8 if fmt.kind == "int8" else torch.uint8
