@@ -772,6 +772,146 @@ inline void weave(const float* x, float* y, int64_t n, int64_t ways, float* scra
 }
 #endif
 
+#if defined(FEWBITS_KV_AVX512) && defined(__AVX512VNNI__)
+#define FEWBITS_KV_VNNI 1
+// An int8 cache without a window in 16-bit integers with VNNI's vpdpwssd, which does two int16 products and adds
+// both to an int32 lane (32 products a 512-bit instruction, where an fp32 FMA does 16 after two conversions): the
+// query (per head) and the softmax weights times the value scales (per head and chunk) rounded to int16 against
+// their largest magnitude as in KIVI's path (relative step 2^-15); a code times an int16 is exact and the sums are
+// exact int32 while D and the tokens of a chunk are at most 2^31 / (128 * 32767) = 512.  The scores of 16 tokens
+// are summed across lanes together (lane_sums16), so a token costs a fraction of a horizontal sum, not a whole one.
+constexpr int64_t I8_LIM = 512;
+
+// lane j of the result = the sum of a[j]'s 16 int32 lanes: pairs interleaved and added within 128-bit quarters
+// (twice: 32-bit, then 64-bit elements), then the quarters of four vectors transposed and added
+inline __m512i lane_sums16(const __m512i a[16]) {
+  __m512i b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // quarter l: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2i], y = a[2i+1]
+    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // quarter l, lane j: the sum of a[4i + j]'s quarter l
+    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
+                            _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+  const auto halves_added = [](__m512i x, __m512i y) {  // [x0+x1, x2+x3, y0+y1, y2+y3] of quarters
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
+  };
+  return halves_added(halves_added(c[0], c[1]), halves_added(c[2], c[3]));
+}
+
+// out[j * stride + i] = q_j . row_i (int32) for RR query heads (q: RR x D int16) and n rows of int8 codes (D a
+// multiple of 32, every row read: the caller masks), 16 rows at a time; each row widened to int16 once for all heads
+template <int RR>
+void scores_i8_heads(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int32_t* out, int64_t stride) {
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    __m512i a[RR][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512i acc[RR];
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) acc[j] = _mm512_setzero_si512();
+      if (t < m) {
+        const int8_t* row = rows + (i0 + t) * D;
+        for (int64_t d = 0; d < D; d += 32) {
+          const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d)));
+#pragma GCC unroll 4
+          for (int j = 0; j < RR; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], x, _mm512_loadu_si512(q + j * D + d));
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) a[j][t] = acc[j];
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < RR; ++j)
+      _mm512_mask_storeu_epi32(out + j * stride + i0, static_cast<__mmask16>((1u << m) - 1u), lane_sums16(a[j]));
+  }
+}
+
+// acc[j * D + d] = sum_i w_j[i] * row_i[d] (int32) for RR query heads over n rows of int8 codes (D a multiple of
+// 32), the weights int16 at w + j * stride, padded with a zero weight to an even count.  Two tokens at a time:
+// their bytes interleaved, so that vpdpwssd multiplies each channel's pair of codes by the pair of weights (one
+// 32-bit broadcast) and adds both; 64 channels a pass, the accumulators in registers.
+template <int RR>
+void values_i8_heads(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64_t stride, int32_t* acc) {
+  alignas(64) static const int8_t zero_row[MAXD] = {};
+  // the interleaved bytes of 32 channels widen to lanes [0..7, 16..23] (low) and [8..15, 24..31] (high): the
+  // permutations that put them back in order
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    const int64_t nv = std::min<int64_t>(2, (D - d0) / 32);
+    __m512i a[RR][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < RR; ++j)
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; ++v) a[j][v] = _mm512_setzero_si512();
+    const auto pair_of_tokens = [&](int64_t i, const int8_t* r0, const int8_t* r1) {
+      __m512i p[RR];
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) {
+        int32_t pair;  // (w_i, w_i+1) as one 32-bit lane
+        std::memcpy(&pair, w + j * stride + i, sizeof(pair));
+        p[j] = _mm512_set1_epi32(pair);
+      }
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        if (v >= nv) continue;
+        const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + d0 + 32 * v));
+        const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + d0 + 32 * v));
+        const __m512i lo = _mm512_cvtepi8_epi16(_mm256_unpacklo_epi8(x0, x1));
+        const __m512i hi = _mm512_cvtepi8_epi16(_mm256_unpackhi_epi8(x0, x1));
+#pragma GCC unroll 4
+        for (int j = 0; j < RR; ++j) {
+          a[j][2 * v] = _mm512_dpwssd_epi32(a[j][2 * v], lo, p[j]);
+          a[j][2 * v + 1] = _mm512_dpwssd_epi32(a[j][2 * v + 1], hi, p[j]);
+        }
+      }
+    };
+    int64_t i = 0;
+    for (; i + 1 < n; i += 2) pair_of_tokens(i, rows + i * D, rows + (i + 1) * D);
+    if (i < n) pair_of_tokens(i, rows + i * D, zero_row);  // an odd last token: its pair's weight is the padding
+#pragma GCC unroll 4
+    for (int j = 0; j < RR; ++j)
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {
+        if (v >= nv) continue;
+        int32_t* o = acc + j * D + d0 + 32 * v;
+        _mm512_storeu_si512(o, _mm512_permutex2var_epi32(a[j][2 * v], lo_idx, a[j][2 * v + 1]));
+        _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi32(a[j][2 * v], hi_idx, a[j][2 * v + 1]));
+      }
+  }
+}
+
+// y[i] = ok[i] ? x[i] * a * b[i] : fill for i < n (x int32 sums or floats), 16 at a time (the compiler leaves the
+// conditional loop scalar)
+template <typename X>
+inline void scaled_where(const X* x, float a, const float* b, const bool* ok, int64_t n, float fill, float* y) {
+  const __m512 va = _mm512_set1_ps(a), vf = _mm512_set1_ps(fill);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 in = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m128i okb = _mm_maskz_loadu_epi8(in, ok + i);
+    __m512 v;
+    if constexpr (std::is_same_v<X, int32_t>) v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(in, x + i));
+    else v = _mm512_maskz_loadu_ps(in, x + i);
+    v = _mm512_mul_ps(_mm512_mul_ps(v, va), _mm512_maskz_loadu_ps(in, b + i));
+    _mm512_mask_storeu_ps(y + i, in, _mm512_mask_blend_ps(_mm_test_epi8_mask(okb, okb), vf, v));
+  }
+}
+
+// scores_i8_heads / values_i8_heads for R query heads, four per pass
+void scores_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int64_t R, int32_t* out, int64_t stride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
+      scores_i8_heads<RR.value>(rows, D, n, q + r0 * D, out + r0 * stride, stride);
+    });
+}
+void values_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64_t stride, int64_t R, int32_t* acc) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
+      values_i8_heads<RR.value>(rows, D, n, w + r0 * stride, stride, acc + r0 * D);
+    });
+}
+#endif
+
 // f(rows) with rows: base + off as a pointer to dt's elements (bf16, fp16, int8, E4M3 codes as uint8, or fp32)
 template <typename F>
 inline void by_dtype(const void* base, at::ScalarType dt, int64_t off, F&& f) {
@@ -1330,6 +1470,11 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   // at least `chunk` tokens a unit, and no more units than ~8 per thread (the merge after them is serial)
   const int64_t per_bh = std::max<int64_t>(1, 8 * at::get_num_threads() / (B * H));
   chunk = std::max<int64_t>({1, chunk, (n_seen + per_bh - 1) / per_bh});
+#ifdef FEWBITS_KV_VNNI
+  // int8 codes in 16-bit integers (exact int32 sums: D <= MAXD and chunks of at most I8_LIM tokens)
+  const bool i8 = k.scalar_type() == at::kChar && D % 32 == 0;
+  if (i8) chunk = std::min(chunk, I8_LIM);
+#endif
   const int64_t nunits = std::max<int64_t>(1, (n_seen + chunk - 1) / chunk);
   std::vector<float> pm(B * H * nunits * R, NEG_INF), pl(B * H * nunits * R, 0.f), pacc(B * H * nunits * R * D, 0.f);
   const void *K = k_.data_ptr(), *V = v_.data_ptr();
@@ -1338,6 +1483,14 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(R * chunk), sc(scaled ? chunk : 0);
     alignas(64) float c[MAXD];
+#ifdef FEWBITS_KV_VNNI
+    // the integer path's query and its steps, scores, weights (pairs of tokens: npad a head) and weighted codes
+    alignas(64) int16_t q16[MAXR * MAXD];
+    alignas(64) int32_t acc32[MAXR * MAXD];
+    float qs[MAXR], wsc[MAXR];
+    std::vector<int32_t> s32(i8 ? R * chunk : 0);
+    std::vector<int16_t> w16(i8 ? R * (chunk + 1) : 0);
+#endif
     for (int64_t u = lo; u < hi; ++u) {
       const int64_t bh = u / nunits, t0 = (u % nunits) * chunk, b = bh / H;
       const int64_t n = std::max<int64_t>(0, std::min(chunk, n_seen - t0));
@@ -1348,6 +1501,33 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
       const float* qh = Q + bh * R * D;
       const int64_t base = bh * nunits + u % nunits, row0 = bh * T + t0;
       float* acc = pacc.data() + base * R * D;
+#ifdef FEWBITS_KV_VNNI
+      if (i8) {  // int8 codes in 16-bit integers: scores, softmax, weights, values
+        for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qh + r * D, D, D, q16 + r * D);
+        scores_i8(static_cast<const int8_t*>(K) + row0 * D, D, n, q16, R, s32.data(), n);
+        halves(KS + row0, sc.data(), n);
+        for (int64_t r = 0; r < R; ++r) {  // times the query's step and the key scales; masked: -inf
+          float* sr = s.data() + r * n;
+          scaled_where(s32.data() + r * n, qs[r], sc.data(), ok, n, NEG_INF, sr);
+          pm[base * R + r] = row_max(sr, n);
+          pl[base * R + r] = exp_sub_sum(sr, n, pm[base * R + r]);
+        }
+        halves(VS + row0, sc.data(), n);
+        const int64_t npad = (n + 1) / 2 * 2;
+        for (int64_t r = 0; r < R; ++r) {  // weights times the value scales (masked: exactly 0), in int16
+          float* sr = s.data() + r * n;
+          scaled_where(sr, 1.f, sc.data(), ok, n, 0.f, sr);
+          wsc[r] = to_i16(sr, n, npad, w16.data() + r * npad);
+        }
+        values_i8(static_cast<const int8_t*>(V) + row0 * D, D, n, w16.data(), npad, R, acc32);
+        for (int64_t r = 0; r < R; ++r) {
+          const float st = wsc[r];
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] = static_cast<float>(acc32[r * D + d]) * st;
+        }
+        continue;
+      }
+#endif
       if (!scores_rows(K, dt, row0, D, ok, n, qh, R, s.data()))
       for (int64_t i = 0; i < n; ++i) {  // scores
         if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }

@@ -97,7 +97,11 @@ def test_attention_over_codes_equals_dequantised_attention(kv: str) -> None:
     s = torch.einsum("bhrd,bhtd->bhrt", q.view(B, H, 2, D), k) * 0.3
     s = s.masked_fill(~allowed[:, :, None, :n], float("-inf"))
     want = torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), v).reshape(B, Hq, 1, D)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # int8 without a window, D a multiple of 32: on a CPU with AVX-512 VNNI the kernel rounds the query and the
+    # weights to int16 (steps of 2^-15 of their largest; seen here: 5.6e-5 at most, rms 1.6e-5, where the int8 codes
+    # themselves are off the unquantised history's attention by rms 4.1e-3); the other caches' paths here are float
+    tol = 1e-4 if kv == "int8" else 1e-5
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 
 def test_a_compiler_failure_falls_back_to_eager_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
