@@ -54,11 +54,22 @@ inline void by_bits(int64_t bits, F&& f) {
   else f(std::integral_constant<int, 2>());
 }
 
-// (built without -ffast-math, so the quantiser below rounds as IEEE does: `omp simd` lets the sums vectorise)
+// (built without -ffast-math, so the quantiser below rounds as IEEE does: the sums vectorise by hand or through
+// `omp simd`; a reduction under `omp simd` is vectorised but its lanes then added one by one, in order)
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  int64_t d = 0;
   float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+#ifdef __AVX512F__
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+  if (d < D) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (D - d)) - 1u);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
+    d = D;
+  }
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < D; ++d) s += a[d] * b[d];
   return s;
 }
 
@@ -684,8 +695,15 @@ void values_i16(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const in
 // y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
 inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 vmax = _mm256_setzero_ps();
+  __m256 vmax = _mm256_setzero_ps(), v1 = vmax, v2 = vmax, v3 = vmax;  // (four chains of maxima)
   int64_t i0 = 0;
+  for (; i0 + 32 <= n; i0 += 32) {
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), abs_mask));
+    v1 = _mm256_max_ps(v1, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 8), abs_mask));
+    v2 = _mm256_max_ps(v2, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 16), abs_mask));
+    v3 = _mm256_max_ps(v3, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 24), abs_mask));
+  }
+  vmax = _mm256_max_ps(_mm256_max_ps(vmax, v1), _mm256_max_ps(v2, v3));
   for (; i0 + 8 <= n; i0 += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), abs_mask));
   alignas(32) float m8[8];
   _mm256_store_ps(m8, vmax);
@@ -879,6 +897,67 @@ void values_i8_heads(const int8_t* rows, int64_t D, int64_t n, const int16_t* w,
         _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi32(a[j][2 * v], hi_idx, a[j][2 * v + 1]));
       }
   }
+}
+
+// scores_i16 with VNNI for RR query heads (q: RR x D int16 in plane order), KIVI codes of BITS in rows of nb bytes
+// (a multiple of 32, or 16): 32 int16 lanes of the plane order a vpdpwssd, the sums of 16 tokens across lanes
+// together.  nb = 16: a row's bytes widened into both halves of a vector and the halves shifted to planes k, k + 1.
+template <int BITS, int RR>
+void scores_codes_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t D, int32_t* out,
+                        int64_t stride) {
+  constexpr int PER = 8 / BITS;
+  const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+  __m512i shifts[PER];  // nb = 16: shifts[k / 2] = k * BITS in the low half, (k + 1) * BITS in the high one
+  for (int k = 0; k < PER; k += 2)
+    shifts[k / 2] = _mm512_mask_blend_epi16(static_cast<__mmask32>(0xFFFF0000u), _mm512_set1_epi16(int16_t(k * BITS)),
+                                            _mm512_set1_epi16(int16_t((k + 1) * BITS)));
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    __m512i a[RR][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512i acc[RR];
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) acc[j] = _mm512_setzero_si512();
+      const uint8_t* row = rows + (i0 + t) * nb;
+      if (t < m && nb == 16) {
+        const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+        const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(w), w, 1);
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; k += 2) {
+          const __m512i c = _mm512_and_si512(_mm512_srlv_epi16(v, shifts[k / 2]), mask);
+#pragma GCC unroll 4
+          for (int j = 0; j < RR; ++j) acc[j] = _mm512_dpwssd_epi32(acc[j], c, _mm512_loadu_si512(q + j * D + k * 16));
+        }
+      } else if (t < m) {
+        for (int64_t jb = 0; jb < nb; jb += 32) {
+          const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + jb)));
+#pragma GCC unroll 4
+          for (int k = 0; k < PER; ++k) {
+            const __m512i c = k == 0         ? _mm512_and_si512(v, mask)
+                              : k == PER - 1 ? _mm512_srli_epi16(v, k * BITS)  // (the top bits of a byte)
+                                             : _mm512_and_si512(_mm512_srli_epi16(v, k * BITS), mask);
+#pragma GCC unroll 4
+            for (int j = 0; j < RR; ++j)
+              acc[j] = _mm512_dpwssd_epi32(acc[j], c, _mm512_loadu_si512(q + j * D + k * nb + jb));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) a[j][t] = acc[j];
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < RR; ++j)
+      _mm512_mask_storeu_epi32(out + j * stride + i0, static_cast<__mmask16>((1u << m) - 1u), lane_sums16(a[j]));
+  }
+}
+
+template <int BITS>
+void scores_codes(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
+                  int64_t stride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
+      scores_codes_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
+    });
 }
 
 // y[i] = ok[i] ? x[i] * a * b[i] : fill for i < n (x int32 sums or floats), 16 at a time (the compiler leaves the
@@ -1176,6 +1255,11 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           float* so = s.data() + i0;
           float qs[MAXR];
           for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qp + r * D, D, D, q16 + r * D);
+#ifdef FEWBITS_KV_VNNI
+          if (nb % 32 == 0 || nb == 16)
+            by_bits(bits, [&](auto B) { scores_codes<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
+          else
+#endif
           by_bits(bits, [&](auto B) { scores_i16<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
           const uint8_t* ok = okp + i0;
           const int64_t m8 = m_ / 8 * 8;
@@ -1297,10 +1381,21 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
             float* wr = wg.data() + g * gs + r * n;
             const float *sg = vsf.data() + g * n, *mg = vmf.data() + g * n;
+            __m256 bacc = _mm256_setzero_ps();
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8) {  // masked tokens weigh exactly 0
+              const __m256i okv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(okp + i)));
+              const __m256 p = _mm256_and_ps(_mm256_loadu_ps(sr + i), _mm256_castsi256_ps(
+                                                 _mm256_cmpgt_epi32(okv, _mm256_setzero_si256())));
+              _mm256_storeu_ps(wr + i, _mm256_mul_ps(p, _mm256_loadu_ps(sg + i)));
+              bacc = _mm256_fmadd_ps(p, _mm256_loadu_ps(mg + i), bacc);
+            }
+            alignas(32) float b8[8];
+            _mm256_store_ps(b8, bacc);
             float b = 0.f;
-#pragma omp simd reduction(+ : b)
-            for (int64_t i = 0; i < n; ++i) {
-              const float p = okp[i] ? sr[i] : 0.f;  // masked tokens weigh exactly 0
+            for (float x : b8) b += x;
+            for (; i < n; ++i) {
+              const float p = okp[i] ? sr[i] : 0.f;
               wr[i] = p * sg[i];
               b += p * mg[i];
             }
