@@ -68,6 +68,12 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t D
     d = D;
   }
   s = _mm512_reduce_add_ps(acc);
+#elif defined(FEWBITS_KV_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 h2 = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  s = _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
 #endif
   for (; d < D; ++d) s += a[d] * b[d];
   return s;
@@ -228,13 +234,6 @@ inline __m512 code_block(const uint8_t* row, int64_t k, int64_t jb) {
 }
 
 const __m512i LANES = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-
-// a . b for D a multiple of 16
-inline float dot16(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
-  return _mm512_reduce_add_ps(acc);
-}
 
 // out[r * stride + i] = qp_r . codes_i (plane order) for the n rows of codes with ok[i], r < R; the codes are
 // unpacked in registers and the dot products of four query heads run together
@@ -1300,7 +1299,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
             const int64_t g = t / G;
             halves(KS + (bh * (T / G) + g) * D, sgf, D);
             halves(KM + (bh * (T / G) + g) * D, mgf, D);
-            for (int64_t r = 0; r < R; ++r) bias[r] = dot16(qh + r * D, mgf, D);
+            for (int64_t r = 0; r < R; ++r) bias[r] = dot(qh + r * D, mgf, D);
             for (int64_t k = 0, b = 0; k < per; ++k)
               for (int64_t jb = 0; jb < nb / 16; ++jb, ++b) {
                 const __m512 sg = _mm512_i32gather_ps(plane_idx[b], sgf, 4);
