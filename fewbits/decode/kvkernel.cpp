@@ -898,6 +898,15 @@ void values_i8_heads(const int8_t* rows, int64_t D, int64_t n, const int16_t* w,
   }
 }
 
+// plane k of 32 codes widened to int16 lanes (plane16 in 512-bit vectors)
+template <int BITS>
+inline __m512i plane32(__m512i v, int k) {
+  const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+  if (k == 0) return _mm512_and_si512(v, mask);
+  if (k == 8 / BITS - 1) return _mm512_srli_epi16(v, k * BITS);  // the top bits of a zero-extended byte
+  return _mm512_and_si512(_mm512_srli_epi16(v, k * BITS), mask);
+}
+
 // scores_i16 with VNNI for RR query heads (q: RR x D int16 in plane order), KIVI codes of BITS in rows of nb bytes
 // (a multiple of 32, or 16): 32 int16 lanes of the plane order a vpdpwssd, the sums of 16 tokens across lanes
 // together.  nb = 16: a row's bytes widened into both halves of a vector and the halves shifted to planes k, k + 1.
@@ -932,9 +941,7 @@ void scores_codes_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_
           const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + jb)));
 #pragma GCC unroll 4
           for (int k = 0; k < PER; ++k) {
-            const __m512i c = k == 0         ? _mm512_and_si512(v, mask)
-                              : k == PER - 1 ? _mm512_srli_epi16(v, k * BITS)  // (the top bits of a byte)
-                                             : _mm512_and_si512(_mm512_srli_epi16(v, k * BITS), mask);
+            const __m512i c = plane32<BITS>(v, k);
 #pragma GCC unroll 4
             for (int j = 0; j < RR; ++j)
               acc[j] = _mm512_dpwssd_epi32(acc[j], c, _mm512_loadu_si512(q + j * D + k * nb + jb));
@@ -956,6 +963,79 @@ void scores_codes(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, 
   for (int64_t r0 = 0; r0 < R; r0 += 4)
     by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
       scores_codes_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
+    });
+}
+
+// values_i16 with VNNI for RR query heads over KIVI codes of BITS (nb a multiple of 32; each 8-byte block in one
+// value group): 32 bytes of two tokens interleaved and widened to int16 pairs, which hold bytes 0-7 | 16-23 (low)
+// and 8-15 | 24-31 (high) of the 32, so each 256-bit half takes the pair of weights of its block's group; the sums
+// permuted back into plane order at the end, as values_i8_heads'
+template <int BITS, int RR>
+void values_codes_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
+                        int64_t gstride, int64_t D, int32_t* acc) {
+  constexpr int PER = 8 / BITS;
+  alignas(64) static const uint8_t zero_row[MAXD] = {};
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __mmask16 upper = 0xFF00;
+  for (int64_t jb = 0; jb < nb; jb += 32) {
+    const int16_t* wb[4];  // the weights of the groups of bytes jb, jb + 8, jb + 16, jb + 24
+    for (int b = 0; b < 4; ++b) wb[b] = w + (jb + 8 * b) * PER / gv * gstride;
+    __m512i a[PER][2][RR];
+#pragma GCC unroll 4
+    for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) a[k][0][j] = a[k][1][j] = _mm512_setzero_si512();
+    const auto pair_of_tokens = [&](int64_t i, const uint8_t* r0, const uint8_t* r1) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + jb));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + jb));
+      const __m512i lo = _mm512_cvtepu8_epi16(_mm256_unpacklo_epi8(x0, x1));
+      const __m512i hi = _mm512_cvtepu8_epi16(_mm256_unpackhi_epi8(x0, x1));
+      __m512i clo[PER], chi[PER];
+#pragma GCC unroll 4
+      for (int k = 0; k < PER; ++k) {
+        clo[k] = plane32<BITS>(lo, k);
+        chi[k] = plane32<BITS>(hi, k);
+      }
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) {
+        const auto pair = [&](int b) {  // (w_i, w_i+1) of block b's group as one 32-bit lane, broadcast
+          int32_t p;
+          std::memcpy(&p, wb[b] + j * stride + i, sizeof(p));
+          return _mm512_set1_epi32(p);
+        };
+        const __m512i plo = _mm512_mask_blend_epi32(upper, pair(0), pair(2));
+        const __m512i phi = _mm512_mask_blend_epi32(upper, pair(1), pair(3));
+#pragma GCC unroll 4
+        for (int k = 0; k < PER; ++k) {
+          a[k][0][j] = _mm512_dpwssd_epi32(a[k][0][j], clo[k], plo);
+          a[k][1][j] = _mm512_dpwssd_epi32(a[k][1][j], chi[k], phi);
+        }
+      }
+    };
+    int64_t i = 0;
+    for (; i + 1 < n; i += 2) pair_of_tokens(i, rows + i * nb, rows + (i + 1) * nb);
+    if (i < n) pair_of_tokens(i, rows + i * nb, zero_row);  // an odd last token: its pair's weight is the padding
+#pragma GCC unroll 4
+    for (int k = 0; k < PER; ++k)
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) {
+        int32_t* o = acc + j * D + k * nb + jb;
+        _mm512_storeu_si512(o, _mm512_permutex2var_epi32(a[k][0][j], lo_idx, a[k][1][j]));
+        _mm512_storeu_si512(o + 16, _mm512_permutex2var_epi32(a[k][0][j], hi_idx, a[k][1][j]));
+      }
+  }
+}
+
+// values_codes_heads for R query heads, four (int2: two, as many accumulators) per pass
+template <int BITS>
+void values_codes(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
+                  int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
+  constexpr int64_t RMAX = 8 / BITS >= 4 ? 2 : 4;
+  for (int64_t r0 = 0; r0 < R; r0 += RMAX)
+    by_heads(std::min<int64_t>(RMAX, R - r0), [&](auto RR) {
+      if constexpr (RR.value <= RMAX)
+        values_codes_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
     });
 }
 
@@ -1410,6 +1490,13 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         for (int64_t g = 0; g < ng; ++g)
           for (int64_t r = 0; r < R; ++r)
             wsc[g * Rpad + r] = to_i16(wg.data() + g * gs + r * n, n, npad, w16.data() + (g * Rpad + r) * npad);
+#ifdef FEWBITS_KV_VNNI
+        if (nb % 32 == 0)
+          by_bits(bits, [&](auto B) {
+            values_codes<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
+          });
+        else
+#endif
         by_bits(bits, [&](auto B) {
           values_i16<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
         });
