@@ -1715,11 +1715,11 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
         row_f32(K, dt, row0 + i, D, c);
         for (int64_t r = 0; r < R; ++r) s[r * n + i] = dot(qh + r * D, c, D);
       }
-      if (scaled) {  // the keys' per-token scales
+      if (scaled) {  // the keys' per-token scales; a masked slot's -inf times 1 (its scale may be anything)
         halves(KS + row0, sc.data(), n);
-        if (unit != 1.f) for (int64_t i = 0; i < n; ++i) sc[i] *= unit;
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t i = 0; i < n; ++i) s[r * n + i] = ok[i] ? s[r * n + i] * sc[i] : s[r * n + i];
+        for (int64_t i = 0; i < n; ++i) sc[i] = ok[i] ? sc[i] * unit : 1.f;
+        for (int64_t r = 0; r < R; ++r)  // (a select, then a product stored unconditionally: vectorised)
+          for (int64_t i = 0; i < n; ++i) s[r * n + i] *= sc[i];
       }
       for (int64_t r = 0; r < R; ++r) {  // softmax within the chunk
         float* sr = s.data() + r * n;
