@@ -792,12 +792,9 @@ inline void weave(const float* x, float* y, int64_t n, int64_t ways, float* scra
 #if defined(FEWBITS_KV_AVX512) && defined(__AVX512VNNI__)
 #define FEWBITS_KV_VNNI 1
 // An int8 cache without a window in 16-bit integers with VNNI's vpdpwssd, which does two int16 products and adds
-// both to an int32 lane (32 products a 512-bit instruction, where an fp32 FMA does 16 after two conversions): the
-// query (per head) and the softmax weights times the value scales (per head and chunk) rounded to int16 against
-// their largest magnitude as in KIVI's path (relative step 2^-15); a code times an int16 is exact and the sums are
-// exact int32 while D and the tokens of a chunk are at most 2^31 / (128 * 32767) = 512.  The scores of 16 tokens
-// are summed across lanes together (lane_sums16), so a token costs a fraction of a horizontal sum, not a whole one.
-constexpr int64_t I8_LIM = 512;
+// both to an int32 lane (32 products a 512-bit instruction, where an fp32 FMA does 16 after two conversions).  The
+// scores of 16 tokens are summed across lanes together (lane_sums16), so a token costs a fraction of a horizontal
+// sum, not a whole one.  (scores_int8 / values_int8 below: the query and the weights, and the other CPUs.)
 
 // lane j of the result = the sum of a[j]'s 16 int32 lanes: pairs interleaved and added within 128-bit quarters
 // (twice: 32-bit, then 64-bit elements), then the quarters of four vectors transposed and added
@@ -1039,22 +1036,6 @@ void values_codes(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const 
     });
 }
 
-// y[i] = ok[i] ? x[i] * a * b[i] : fill for i < n (x int32 sums or floats), 16 at a time (the compiler leaves the
-// conditional loop scalar)
-template <typename X>
-inline void scaled_where(const X* x, float a, const float* b, const bool* ok, int64_t n, float fill, float* y) {
-  const __m512 va = _mm512_set1_ps(a), vf = _mm512_set1_ps(fill);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 in = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1u);
-    const __m128i okb = _mm_maskz_loadu_epi8(in, ok + i);
-    __m512 v;
-    if constexpr (std::is_same_v<X, int32_t>) v = _mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(in, x + i));
-    else v = _mm512_maskz_loadu_ps(in, x + i);
-    v = _mm512_mul_ps(_mm512_mul_ps(v, va), _mm512_maskz_loadu_ps(in, b + i));
-    _mm512_mask_storeu_ps(y + i, in, _mm512_mask_blend_ps(_mm_test_epi8_mask(okb, okb), vf, v));
-  }
-}
-
 // scores_i8_heads / values_i8_heads for R query heads, four per pass
 void scores_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int64_t R, int32_t* out, int64_t stride) {
   for (int64_t r0 = 0; r0 < R; r0 += 4)
@@ -1069,6 +1050,55 @@ void values_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64
     });
 }
 #endif
+
+#ifdef FEWBITS_KV_I16
+// An int8 cache without a window in 16-bit integers: the query (per head) and the softmax weights times the value
+// scales (per head and chunk) rounded to int16 against their largest magnitude as in KIVI's path (relative step
+// 2^-15); a code times an int16 is exact and the sums are exact int32 while D and the tokens of a chunk are at most
+// 2^31 / (128 * 32767) = 512.  VNNI where D is a multiple of 32, else vpmaddwd in 256-bit vectors (scores_i16 /
+// values_i16 on one plane of sign-extended codes).
+constexpr int64_t I8_LIM = 512;
+
+// out[r * stride + i] = q_r . row_i (int32) for the n rows (D a multiple of 16)
+inline void scores_int8(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int64_t R, int32_t* out,
+                        int64_t stride) {
+#ifdef FEWBITS_KV_VNNI
+  if (D % 32 == 0) return scores_i8(rows, D, n, q, R, out, stride);
+#endif
+  scores_i16<8>(reinterpret_cast<const uint8_t*>(rows), D, n, q, R, D, out, stride);
+}
+
+// acc[r * D + d] = sum_i w[r * stride + i] * row_i[d] (int32), the weights padded with a zero to an even count
+inline void values_int8(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64_t stride, int64_t R,
+                        int32_t* acc) {
+#ifdef FEWBITS_KV_VNNI
+  if (D % 32 == 0) return values_i8(rows, D, n, w, stride, R, acc);
+#endif
+  values_i16<8>(reinterpret_cast<const uint8_t*>(rows), D, D, n, w, stride, 0, R, D, acc);
+}
+
+// y[i] = ok[i] ? x[i] * a * b[i] : fill for i < n (x int32 sums or floats), 8 at a time (written as a select, the
+// loop compiles to a branch and a scalar store)
+template <typename X>
+inline void scaled_where(const X* x, float a, const float* b, const bool* ok, int64_t n, float fill, float* y) {
+  const __m256 va = _mm256_set1_ps(a), vf = _mm256_set1_ps(fill);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i okv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + i)));
+    __m256 v;
+    if constexpr (std::is_same_v<X, int32_t>)
+      v = _mm256_cvtepi32_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)));
+    else
+      v = _mm256_loadu_ps(x + i);
+    v = _mm256_mul_ps(_mm256_mul_ps(v, va), _mm256_loadu_ps(b + i));
+    _mm256_storeu_ps(y + i, _mm256_blendv_ps(vf, v, _mm256_castsi256_ps(
+                                                   _mm256_cmpgt_epi32(okv, _mm256_setzero_si256()))));
+  }
+  for (; i < n; ++i) y[i] = ok[i] ? static_cast<float>(x[i]) * a * b[i] : fill;
+}
+#endif
+
+
 
 // f(rows) with rows: base + off as a pointer to dt's elements (bf16, fp16, int8, E4M3 codes as uint8, or fp32)
 template <typename F>
@@ -1651,9 +1681,9 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   // at least `chunk` tokens a unit, and no more units than ~8 per thread (the merge after them is serial)
   const int64_t per_bh = std::max<int64_t>(1, 8 * at::get_num_threads() / (B * H));
   chunk = std::max<int64_t>({1, chunk, (n_seen + per_bh - 1) / per_bh});
-#ifdef FEWBITS_KV_VNNI
+#ifdef FEWBITS_KV_I16
   // int8 codes in 16-bit integers (exact int32 sums: D <= MAXD and chunks of at most I8_LIM tokens)
-  const bool i8 = k.scalar_type() == at::kChar && D % 32 == 0;
+  const bool i8 = k.scalar_type() == at::kChar && D % 16 == 0;
   if (i8) chunk = std::min(chunk, I8_LIM);
 #endif
   const int64_t nunits = std::max<int64_t>(1, (n_seen + chunk - 1) / chunk);
@@ -1664,7 +1694,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(R * chunk), sc(scaled ? chunk : 0);
     alignas(64) float c[MAXD];
-#ifdef FEWBITS_KV_VNNI
+#ifdef FEWBITS_KV_I16
     // the integer path's query and its steps, scores, weights (pairs of tokens: npad a head) and weighted codes
     alignas(64) int16_t q16[MAXR * MAXD];
     alignas(64) int32_t acc32[MAXR * MAXD];
@@ -1676,16 +1706,14 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
       const int64_t bh = u / nunits, t0 = (u % nunits) * chunk, b = bh / H;
       const int64_t n = std::max<int64_t>(0, std::min(chunk, n_seen - t0));
       const bool* ok = AL + b * AT + t0;
-      bool any = false;
-      for (int64_t i = 0; i < n; ++i) any = any || ok[i];
-      if (!any) continue;  // pm stays -inf: the merge skips this unit
+      if (std::find(ok, ok + n, true) == ok + n) continue;  // no slot to attend to: pm stays -inf, the merge skips it
       const float* qh = Q + bh * R * D;
       const int64_t base = bh * nunits + u % nunits, row0 = bh * T + t0;
       float* acc = pacc.data() + base * R * D;
-#ifdef FEWBITS_KV_VNNI
+#ifdef FEWBITS_KV_I16
       if (i8) {  // int8 codes in 16-bit integers: scores, softmax, weights, values
         for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qh + r * D, D, D, q16 + r * D);
-        scores_i8(static_cast<const int8_t*>(K) + row0 * D, D, n, q16, R, s32.data(), n);
+        scores_int8(static_cast<const int8_t*>(K) + row0 * D, D, n, q16, R, s32.data(), n);
         halves(KS + row0, sc.data(), n);
         for (int64_t r = 0; r < R; ++r) {  // times the query's step and the key scales; masked: -inf
           float* sr = s.data() + r * n;
@@ -1700,7 +1728,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
           scaled_where(sr, 1.f, sc.data(), ok, n, 0.f, sr);
           wsc[r] = to_i16(sr, n, npad, w16.data() + r * npad);
         }
-        values_i8(static_cast<const int8_t*>(V) + row0 * D, D, n, w16.data(), npad, R, acc32);
+        values_int8(static_cast<const int8_t*>(V) + row0 * D, D, n, w16.data(), npad, R, acc32);
         for (int64_t r = 0; r < R; ++r) {
           const float st = wsc[r];
 #pragma omp simd

@@ -177,9 +177,9 @@ def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D:
     """`attend_rows` called directly, on the main build and on the build without AVX-512 (the 256-bit path):
     softmax attention over slots 0..slot of whole rows (int8 codes, or E4M3 codes as uint8, times their per-token
     scales), masked slots and the slots after the query's own never read (they hold NaN here).  int8 with D a
-    multiple of 32 takes the 16-bit integer path on a CPU with AVX-512 VNNI: D = 96 (a pass of 32 channels after
-    one of 64), five query heads (a pass of four, then one), an odd count of tokens in a chunk, and chunks asked
-    of 1024 tokens (cut to 512 there: exact int32 sums)."""
+    multiple of 16 takes the 16-bit integer path in both builds (VNNI's 512-bit one where D is a multiple of 32 on
+    a CPU that has it): D = 96 (there a pass of 32 channels after one of 64), five query heads (a pass of four,
+    then one), an odd count of tokens in a chunk, and chunks asked of 1024 tokens (cut to 512: exact int32 sums)."""
     ops = _rows_ops(build)
     g = torch.Generator().manual_seed(D)
     B, H, slot = 2, 2, T - 40

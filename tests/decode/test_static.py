@@ -97,7 +97,7 @@ def test_attention_over_codes_equals_dequantised_attention(kv: str) -> None:
     s = torch.einsum("bhrd,bhtd->bhrt", q.view(B, H, 2, D), k) * 0.3
     s = s.masked_fill(~allowed[:, :, None, :n], float("-inf"))
     want = torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), v).reshape(B, Hq, 1, D)
-    # int8 without a window, D a multiple of 32: on a CPU with AVX-512 VNNI the kernel rounds the query and the
+    # int8 without a window, D a multiple of 16: on an AVX2 or AVX-512 CPU the kernel rounds the query and the
     # weights to int16 (steps of 2^-15 of their largest; seen here: 5.6e-5 at most, rms 1.6e-5, where the int8 codes
     # themselves are off the unquantised history's attention by rms 4.1e-3); the other caches' paths here are float
     tol = 1e-4 if kv == "int8" else 1e-5
