@@ -29,11 +29,12 @@ of 16 tokens' scores are summed together (a transpose by shuffles) instead of on
 256-bit `vpmaddwd` path of KIVI's codes takes them as one plane of sign-extended bytes.  One layer at 2048 tokens,
 an AVX-512 EPYC, two threads, side by side with the 16-bit cache: 31.5 us against 50.9 (before: ~55 against ~53);
 the build without AVX-512 on the same CPU: 43.3 against 52.0 (before: 55.8 against 54.6).  KIVI's scores and
-values take the same 512-bit instruction where a row of codes is 16 (scores) or a multiple of 32 bytes.  An fp8 (E4M3) cache without a
-window is read the same way: each code widened as the bits of an fp16 (its seven exponent and mantissa bits
-shifted into an fp16's read as the value / 2^8; the per-token scales times 2^8), exactly; inductor's fused
-reductions over torch's float8 conversion had made it ~35x slower per byte than the 16-bit cache
-(`fewbits probe`: 2.1 s per GB of cache against 55-60 ms).  Its writes stay tensor operations.
+values take the same 512-bit instruction where a row of codes is 16 (scores) or a multiple of 32 bytes.
+
+An fp8 (E4M3) cache without a window is read the same way: each code widened as the bits of an fp16 (its seven
+exponent and mantissa bits shifted into an fp16's read as the value / 2^8; the per-token scales times 2^8),
+exactly; inductor's fused reductions over torch's float8 conversion had made it ~35x slower per byte than the
+16-bit cache (`fewbits probe`: 2.1 s per GB of cache against 55-60 ms).  Its writes stay tensor operations.
 
 `fewbits_kv::append_kv` is a decode step's write into such a cache (`LayerKV.step`): the token into the 16-bit
 window and, at the step that completes a group leaving the window, that group quantised into its codes,
