@@ -54,6 +54,15 @@ inline void by_bits(int64_t bits, F&& f) {
   else f(std::integral_constant<int, 2>());
 }
 
+// f(std::integral_constant<int, RR>()) for RR = rr (1 .. 4): a pass over RR query heads, its loops unrolled
+template <typename F>
+inline void by_heads(int64_t rr, F&& f) {
+  if (rr == 1) f(std::integral_constant<int, 1>());
+  else if (rr == 2) f(std::integral_constant<int, 2>());
+  else if (rr == 3) f(std::integral_constant<int, 3>());
+  else f(std::integral_constant<int, 4>());
+}
+
 // (built without -ffast-math, so the quantiser below rounds as IEEE does: the sums vectorise by hand or through
 // `omp simd`; a reduction under `omp simd` is vectorised but its lanes then added one by one, in order)
 inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
@@ -233,6 +242,27 @@ inline __m512 code_block(const uint8_t* row, int64_t k, int64_t jb) {
   }
 }
 
+// lane j of the result = the sum of a[j]'s 16 lanes (int32, or fp32 held as their bits where FLOAT): pairs
+// interleaved and added within 128-bit quarters (twice: 32-bit, then 64-bit elements), then the quarters of four
+// vectors transposed and added.  Summing 16 vectors' lanes together costs ~3 shuffles and adds a vector where one
+// horizontal sum costs ~8.
+template <bool FLOAT>
+inline __m512i lane_sums16(const __m512i a[16]) {
+  const auto add = [](__m512i x, __m512i y) {
+    if constexpr (FLOAT) return _mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(x), _mm512_castsi512_ps(y)));
+    else return _mm512_add_epi32(x, y);
+  };
+  __m512i b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // quarter l: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2i], y = a[2i+1]
+    b[i] = add(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // quarter l, lane j: the sum of a[4i + j]'s quarter l
+    c[i] = add(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
+  const auto halves_added = [&](__m512i x, __m512i y) {  // [x0+x1, x2+x3, y0+y1, y2+y3] of quarters
+    return add(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
+  };
+  return halves_added(halves_added(c[0], c[1]), halves_added(c[2], c[3]));
+}
+
 const __m512i LANES = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
 // out[r * stride + i] = qp_r . codes_i (plane order) for the n rows of codes with ok[i], r < R; the codes are
@@ -328,33 +358,44 @@ template <> inline __m512 widen16f<e4m3_t>(const e4m3_t* p) {
   return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16(E4M3_MASK)));
 }
 
-// s[r * n + i] = q_r . row_i (q: R x D fp32; rows: n x D, D a multiple of 16) for the rows with ok[i], NEG_INF for
-// the others; four query heads per pass over a row, their four sums reduced together
+// s[j * stride + i] = q_j . row_i for RR query heads (q: RR x D fp32; rows: n x D, D a multiple of 16) where ok[i],
+// NEG_INF elsewhere: 16 rows at a time, each row widened once for all the heads, the lanes of the 16 rows' sums
+// added together (lane_sums16)
+template <typename E, int RR>
+void scores_16_heads(const E* rows, int64_t D, const bool* ok, int64_t n, const float* q, float* s, int64_t stride) {
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    __m512i a[RR][16];
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512 acc[RR];
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) acc[j] = _mm512_setzero_ps();
+      if (t < m)
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 c = widen16f<E>(rows + (i0 + t) * D + d);
+#pragma GCC unroll 4
+          for (int j = 0; j < RR; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * D + d), c, acc[j]);
+        }
+#pragma GCC unroll 4
+      for (int j = 0; j < RR; ++j) a[j][t] = _mm512_castps_si512(acc[j]);
+    }
+    const __mmask16 in = static_cast<__mmask16>((1u << m) - 1u);
+    const __m128i okb = _mm_maskz_loadu_epi8(in, ok + i0);
+    const __mmask16 okm = _mm_test_epi8_mask(okb, okb);
+#pragma GCC unroll 4
+    for (int j = 0; j < RR; ++j)
+      _mm512_mask_storeu_ps(s + j * stride + i0, in, _mm512_mask_blend_ps(
+                                okm, _mm512_set1_ps(NEG_INF), _mm512_castsi512_ps(lane_sums16<true>(a[j]))));
+  }
+}
+
+// s[r * n + i] = q_r . row_i for R query heads, four per pass (scores_16_heads)
 template <typename E>
 void scores_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float* q, int64_t R, float* s) {
-  for (int64_t i = 0; i < n; ++i) {
-    if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
-    const E* row = rows + i * D;
-    for (int64_t r0 = 0; r0 < R; r0 += 4) {
-      const int64_t rr = std::min<int64_t>(4, R - r0);
-      const float* q0 = q + r0 * D;
-      __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-      for (int64_t d = 0; d < D; d += 16) {
-        const __m512 c = widen16f<E>(row + d);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j)
-          if (j < rr) a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q0 + j * D + d), c, a[j]);
-      }
-      const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a[0], a[1], 0x44), _mm512_shuffle_f32x4(a[0], a[1], 0xEE));
-      const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a[2], a[3], 0x44), _mm512_shuffle_f32x4(a[2], a[3], 0xEE));
-      __m512 t = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
-      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0x4E));
-      t = _mm512_add_ps(t, _mm512_permute_ps(t, 0xB1));
-      alignas(64) float sums[16];
-      _mm512_store_ps(sums, t);
-      for (int64_t j = 0; j < rr; ++j) s[(r0 + j) * n + i] = sums[4 * j];
-    }
-  }
+  for (int64_t r0 = 0; r0 < R; r0 += 4)
+    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
+      scores_16_heads<E, RR.value>(rows, D, ok, n, q + r0 * D, s + r0 * n, n);
+    });
 }
 
 // acc[r * D + d] = sum_i w[r * n + i] * row_i[d] over the rows with ok[i] (D a multiple of 16): four query heads
@@ -588,15 +629,6 @@ inline void isums4(const __m256i a[4], int64_t rr, int32_t* out, int64_t stride)
   for (int64_t j = 0; j < rr; ++j) out[j * stride] = sums[j];
 }
 
-// f(std::integral_constant<int, RR>()) for RR = rr (1 .. 4): a pass over RR query heads, its loops unrolled
-template <typename F>
-inline void by_heads(int64_t rr, F&& f) {
-  if (rr == 1) f(std::integral_constant<int, 1>());
-  else if (rr == 2) f(std::integral_constant<int, 2>());
-  else if (rr == 3) f(std::integral_constant<int, 3>());
-  else f(std::integral_constant<int, 4>());
-}
-
 // out[r * stride + i] = q_r . codes_i for RR query heads (q: RR x D int16 in plane order; int32 sums) and the n rows
 // of codes (all of them: the caller marks the masked ones), 16 bytes of a row at a time (nb a multiple of 16)
 template <int BITS, int RR>
@@ -796,22 +828,6 @@ inline void weave(const float* x, float* y, int64_t n, int64_t ways, float* scra
 // scores of 16 tokens are summed across lanes together (lane_sums16), so a token costs a fraction of a horizontal
 // sum, not a whole one.  (scores_int8 / values_int8 below: the query and the weights, and the other CPUs.)
 
-// lane j of the result = the sum of a[j]'s 16 int32 lanes: pairs interleaved and added within 128-bit quarters
-// (twice: 32-bit, then 64-bit elements), then the quarters of four vectors transposed and added
-inline __m512i lane_sums16(const __m512i a[16]) {
-  __m512i b[8], c[4];
-  for (int i = 0; i < 8; ++i)  // quarter l: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2i], y = a[2i+1]
-    b[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
-                            _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i)  // quarter l, lane j: the sum of a[4i + j]'s quarter l
-    c[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(b[2 * i], b[2 * i + 1]),
-                            _mm512_unpackhi_epi64(b[2 * i], b[2 * i + 1]));
-  const auto halves_added = [](__m512i x, __m512i y) {  // [x0+x1, x2+x3, y0+y1, y2+y3] of quarters
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xDD));
-  };
-  return halves_added(halves_added(c[0], c[1]), halves_added(c[2], c[3]));
-}
-
 // out[j * stride + i] = q_j . row_i (int32) for RR query heads (q: RR x D int16) and n rows of int8 codes (D a
 // multiple of 32, every row read: the caller masks), 16 rows at a time; each row widened to int16 once for all heads
 template <int RR>
@@ -836,7 +852,8 @@ void scores_i8_heads(const int8_t* rows, int64_t D, int64_t n, const int16_t* q,
     }
 #pragma GCC unroll 4
     for (int j = 0; j < RR; ++j)
-      _mm512_mask_storeu_epi32(out + j * stride + i0, static_cast<__mmask16>((1u << m) - 1u), lane_sums16(a[j]));
+      _mm512_mask_storeu_epi32(out + j * stride + i0, static_cast<__mmask16>((1u << m) - 1u),
+                               lane_sums16<false>(a[j]));
   }
 }
 
@@ -950,7 +967,8 @@ void scores_codes_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_
     }
 #pragma GCC unroll 4
     for (int j = 0; j < RR; ++j)
-      _mm512_mask_storeu_epi32(out + j * stride + i0, static_cast<__mmask16>((1u << m) - 1u), lane_sums16(a[j]));
+      _mm512_mask_storeu_epi32(out + j * stride + i0, static_cast<__mmask16>((1u << m) - 1u),
+                               lane_sums16<false>(a[j]));
   }
 }
 
