@@ -54,13 +54,18 @@ inline void by_bits(int64_t bits, F&& f) {
   else f(std::integral_constant<int, 2>());
 }
 
-// f(std::integral_constant<int, RR>()) for RR = rr (1 .. 4): a pass over RR query heads, its loops unrolled
-template <typename F>
-inline void by_heads(int64_t rr, F&& f) {
-  if (rr == 1) f(std::integral_constant<int, 1>());
-  else if (rr == 2) f(std::integral_constant<int, 2>());
-  else if (rr == 3) f(std::integral_constant<int, 3>());
-  else f(std::integral_constant<int, 4>());
+// f(r0, std::integral_constant<int, RR>()) for query heads r0 .. r0+RR-1 of R, in passes of at most RMAX (<= 4):
+// each pass's loops unrolled for its exact count of heads
+template <int RMAX = 4, typename F>
+inline void head_passes(int64_t R, F&& f) {
+  static_assert(RMAX >= 1 && RMAX <= 4);
+  for (int64_t r0 = 0; r0 < R; r0 += RMAX) {
+    const int64_t rr = std::min<int64_t>(RMAX, R - r0);
+    if (rr == 1) f(r0, std::integral_constant<int, 1>());
+    if constexpr (RMAX >= 2) if (rr == 2) f(r0, std::integral_constant<int, 2>());
+    if constexpr (RMAX >= 3) if (rr == 3) f(r0, std::integral_constant<int, 3>());
+    if constexpr (RMAX >= 4) if (rr == 4) f(r0, std::integral_constant<int, 4>());
+  }
 }
 
 // (built without -ffast-math, so the quantiser below rounds as IEEE does: the sums vectorise by hand or through
@@ -392,10 +397,9 @@ void scores_16_heads(const E* rows, int64_t D, const bool* ok, int64_t n, const 
 // s[r * n + i] = q_r . row_i for R query heads, four per pass (scores_16_heads)
 template <typename E>
 void scores_16(const E* rows, int64_t D, const bool* ok, int64_t n, const float* q, int64_t R, float* s) {
-  for (int64_t r0 = 0; r0 < R; r0 += 4)
-    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
-      scores_16_heads<E, RR.value>(rows, D, ok, n, q + r0 * D, s + r0 * n, n);
-    });
+  head_passes(R, [&](int64_t r0, auto RR) {
+    scores_16_heads<E, RR.value>(rows, D, ok, n, q + r0 * D, s + r0 * n, n);
+  });
 }
 
 // acc[r * D + d] = sum_i w[r * n + i] * row_i[d] over the rows with ok[i] (D a multiple of 16): four query heads
@@ -659,10 +663,9 @@ void scores_i16_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_t*
 template <int BITS>
 void scores_i16(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
                 int64_t stride) {
-  for (int64_t r0 = 0; r0 < R; r0 += 4)
-    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
-      scores_i16_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
-    });
+  head_passes(R, [&](int64_t r0, auto RR) {
+    scores_i16_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
+  });
 }
 
 // acc[r * D + plane-order index] = sum_i w_g[r][i] * codes_i (int32) for RR query heads over the n rows, for blocks
@@ -715,12 +718,10 @@ void values_i16_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, co
 template <int BITS>
 void values_i16(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
                 int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
-  constexpr int64_t RMAX = 8 / BITS >= 4 ? 2 : 4;
-  for (int64_t r0 = 0; r0 < R; r0 += RMAX)
-    by_heads(std::min<int64_t>(RMAX, R - r0), [&](auto RR) {
-      if constexpr (RR.value <= RMAX)
-        values_i16_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
-    });
+  constexpr int RMAX = 8 / BITS >= 4 ? 2 : 4;
+  head_passes<RMAX>(R, [&](int64_t r0, auto RR) {
+    values_i16_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
+  });
 }
 
 // y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
@@ -975,10 +976,9 @@ void scores_codes_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_
 template <int BITS>
 void scores_codes(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
                   int64_t stride) {
-  for (int64_t r0 = 0; r0 < R; r0 += 4)
-    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
-      scores_codes_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
-    });
+  head_passes(R, [&](int64_t r0, auto RR) {
+    scores_codes_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
+  });
 }
 
 // values_i16 with VNNI for RR query heads over KIVI codes of BITS (nb a multiple of 32; each 8-byte block in one
@@ -1046,26 +1046,22 @@ void values_codes_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, 
 template <int BITS>
 void values_codes(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
                   int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
-  constexpr int64_t RMAX = 8 / BITS >= 4 ? 2 : 4;
-  for (int64_t r0 = 0; r0 < R; r0 += RMAX)
-    by_heads(std::min<int64_t>(RMAX, R - r0), [&](auto RR) {
-      if constexpr (RR.value <= RMAX)
-        values_codes_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
-    });
+  constexpr int RMAX = 8 / BITS >= 4 ? 2 : 4;
+  head_passes<RMAX>(R, [&](int64_t r0, auto RR) {
+    values_codes_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
+  });
 }
 
 // scores_i8_heads / values_i8_heads for R query heads, four per pass
 void scores_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int64_t R, int32_t* out, int64_t stride) {
-  for (int64_t r0 = 0; r0 < R; r0 += 4)
-    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
-      scores_i8_heads<RR.value>(rows, D, n, q + r0 * D, out + r0 * stride, stride);
-    });
+  head_passes(R, [&](int64_t r0, auto RR) {
+    scores_i8_heads<RR.value>(rows, D, n, q + r0 * D, out + r0 * stride, stride);
+  });
 }
 void values_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64_t stride, int64_t R, int32_t* acc) {
-  for (int64_t r0 = 0; r0 < R; r0 += 4)
-    by_heads(std::min<int64_t>(4, R - r0), [&](auto RR) {
-      values_i8_heads<RR.value>(rows, D, n, w + r0 * stride, stride, acc + r0 * D);
-    });
+  head_passes(R, [&](int64_t r0, auto RR) {
+    values_i8_heads<RR.value>(rows, D, n, w + r0 * stride, stride, acc + r0 * D);
+  });
 }
 #endif
 
