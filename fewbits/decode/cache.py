@@ -143,8 +143,15 @@ class LayerKV:
                                            self.fmt.residual, t.get("rk", no_rk), t.get("rv", no_rv), t["kc"],
                                            t["ks"], t.get("km", no_km), t["vc"], t["vs"], t.get("vm", no_vm))
             return
-        if not self.ring:
-            self._store(self._quantise(k.to(self.wdt), v.to(self.wdt)), slot)
+        if not self.ring:  # int8 / fp8 per token: the scale stored first, the codes divided by the stored value
+            scale, codes = ((Q.int8_token_scale, Q.int8_codes) if self.fmt.kind == "int8"
+                            else (Q.fp8_token_scale, Q.fp8_codes))
+            for x, cn, sn in ((k, "kc", "ks"), (v, "vc", "vs")):
+                xf = x.to(self.wdt).float()
+                self.t[sn].index_copy_(2, slot, scale(xf))
+                # (read back: fused into one kernel with its store, inductor divides by the fp32 value the fp16
+                # scale rounds, and ~1% of the codes differed from the quantiser's by one)
+                self.t[cn].index_copy_(2, slot, codes(xf, self.t[sn].index_select(2, slot)))
             return
         R, G, W = self.fmt.residual, self.G, self.ring
         self.t["rk"].index_copy_(2, slot % W, k.to(self.t["rk"].dtype))

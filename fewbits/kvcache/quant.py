@@ -27,12 +27,21 @@ def _fp16_scale(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s16 > 0, s16, torch.ones_like(s16))
 
 
+def int8_token_scale(xf: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., D) -> the fp16 scale (..., 1) of `quant_int8_per_token`."""
+    return _fp16_scale(xf.abs().amax(-1, keepdim=True) / 127)
+
+
+def int8_codes(xf: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., D) and its fp16 scale (..., 1) -> int8 codes."""
+    return torch.round(xf / s.float()).clamp_(-127, 127).to(torch.int8)
+
+
 def quant_int8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., D) -> codes int8 (..., D), scale fp16 (..., 1)."""
     xf = x.float()
-    s = _fp16_scale(xf.abs().amax(-1, keepdim=True) / 127)
-    codes = torch.round(xf / s.float()).clamp_(-127, 127).to(torch.int8)
-    return codes, s
+    s = int8_token_scale(xf)
+    return int8_codes(xf, s), s
 
 
 def dequant_int8_per_token(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,12 +50,21 @@ def dequant_int8_per_token(codes: torch.Tensor, scale: torch.Tensor, dtype: torc
     return (codes.float() * scale.float()).to(dtype)
 
 
+def fp8_token_scale(xf: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., D) -> the fp16 scale (..., 1) of `quant_fp8_per_token`."""
+    return _fp16_scale((xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(TINY))
+
+
+def fp8_codes(xf: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., D) and its fp16 scale (..., 1) -> E4M3 bit patterns (uint8)."""
+    return (xf / s.float()).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
 def quant_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(..., D) -> E4M3 bit patterns uint8 (..., D), scale fp16 (..., 1)."""
     xf = x.float()
-    s = _fp16_scale((xf.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(TINY))
-    y = (xf / s.float()).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return y.view(torch.uint8), s
+    s = fp8_token_scale(xf)
+    return fp8_codes(xf, s), s
 
 
 def e4m3_as_bf16_bits(codes: torch.Tensor) -> torch.Tensor:
