@@ -658,16 +658,6 @@ void scores_i16_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_t*
   }
 }
 
-// out[r * stride + i] = q_r . codes_i (q: R x D int16 in plane order; int32 sums) for the n rows of codes, up to
-// four query heads per pass
-template <int BITS>
-void scores_i16(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
-                int64_t stride) {
-  head_passes(R, [&](int64_t r0, auto RR) {
-    scores_i16_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
-  });
-}
-
 // acc[r * D + plane-order index] = sum_i w_g[r][i] * codes_i (int32) for RR query heads over the n rows, for blocks
 // of 8 bytes in one value group g (gv a multiple of 8 * 8 / BITS): the weights int16 at w + g * gstride + r * stride,
 // padded with a zero weight to an even count.  Two tokens at a time: their bytes interleaved, so that vpmaddwd
@@ -712,16 +702,6 @@ void values_i16_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, co
       for (int j = 0; j < RR; ++j)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + j * D + k * nb + jb * 8), a[k][j]);
   }
-}
-
-// values_i16_heads for R query heads, four (int2: two, as many accumulators) per pass
-template <int BITS>
-void values_i16(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
-                int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
-  constexpr int RMAX = 8 / BITS >= 4 ? 2 : 4;
-  head_passes<RMAX>(R, [&](int64_t r0, auto RR) {
-    values_i16_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
-  });
 }
 
 // y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
@@ -827,7 +807,7 @@ inline void weave(const float* x, float* y, int64_t n, int64_t ways, float* scra
 // An int8 cache without a window in 16-bit integers with VNNI's vpdpwssd, which does two int16 products and adds
 // both to an int32 lane (32 products a 512-bit instruction, where an fp32 FMA does 16 after two conversions).  The
 // scores of 16 tokens are summed across lanes together (lane_sums16), so a token costs a fraction of a horizontal
-// sum, not a whole one.  (scores_int8 / values_int8 below: the query and the weights, and the other CPUs.)
+// sum, not a whole one.  (int_scores / int_values below: the query and the weights, and the other CPUs.)
 
 // out[j * stride + i] = q_j . row_i (int32) for RR query heads (q: RR x D int16) and n rows of int8 codes (D a
 // multiple of 32, every row read: the caller masks), 16 rows at a time; each row widened to int16 once for all heads
@@ -922,8 +902,8 @@ inline __m512i plane32(__m512i v, int k) {
   return _mm512_and_si512(_mm512_srli_epi16(v, k * BITS), mask);
 }
 
-// scores_i16 with VNNI for RR query heads (q: RR x D int16 in plane order), KIVI codes of BITS in rows of nb bytes
-// (a multiple of 32, or 16): 32 int16 lanes of the plane order a vpdpwssd, the sums of 16 tokens across lanes
+// scores_i16_heads with VNNI for RR query heads (q: RR x D int16 in plane order), KIVI codes of BITS in rows of nb
+// bytes (a multiple of 32, or 16): 32 int16 lanes of the plane order a vpdpwssd, the sums of 16 tokens across lanes
 // together.  nb = 16: a row's bytes widened into both halves of a vector and the halves shifted to planes k, k + 1.
 template <int BITS, int RR>
 void scores_codes_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t D, int32_t* out,
@@ -973,15 +953,7 @@ void scores_codes_heads(const uint8_t* rows, int64_t nb, int64_t n, const int16_
   }
 }
 
-template <int BITS>
-void scores_codes(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
-                  int64_t stride) {
-  head_passes(R, [&](int64_t r0, auto RR) {
-    scores_codes_heads<BITS, RR.value>(rows, nb, n, q + r0 * D, D, out + r0 * stride, stride);
-  });
-}
-
-// values_i16 with VNNI for RR query heads over KIVI codes of BITS (nb a multiple of 32; each 8-byte block in one
+// values_i16_heads with VNNI for RR query heads over KIVI codes of BITS (nb a multiple of 32; each 8-byte block in one
 // value group): 32 bytes of two tokens interleaved and widened to int16 pairs, which hold bytes 0-7 | 16-23 (low)
 // and 8-15 | 24-31 (high) of the 32, so each 256-bit half takes the pair of weights of its block's group; the sums
 // permuted back into plane order at the end, as values_i8_heads'
@@ -1042,53 +1014,55 @@ void values_codes_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, 
   }
 }
 
-// values_codes_heads for R query heads, four (int2: two, as many accumulators) per pass
-template <int BITS>
-void values_codes(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
-                  int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
-  constexpr int RMAX = 8 / BITS >= 4 ? 2 : 4;
-  head_passes<RMAX>(R, [&](int64_t r0, auto RR) {
-    values_codes_heads<BITS, RR.value>(rows, nb, gv, n, w + r0 * stride, stride, gstride, D, acc + r0 * D);
-  });
-}
-
-// scores_i8_heads / values_i8_heads for R query heads, four per pass
-void scores_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int64_t R, int32_t* out, int64_t stride) {
-  head_passes(R, [&](int64_t r0, auto RR) {
-    scores_i8_heads<RR.value>(rows, D, n, q + r0 * D, out + r0 * stride, stride);
-  });
-}
-void values_i8(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64_t stride, int64_t R, int32_t* acc) {
-  head_passes(R, [&](int64_t r0, auto RR) {
-    values_i8_heads<RR.value>(rows, D, n, w + r0 * stride, stride, acc + r0 * D);
-  });
-}
 #endif
 
 #ifdef FEWBITS_KV_I16
 // An int8 cache without a window in 16-bit integers: the query (per head) and the softmax weights times the value
 // scales (per head and chunk) rounded to int16 against their largest magnitude as in KIVI's path (relative step
 // 2^-15); a code times an int16 is exact and the sums are exact int32 while D and the tokens of a chunk are at most
-// 2^31 / (128 * 32767) = 512.  VNNI where D is a multiple of 32, else vpmaddwd in 256-bit vectors (scores_i16 /
-// values_i16 on one plane of sign-extended codes).
+// 2^31 / (128 * 32767) = 512.  VNNI where D is a multiple of 32, else vpmaddwd in 256-bit vectors (KIVI's loops on
+// one plane of sign-extended codes: int_scores / int_values with BITS 8).
 constexpr int64_t I8_LIM = 512;
 
-// out[r * stride + i] = q_r . row_i (int32) for the n rows (D a multiple of 16)
-inline void scores_int8(const int8_t* rows, int64_t D, int64_t n, const int16_t* q, int64_t R, int32_t* out,
-                        int64_t stride) {
+// out[r * stride + i] = q_r . row_i (q: R x D int16 in plane order; int32 sums) for n rows of codes (all of them:
+// the caller masks), KIVI's of BITS or int8 (BITS 8, sign-extended; nb = D), a pass of up to four query heads at a
+// time: VNNI's 512-bit loops where a row fits them, else the 256-bit ones (nb a multiple of 16)
+template <int BITS>
+void int_scores(const uint8_t* rows, int64_t nb, int64_t n, const int16_t* q, int64_t R, int64_t D, int32_t* out,
+                int64_t stride) {
+  head_passes(R, [&](int64_t r0, auto RR) {
+    const int16_t* qr = q + r0 * D;
+    int32_t* o = out + r0 * stride;
 #ifdef FEWBITS_KV_VNNI
-  if (D % 32 == 0) return scores_i8(rows, D, n, q, R, out, stride);
+    if constexpr (BITS == 8) {
+      if (D % 32 == 0) return scores_i8_heads<RR.value>(reinterpret_cast<const int8_t*>(rows), D, n, qr, o, stride);
+    } else if (nb % 32 == 0 || nb == 16) {
+      return scores_codes_heads<BITS, RR.value>(rows, nb, n, qr, D, o, stride);
+    }
 #endif
-  scores_i16<8>(reinterpret_cast<const uint8_t*>(rows), D, n, q, R, D, out, stride);
+    scores_i16_heads<BITS, RR.value>(rows, nb, n, qr, D, o, stride);
+  });
 }
 
-// acc[r * D + d] = sum_i w[r * stride + i] * row_i[d] (int32), the weights padded with a zero to an even count
-inline void values_int8(const int8_t* rows, int64_t D, int64_t n, const int16_t* w, int64_t stride, int64_t R,
-                        int32_t* acc) {
+// acc[r * D + plane-order index] = sum_i w_g[r][i] * codes_i (int32) over the n rows (as values_i16_heads: the
+// weights int16 at w + g * gstride + r * stride, padded with a zero weight to an even count; int8: gv = D), four
+// query heads a pass (int2: two, as many accumulators): VNNI's loops where a row is a multiple of 32 bytes
+template <int BITS>
+void int_values(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const int16_t* w, int64_t stride,
+                int64_t gstride, int64_t R, int64_t D, int32_t* acc) {
+  constexpr int RMAX = 8 / BITS >= 4 ? 2 : 4;
+  head_passes<RMAX>(R, [&](int64_t r0, auto RR) {
+    const int16_t* wr = w + r0 * stride;
+    int32_t* a = acc + r0 * D;
 #ifdef FEWBITS_KV_VNNI
-  if (D % 32 == 0) return values_i8(rows, D, n, w, stride, R, acc);
+    if constexpr (BITS == 8) {
+      if (D % 32 == 0) return values_i8_heads<RR.value>(reinterpret_cast<const int8_t*>(rows), D, n, wr, stride, a);
+    } else if (nb % 32 == 0) {
+      return values_codes_heads<BITS, RR.value>(rows, nb, gv, n, wr, stride, gstride, D, a);
+    }
 #endif
-  values_i16<8>(reinterpret_cast<const uint8_t*>(rows), D, D, n, w, stride, 0, R, D, acc);
+    values_i16_heads<BITS, RR.value>(rows, nb, gv, n, wr, stride, gstride, D, a);
+  });
 }
 
 // y[i] = ok[i] ? x[i] * a * b[i] : fill for i < n (x int32 sums or floats), 8 at a time (written as a select, the
@@ -1273,7 +1247,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
 #endif
   const int64_t Rpad = (R + 3) / 4 * 4;  // the vector path runs query heads four at a time
 #ifdef FEWBITS_KV_I16
-  // KIVI in 16-bit integers (scores_i16, values_i16): whole 16-byte blocks of codes, 8-byte blocks within one value
+  // KIVI in 16-bit integers (int_scores, int_values): whole 16-byte blocks of codes, 8-byte blocks within one value
   // group, int32 sums that cannot overflow.  On an AVX-512 CPU too: one layer at 2048 tokens (SmolLM2's heads, 2
   // threads) took 61 us where the 512-bit fp32 path below took 92 (int2: 64 / 97)
   const int64_t qmax = (1 << bits) - 1, lim = (int64_t{1} << 31) / (qmax * 32767);
@@ -1378,12 +1352,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           float* so = s.data() + i0;
           float qs[MAXR];
           for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qp + r * D, D, D, q16 + r * D);
-#ifdef FEWBITS_KV_VNNI
-          if (nb % 32 == 0 || nb == 16)
-            by_bits(bits, [&](auto B) { scores_codes<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
-          else
-#endif
-          by_bits(bits, [&](auto B) { scores_i16<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
+          by_bits(bits, [&](auto B) { int_scores<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
           const uint8_t* ok = okp + i0;
           const int64_t m8 = m_ / 8 * 8;
           for (int64_t r = 0; r < R; ++r) {  // masked: -inf
@@ -1534,15 +1503,8 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         for (int64_t g = 0; g < ng; ++g)
           for (int64_t r = 0; r < R; ++r)
             wsc[g * Rpad + r] = to_i16(wg.data() + g * gs + r * n, n, npad, w16.data() + (g * Rpad + r) * npad);
-#ifdef FEWBITS_KV_VNNI
-        if (nb % 32 == 0)
-          by_bits(bits, [&](auto B) {
-            values_codes<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
-          });
-        else
-#endif
         by_bits(bits, [&](auto B) {
-          values_i16<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
+          int_values<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
         });
         const int64_t seg = gvv / per;  // bytes of one value group: j in g * seg .. g * seg + seg - 1
         for (int64_t r = 0; r < R; ++r)
@@ -1727,7 +1689,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
 #ifdef FEWBITS_KV_I16
       if (i8) {  // int8 codes in 16-bit integers: scores, softmax, weights, values
         for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qh + r * D, D, D, q16 + r * D);
-        scores_int8(static_cast<const int8_t*>(K) + row0 * D, D, n, q16, R, s32.data(), n);
+        int_scores<8>(static_cast<const uint8_t*>(K) + row0 * D, D, n, q16, R, D, s32.data(), n);
         halves(KS + row0, sc.data(), n);
         for (int64_t r = 0; r < R; ++r) {  // times the query's step and the key scales; masked: -inf
           float* sr = s.data() + r * n;
@@ -1742,7 +1704,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
           scaled_where(sr, 1.f, sc.data(), ok, n, 0.f, sr);
           wsc[r] = to_i16(sr, n, npad, w16.data() + r * npad);
         }
-        values_int8(static_cast<const int8_t*>(V) + row0 * D, D, n, w16.data(), npad, R, acc32);
+        int_values<8>(static_cast<const uint8_t*>(V) + row0 * D, D, D, n, w16.data(), npad, 0, R, D, acc32);
         for (int64_t r = 0; r < R; ++r) {
           const float st = wsc[r];
 #pragma omp simd
