@@ -1219,16 +1219,19 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   const bool* AL = mask.p;
   const int64_t AT = mask.stride;
   // which slots the query sees: quantised ones below n_quant, window slots holding tokens from n_quant on
+  // the slots read: the quantised ones below n_quant (no window: up to the query's own), not the whole preallocated
+  // cache, whose units past them would be empty and, split statically over the threads, leave one idle
+  const int64_t live = W ? n_quant : std::min(T, slot + 1);
   std::vector<uint8_t> okq(B * T), okr(B * std::max<int64_t>(W, 1));
   for (int64_t b = 0; b < B; ++b) {
-    for (int64_t t = 0; t < T; ++t) okq[b * T + t] = AL[b * AT + t] && t < n_quant;
+    for (int64_t t = 0; t < live; ++t) okq[b * T + t] = AL[b * AT + t];
     for (int64_t j = 0; j < W; ++j) {
       const int64_t tok = slot - (((slot - j) % W) + W) % W;
       okr[b * W + j] = tok >= n_quant && tok >= 0 && AL[b * AT + tok];
     }
   }
   chunk = kivi ? std::max<int64_t>(G, chunk / G * G) : chunk;
-  const int64_t nchunk = (T + chunk - 1) / chunk, nunits = nchunk + (W ? 1 : 0);
+  const int64_t nchunk = (live + chunk - 1) / chunk, nunits = std::max<int64_t>(1, nchunk + (W ? 1 : 0));
   auto kc_ = kc.contiguous(), vc_ = vc.contiguous(), ks_ = ks.contiguous(), vs_ = vs.contiguous();
   auto km_ = km.contiguous(), vm_ = vm.contiguous(), rk_ = rk.contiguous(), rv_ = rv.contiguous();
   // per (b, h, unit) and query head: the chunk's softmax maximum and sum, and its weighted values
@@ -1290,7 +1293,7 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       const int64_t bh = u / nunits, unit = u % nunits, b = bh / H;
       const float* qh = Q + bh * R * D;
       const bool ring = unit == nchunk;
-      const int64_t t0 = ring ? 0 : unit * chunk, n = ring ? W : std::min(chunk, T - t0);
+      const int64_t t0 = ring ? 0 : unit * chunk, n = ring ? W : std::min(chunk, live - t0);
       const uint8_t* okp = ring ? OKR + b * W : OK + b * T + t0;
       if (std::find(okp, okp + n, uint8_t{1}) == okp + n) {  // no slot to attend to: the merge skips the unit
         for (int64_t r = 0; r < R; ++r) pm[(bh * nunits + unit) * R + r] = NEG_INF;

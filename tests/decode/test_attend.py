@@ -15,10 +15,11 @@ from fewbits.kernels import native
 needs_kernel = pytest.mark.skipif(not kvkernel.available(), reason=f"no kernel: {native.why(kvkernel.NAME)}")
 
 
-def filled(kv: str, D: int, n: int, H: int = 2, B: int = 2, seed: int = 4):  # noqa: ANN201
-    """A layer holding n tokens, the last 8 (or fewer) written one step at a time (the window wraps)."""
+def filled(kv: str, D: int, n: int, H: int = 2, B: int = 2, seed: int = 4, spare: int = 8):  # noqa: ANN201
+    """A layer holding n tokens, the last 8 (or fewer) written one step at a time (the window wraps), in a cache of
+    n + `spare` slots."""
     g = torch.Generator().manual_seed(seed)
-    (layer,) = make_cache(kv, 1, B, H, D, n + 8, torch.bfloat16, "cpu")
+    (layer,) = make_cache(kv, 1, B, H, D, n + spare, torch.bfloat16, "cpu")
     first = max(1, n - 8)
     k, v = torch.randn(B, H, first, D, generator=g), torch.randn(B, H, first, D, generator=g)
     layer.prefill(k.bfloat16(), v.bfloat16(), 0)
@@ -108,6 +109,24 @@ def test_kernel_in_fp32_is_close_to_dequantised_attention(kv: str, D: int, n: in
     got = _attend_codes(q, layer, allowed, torch.tensor([n - 1]), D**-0.5)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, reference(layer, q, allowed, n, D**-0.5), rtol=1e-3, atol=1e-3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kv", ["int4", "int8-r8", "int4-g8-r8"])
+def test_kernel_reads_only_the_written_slots_of_a_larger_cache(kv: str) -> None:
+    """A cache of 1300 slots holding 300 tokens (`fewbits generate` preallocates prompt + new tokens): the slots
+    past the written ones hold NaN scales and 16-bit NaNs, which no unit may read (the operator cuts its units at
+    the quantised tokens, not at the cache's end), and the result equals attention over the 300 tokens."""
+    n = 300
+    layer = filled(kv, 64, n, spare=1000)
+    for name, buf in layer.t.items():
+        if name in ("ks", "km", "vs", "vm"):  # (KIVI's key scales and minima: one row a group)
+            per_group = name in ("ks", "km") and layer.fmt.kind == "kivi"
+            buf[:, :, -(-n // layer.G) if per_group else n:] = float("nan")
+    q = torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    allowed = mask(layer, 2, n)
+    got = _attend_codes(q, layer, allowed, torch.tensor([n - 1]), 0.125)
+    torch.testing.assert_close(got.float(), reference(layer, q, allowed, n, 0.125), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("kv,D,n,r", CASES[:9])
