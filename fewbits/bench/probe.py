@@ -23,8 +23,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
    pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;
 4. decode steps of a skeleton model (the model's heads, head size and vocabulary, 16-wide linears) per
-   KV format, at batch 1 and 8 and two contexts, through the same decode loop and cache as `fewbits
-   bench`.  One least-squares fit over all formats (see `step_costs`; every cost held >= 0,
+   KV format, at batch 1 and 8 and contexts of 128, 512 and 2048 tokens, through the same decode loop and cache
+   as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`; every cost held >= 0,
    `fewbits.bench.stepfit.bounded_lstsq`) gives the fixed cost per step (a
    of the 16-bit cache), the cost per extra sequence (p), the KV read efficiency per format (1 / (s
    beta); cache bytes are the store's true bytes, a KIVI cache's 16-bit window, which the store copies
@@ -84,6 +84,12 @@ from fewbits.models.spec import ModelSpec
 
 WEIGHT_SPECS = ("bf16", "int8", "int4-g64", "fp8-e4m3")
 KV_SPECS = ("bf16", "fp8-e4m3", "int8", "int4", "int2")
+#: cache lengths of the skeleton's steps.  A windowed (KIVI) cache's step is not linear in its bytes from one to the
+#: next: at 128 tokens it is all 16-bit window, at 512 the quantised part is 384 tokens whose cost a second operator
+#: pass's fixed cost hides; fitted on 128 and 512 alone, a probe charged KIVI int4 211 ms per GB of cache where its
+#: steps from 512 to 2048 tokens took ~120, and predicted SmolLM2's 2048-token step +60% (6-layer skeleton: +43% at
+#: batch 8, with 2048 in the fit +1%).  Formats without a window run only the longest (fixed + per-byte cost).
+KV_CONTEXTS = (128, 512, 2048)
 #: stream sizes (x the L2 size) at which the probe measures the refill curve (eager path; the compiled path, two
 #: graphs of the model's depth per size, at fewer)
 REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
@@ -242,13 +248,13 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
 COMPILED_DEPTHS = (2, 6)
 
 
-def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, int] = (128, 512),
+def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, ...] = KV_CONTEXTS,
                batches: tuple[int, int] = (1, 8), steps: int = 8, rounds: int = 3,
                refill_bytes: int | None = None, measure_refill: bool = True,
                refill_sizes: tuple[float, ...] | None = None, device: str | torch.device = "cpu",
                compiled: bool = False, depths: tuple[int, ...] | None = None,
                log: Any = None) -> dict[str, dict[str, Any]]:
-    """Per KV format: decode steps of `skeleton_model` at two batches and two contexts (the fastest of
+    """Per KV format: decode steps of `skeleton_model` at two batches and several contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
         t = a0 + a1 L + o_f L [holds quantised tokens] + x_f L + (p0 + p1 L) (b - 1) + s_f q + w_f w + E(x) L
@@ -364,7 +370,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int | None = None,
                   log: Any = print, bandwidth_bytes: int | None = None, matmul_n: int | None = None,
-                  kv_contexts: tuple[int, int] = (128, 512), device: str | torch.device = "cpu",
+                  kv_contexts: tuple[int, ...] = KV_CONTEXTS, device: str | torch.device = "cpu",
                   compiled: bool = True) -> Profile:
     """Run every measurement on `device` and assemble a `Profile` carrying it as its DeviceSpec.
 
@@ -421,7 +427,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
-    fields = step_profile_fields(spec, kv, bw, log, bw_at=lambda n: curve_bandwidth(curve, bw, n))
+    fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
+    fields = step_profile_fields(spec, kv, bw, log, bw_at=lambda n: curve_bandwidth(curve, bw, n), weight_bytes=fewest)
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     for low in ("int8", "fp8"):  # low-precision units count only where they beat 16-bit maths
         if rates.get(low, 0) > rates["bf16"]:

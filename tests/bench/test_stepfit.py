@@ -63,3 +63,22 @@ def test_one_depth_keeps_a_cache_fixed_cost_relative_to_the_16_bit_one():
     fit = fit_step_costs(spec, ("bf16", "int8"), pts, 8, 0, refill_s=0.0)
     assert fit["bf16"]["fixed_s"] == pytest.approx(2e-3, abs=2e-4)
     assert fit["int8"]["fixed_s"] < fit["bf16"]["fixed_s"]
+
+
+def test_a_cache_efficiency_is_relative_to_the_bandwidth_beside_the_models_weights():
+    """A KIVI cache whose largest skeleton step read 27 MB (inside a 32 MB last-level cache at 74 GB/s) at 145 ms per
+    GB: beside a model's 56 MB of linears that cache comes from memory (35 GB/s), and its efficiency there is
+    1 / (145e-12 s/B x 35e9 B/s) = 0.197, so the step model charges it the skeleton's 145 ms per GB; relative to
+    the last-level cache's bandwidth (0.093) it would charge 2.1x that."""
+    spec = get_preset("smollm2-135m")
+    curve = [(32e6, 74e9), (48e6, 35e9), (1e9, 35e9)]
+    bw_at = lambda n: float(np.interp(n, [c[0] for c in curve], [c[1] for c in curve]))  # noqa: E731
+    fit = {"bf16": {"fixed_s": 1e-4, "per_seq_s": 7e-5, "s_per_byte": 41e-12, "points": [(8, 2048, 75e6, 3e-3, 6)]},
+           "int4": {"fixed_s": 1e-4, "per_seq_s": 7e-5, "s_per_byte": 145e-12, "window_s_per_byte": 65e-12,
+                    "quantized_s": 0.0, "points": [(8, 2048, 27e6, 3.6e-3, 6)]}}
+    near = stepfit.step_profile_fields(spec, fit, 35e9, lambda _m: None, bw_at=bw_at, weight_bytes=56e6)
+    alone = stepfit.step_profile_fields(spec, fit, 35e9, lambda _m: None, bw_at=bw_at)
+    assert near["kv_bandwidth_efficiency"]["int4"] == pytest.approx(1 / (145e-12 * 35e9), rel=1e-9)
+    assert alone["kv_bandwidth_efficiency"]["int4"] == pytest.approx(1 / (145e-12 * 74e9), rel=1e-9)
+    assert near["kv_bandwidth_efficiency"]["float"] == pytest.approx(1 / (41e-12 * 35e9), rel=1e-9)  # from memory
+    assert near["kv_window_bandwidth_efficiency"]["int4"] == pytest.approx(1 / (65e-12 * 35e9), rel=1e-9)
