@@ -361,7 +361,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
         "model's own): " + ", ".join(f"batch {b}: head {r['head'] * 1e3:.2f} ms, a layer {r['layer'] * 1e6:.0f} us"
                                      for b, r in rows_cost.items()))
     fit = fit_step_costs(spec, kv_specs, take_off_rows(fastest, rows_cost), steps, x_cache, refill,
-                         curve if len(refill_sizes) else None)
+                         curve if len(refill_sizes) else None, measured=fastest)
     for r in fit.values():
         r["skeleton_rows_s"] = {str(b): v for b, v in rows_cost.items()}  # what was taken off, for the record
     return fit

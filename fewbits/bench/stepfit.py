@@ -48,9 +48,14 @@ def bounded_lstsq(x: np.ndarray, y: np.ndarray, cols: list[str], signed: tuple[s
 
 def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tuple[int | str, ...], float],
                    steps: int, x_cache: int, refill_s: float | None = None,
-                   refill_curve: list[tuple[float, float]] | None = None) -> dict[str, dict[str, Any]]:
+                   refill_curve: list[tuple[float, float]] | None = None,
+                   measured: dict[tuple[int | str, ...], float] | None = None) -> dict[str, dict[str, Any]]:
     """The joint least-squares fit (`bounded_lstsq`) of `step_costs` over measured step times
-    {(kv, batch, prompt[, depth]): seconds} (no depth: the model's own); `refill_s` (E, measured) is taken as
+    {(kv, batch, prompt[, depth]): seconds} (no depth: the model's own).  `measured`: the steps as timed, before
+    anything was taken off them (the same keys): each point then weighs 1 / its timed step, as a shared host's
+    noise is a share of what it times.  Unweighted, the longest steps decide the fit: with 2048-token points
+    (3-4 ms at batch 8) a probe fitted the 16-bit cache's fixed cost at 0.003 ms, the next at 0.080; weighted,
+    0.146 and 0.155 from the same two probes' points.  `refill_s` (E, measured) is taken as
     given, None fits it; with `refill_curve` (measured E(x), seconds per layer) the fit subtracts L E(x) instead
     of L E min(1, x / X).  A column the measurements cannot tell apart (no quantised bytes, a window that never
     overflows or always has, a single depth) is left out: its cost is 0.  The figures are for `spec.n_layers` layers."""
@@ -60,9 +65,13 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     base_kv = "bf16" if "bf16" in kv_specs else kv_specs[0]
     rows: list[dict[str, float]] = []
     ys: list[float] = []
+    weights: list[float] = []
     stream: list[tuple[float, int]] = []  # (x, L) of each row: a layer's 16-bit keys and values, the depth
     points: dict[str, list[tuple[int, ...]]] = {s: [] for s in kv_specs}
-    for (s, b, c, depth), t in sorted(pts.items(), key=lambda kv: (kv_specs.index(kv[0][0]), *kv[0][1:])):
+    if measured is not None:
+        measured = {(k[0], k[1], k[2], k[3] if len(k) > 3 else spec.n_layers): t for k, t in measured.items()}
+    for key, t in sorted(pts.items(), key=lambda kv: (kv_specs.index(kv[0][0]), *kv[0][1:])):
+        s, b, c, depth = key
         kvf = parse_kv_format(s)
         sd = dataclasses.replace(spec, n_layers=depth) if depth != spec.n_layers else spec
         terms = kv_terms(sd, kvf.full_spec, DEFAULT)
@@ -85,6 +94,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         rows.append(row)
         stream.append((x, depth))
         ys.append(t)
+        weights.append(1.0 / measured[key] if measured is not None else 1.0)
         points[s].append((b, c, q + w, t, depth))  # batch, prompt, bytes, seconds, depth
     names = [n for n in dict.fromkeys(k for r in rows for k in r) if n != "_fmt"]
     by_layer = len({d for _, d in stream}) > 1
@@ -107,8 +117,9 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         known = [r["E"] for r in rows]
 
     def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
-        x = np.array([[r.get(n, 0.0) for n in cols] for r in rows], dtype=np.float64)
-        y = np.array([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=np.float64)
+        wt = np.array(weights, dtype=np.float64)
+        x = np.array([[r.get(n, 0.0) for n in cols] for r in rows], dtype=np.float64) * wt[:, None]
+        y = np.array([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=np.float64) * wt
         return bounded_lstsq(x, y, cols, signed=() if by_layer else SIGNED)
 
     no_e = [n for n in names if n != "E"]

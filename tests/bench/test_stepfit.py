@@ -82,3 +82,33 @@ def test_a_cache_efficiency_is_relative_to_the_bandwidth_beside_the_models_weigh
     assert alone["kv_bandwidth_efficiency"]["int4"] == pytest.approx(1 / (145e-12 * 74e9), rel=1e-9)
     assert near["kv_bandwidth_efficiency"]["float"] == pytest.approx(1 / (41e-12 * 35e9), rel=1e-9)  # from memory
     assert near["kv_window_bandwidth_efficiency"]["int4"] == pytest.approx(1 / (65e-12 * 35e9), rel=1e-9)
+
+
+# A compiled probe's skeleton steps with 2048-token points (SmolLM2's shape, 2 and 6 layers, a busy shared host):
+# after the skeleton's own linears were taken off (STEPS), and as timed (TIMED); (kv, batch, prompt, depth) -> s
+STEPS = {("bf16", 1, 128, 6): 9.6e-05, ("bf16", 1, 512, 6): 0.0001443, ("bf16", 1, 2048, 2): 0.0001532,
+         ("bf16", 1, 2048, 6): 0.0003928, ("bf16", 8, 128, 6): 3.23e-05, ("bf16", 8, 512, 6): 0.0005951,
+         ("bf16", 8, 2048, 2): 0.0009711, ("bf16", 8, 2048, 6): 0.0027274, ("int8", 1, 2048, 6): 0.000288,
+         ("int8", 8, 2048, 6): 0.0021254}
+TIMED = {("bf16", 1, 128, 6): 0.0002818, ("bf16", 1, 512, 6): 0.0003301, ("bf16", 1, 2048, 2): 0.0002865,
+         ("bf16", 1, 2048, 6): 0.0005786, ("bf16", 8, 128, 6): 0.0008794, ("bf16", 8, 512, 6): 0.0014422,
+         ("bf16", 8, 2048, 2): 0.001359, ("bf16", 8, 2048, 6): 0.0035745, ("int8", 1, 2048, 6): 0.0004738,
+         ("int8", 8, 2048, 6): 0.0029725}
+
+
+def test_points_weighted_by_their_timed_steps_keep_the_fixed_cost_of_the_short_ones():
+    """Unweighted, the 3.6 ms batch-8 step decides the fit and the 16-bit cache's fixed cost comes out at 0.01 ms
+    (the batch-1 steps it must explain take 0.1-0.4 ms); each point weighed by 1 / its timed step (a shared host's
+    noise is a share of the time), 0.14 ms, the per-byte cost within 6% of the unweighted one.  The weights are
+    relative: all timed steps twice as long give the same fit."""
+    spec = get_preset("smollm2-135m")
+    plain = fit_step_costs(spec, ("bf16", "int8"), STEPS, 8, 0, refill_s=0.0)
+    weighted = fit_step_costs(spec, ("bf16", "int8"), STEPS, 8, 0, refill_s=0.0, measured=TIMED)
+    assert plain["bf16"]["fixed_s"] < 0.02e-3
+    assert weighted["bf16"]["fixed_s"] > 0.1e-3
+    assert weighted["bf16"]["s_per_byte"] == pytest.approx(plain["bf16"]["s_per_byte"], rel=0.06)
+    doubled = fit_step_costs(spec, ("bf16", "int8"), STEPS, 8, 0, refill_s=0.0,
+                             measured={k: 2 * t for k, t in TIMED.items()})
+    for s in ("bf16", "int8"):
+        for key in ("fixed_s", "per_seq_s", "s_per_byte"):
+            assert doubled[s][key] == pytest.approx(weighted[s][key], rel=1e-6, abs=1e-12)
