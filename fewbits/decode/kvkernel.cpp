@@ -1218,9 +1218,9 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
   const MaskRows mask = mask_rows(allowed, B);
   const bool* AL = mask.p;
   const int64_t AT = mask.stride;
-  // which slots the query sees: quantised ones below n_quant, window slots holding tokens from n_quant on
-  // the slots read: the quantised ones below n_quant (no window: up to the query's own), not the whole preallocated
-  // cache, whose units past them would be empty and, split statically over the threads, leave one idle
+  // which slots the query sees: quantised ones below n_quant (no window: up to its own), window slots holding tokens
+  // from n_quant on.  Only those are cut into units, not the whole preallocated cache, whose units past them would be
+  // empty and, split statically over the threads, leave one idle
   const int64_t live = W ? n_quant : std::min(T, slot + 1);
   std::vector<uint8_t> okq(B * T), okr(B * std::max<int64_t>(W, 1));
   for (int64_t b = 0; b < B; ++b) {
