@@ -21,8 +21,11 @@ DEFAULT_PROMPT = "The history of the printing press"
               help="q8: kernels that can round the activations to int8 per block of 32 columns do (llama.cpp's "
                    "Q8_0; CPU with AVX512-VNNI or AVX2), 16: weight-only kernels")
 @click.option("--eager", is_flag=True, help="the model's own eager forward instead of the compiled step")
+@click.option("--ignore-eos", "ignore_eos", is_flag=True,
+              help="decode all --new-tokens tokens, past the end-of-text token (speed runs at a set length)")
 def generate_cmd(model: str, prompt_text: str | None, prompt: str | None, new_tokens: int, weights: str,
-                 lm_head: str | None, kv: str, threads: int, device: str, activations: str, eager: bool) -> None:
+                 lm_head: str | None, kv: str, threads: int, device: str, activations: str, eager: bool,
+                 ignore_eos: bool) -> None:
     """Greedy decode of PROMPT; prints the text, then compile time (apart), prefill time and decode tokens/s."""
     if prompt_text is not None and prompt is not None:
         raise click.UsageError("give the prompt once: as the second argument or with --prompt, not both")
@@ -52,7 +55,7 @@ def generate_cmd(model: str, prompt_text: str | None, prompt: str | None, new_to
     m, kernels = load_quantized(model, weights, device=dev, lm_head=lm_head, activations=activations)
     ids = tok(prompt, return_tensors="pt").input_ids
     run = generate if eager else generate_static
-    res = run(m, ids, new_tokens, kv=kv, eos_token_id=tok.eos_token_id)
+    res = run(m, ids, new_tokens, kv=kv, eos_token_id=None if ignore_eos else tok.eos_token_id)
     click.echo(prompt + tok.decode(res.tokens[0], skip_special_tokens=True))
     how = res.path + (f" ({res.eager_reason})" if res.eager_reason else "")
     click.echo(f"[{how}; weights {weights} ({kernels}), kv {res.kv_format}; compile {res.compile_s:.1f} s, "

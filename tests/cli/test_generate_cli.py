@@ -73,3 +73,35 @@ def test_prompt_as_argument_or_option(monkeypatch: pytest.MonkeyPatch) -> None:
     n = len(seen)
     res = CliRunner().invoke(main, ["generate", "smollm2-135m", "Once", "--prompt", "Twice"])
     assert res.exit_code == 2 and "not both" in res.output and len(seen) == n
+
+
+@pytest.mark.parametrize(("flag", "eos"), [([], 2), (["--ignore-eos"], None)])
+def test_ignore_eos_reaches_the_decode_loop(flag: list[str], eos: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tokenizer's end-of-text id stops the decode unless --ignore-eos (then every --new-tokens token is
+    decoded, for speed runs at a set length)."""
+    import torch
+
+    import fewbits.decode.generate as dgen
+    import fewbits.models.loading as loading
+
+    class Stop(Exception):
+        pass
+
+    class Tok:
+        eos_token_id = 2
+
+        def __call__(self, text: str, **kw):  # noqa: ANN003, ANN204
+            return type("Enc", (), {"input_ids": torch.tensor([[1, 5]])})()
+
+    seen: dict = {}
+
+    def fake_generate(model, ids, n, kv, eos_token_id):  # noqa: ANN001, ANN202
+        seen.update(n=n, eos=eos_token_id)
+        raise Stop
+
+    monkeypatch.setattr(loading, "load_tokenizer", lambda *a, **k: Tok())
+    monkeypatch.setattr("fewbits.bench.decode.load_quantized", lambda *a, **k: (None, "dense"))
+    monkeypatch.setattr(dgen, "generate_static", fake_generate)
+    res = CliRunner().invoke(main, ["generate", "smollm2-135m", "-n", "40", *flag])
+    assert isinstance(res.exception, Stop), res.output
+    assert seen == {"n": 40, "eos": eos}
