@@ -704,24 +704,20 @@ void values_i16_heads(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, co
   }
 }
 
-// y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
-inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-  __m256 vmax = _mm256_setzero_ps(), v1 = vmax, v2 = vmax, v3 = vmax;  // (four chains of maxima)
-  int64_t i0 = 0;
-  for (; i0 + 32 <= n; i0 += 32) {
-    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), abs_mask));
-    v1 = _mm256_max_ps(v1, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 8), abs_mask));
-    v2 = _mm256_max_ps(v2, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 16), abs_mask));
-    v3 = _mm256_max_ps(v3, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 24), abs_mask));
-  }
-  vmax = _mm256_max_ps(_mm256_max_ps(vmax, v1), _mm256_max_ps(v2, v3));
-  for (; i0 + 8 <= n; i0 += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), abs_mask));
+// the largest of |v|'s eight lanes
+inline float lanes_max(__m256 v) {
   alignas(32) float m8[8];
-  _mm256_store_ps(m8, vmax);
-  float amax = 0.f;
-  for (float m : m8) amax = std::max(amax, m);
-  for (; i0 < n; ++i0) amax = std::max(amax, std::fabs(x[i0]));
+  _mm256_store_ps(m8, v);
+  float m = 0.f;
+  for (float x : m8) m = std::max(m, x);
+  return m;
+}
+
+const __m256 ABS8 = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+
+// y[i] = round(x[i] * 32767 / amax) for i < n, y[n .. npad-1] = 0 -> the step (amax / 32767; 0 where amax is 0):
+// amax = max |x|, found by the caller (to_i16, or a loop that wrote x)
+inline float round_i16(const float* x, int64_t n, int64_t npad, float amax, int16_t* y) {
   const float inv = amax > 0.f ? 32767.f / amax : 0.f;
   const __m256 vinv = _mm256_set1_ps(inv);
   int64_t i = 0;
@@ -733,6 +729,73 @@ inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
   for (; i < n; ++i) y[i] = static_cast<int16_t>(std::nearbyint(x[i] * inv));
   for (i = n; i < npad; ++i) y[i] = 0;
   return amax / 32767.f;
+}
+
+// y[i] = round(x[i] * 32767 / max |x|) for i < n, y[n .. npad-1] = 0 -> the step (max |x| / 32767; 0 for all-zero x)
+inline float to_i16(const float* x, int64_t n, int64_t npad, int16_t* y) {
+  __m256 vmax = _mm256_setzero_ps(), v1 = vmax, v2 = vmax, v3 = vmax;  // (four chains of maxima)
+  int64_t i0 = 0;
+  for (; i0 + 32 <= n; i0 += 32) {
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), ABS8));
+    v1 = _mm256_max_ps(v1, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 8), ABS8));
+    v2 = _mm256_max_ps(v2, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 16), ABS8));
+    v3 = _mm256_max_ps(v3, _mm256_and_ps(_mm256_loadu_ps(x + i0 + 24), ABS8));
+  }
+  vmax = _mm256_max_ps(_mm256_max_ps(vmax, v1), _mm256_max_ps(v2, v3));
+  for (; i0 + 8 <= n; i0 += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + i0), ABS8));
+  float amax = lanes_max(vmax);
+  for (; i0 < n; ++i0) amax = std::max(amax, std::fabs(x[i0]));
+  return round_i16(x, n, npad, amax, y);
+}
+
+// y[i] = a[i] * b[i] for i < n (a multiple of 8) -> max |y|
+inline float mul_max(const float* a, const float* b, int64_t n, float* y) {
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i));
+    _mm256_storeu_ps(y + i, v);
+    vmax = _mm256_max_ps(vmax, _mm256_and_ps(v, ABS8));
+  }
+  return lanes_max(vmax);
+}
+
+// KIVI's value weights of one value group in int16, RR query heads: w_r[i] = p_r[i] * sg[i] (p_r = s + r * n, masked
+// tokens weigh 0) rounded against their largest magnitude into w16 + r * npad (as to_i16; wf: scratch, RR * n
+// floats), the steps into step[r], and b[r] = sum_i p_r[i] * mg[i] (the group's minima times the weights).  One
+// pass over the tokens for all the heads, their maxima found as the weights are written.
+template <int RR>
+void value_weights_i16(const float* s, const uint8_t* ok, const float* sg, const float* mg, int64_t n, int64_t npad,
+                       float* wf, int16_t* w16, float* step, float* b) {
+  __m256 mx[RR], ba[RR];
+  for (int j = 0; j < RR; ++j) mx[j] = ba[j] = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {  // masked tokens weigh exactly 0
+    const __m256i okv = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ok + i)));
+    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(okv, _mm256_setzero_si256()));
+    const __m256 sv = _mm256_loadu_ps(sg + i), mv = _mm256_loadu_ps(mg + i);
+    for (int j = 0; j < RR; ++j) {
+      const __m256 p = _mm256_and_ps(_mm256_loadu_ps(s + j * n + i), keep);
+      const __m256 w = _mm256_mul_ps(p, sv);
+      _mm256_storeu_ps(wf + j * n + i, w);
+      mx[j] = _mm256_max_ps(mx[j], _mm256_and_ps(w, ABS8));
+      ba[j] = _mm256_fmadd_ps(p, mv, ba[j]);
+    }
+  }
+  for (int j = 0; j < RR; ++j) {
+    alignas(32) float b8[8];
+    _mm256_store_ps(b8, ba[j]);
+    float bj = 0.f;
+    for (float x : b8) bj += x;
+    float amax = lanes_max(mx[j]);
+    for (int64_t t = i; t < n; ++t) {
+      const float p = ok[t] ? s[j * n + t] : 0.f;
+      wf[j * n + t] = p * sg[t];
+      amax = std::max(amax, std::fabs(wf[j * n + t]));
+      bj += p * mg[t];
+    }
+    b[j] = bj;
+    step[j] = round_i16(wf + j * n, n, npad, amax, w16 + j * npad);
+  }
 }
 
 // y = the elements of x at even indices, then those at odd ones (n even)
@@ -1303,8 +1366,9 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         for (int64_t x = 0; x < R * D; ++x) qp[x] = qh[x];
       int64_t cur_g = -1;
       bool in_planes = false;  // qpl holds this unit's query in plane order
-      // KIVI: qp = the query times group g's per-channel key scales, in plane order; bias = the query . minima
-      const auto group_query = [&](int64_t g) {
+      // KIVI: qp = the query times group g's per-channel key scales, in plane order; bias = the query . minima;
+      // with qs (the integer path), qp rounded to int16 in q16 too, its steps in qs
+      const auto group_query = [&](int64_t g, [[maybe_unused]] float* qs = nullptr) {
         halves(KS + (bh * (T / G) + g) * D, sgf, D);
         halves(KM + (bh * (T / G) + g) * D, mgf, D);
         const auto to_planes = [&](const float* x, float* y) {  // channel j * per + k -> k * nb + j
@@ -1325,6 +1389,12 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           bias[r] = dot(qh + r * D, mgf, D);
           const float* ql = qpl + r * D;
           float* qo = qp + r * D;
+#ifdef FEWBITS_KV_I16
+          if (qs) {  // (D a multiple of 8) the product's maximum found as it is written
+            qs[r] = round_i16(qo, D, D, mul_max(ql, sgp, D, qo), q16 + r * D);
+            continue;
+          }
+#endif
 #pragma omp simd
           for (int64_t x = 0; x < D; ++x) qo[x] = ql[x] * sgp[x];
         }
@@ -1350,11 +1420,10 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
                            // query's step, plus the bias
         for (int64_t i0 = 0; i0 < n; i0 += G) {
           const int64_t m_ = std::min(G, n - i0), t = t0 + i0;
-          group_query(t / G);
+          float qs[MAXR];
+          group_query(t / G, qs);
           const uint8_t* rows = KC + (bh * T + t) * nb;
           float* so = s.data() + i0;
-          float qs[MAXR];
-          for (int64_t r = 0; r < R; ++r) qs[r] = to_i16(qp + r * D, D, D, q16 + r * D);
           by_bits(bits, [&](auto B) { int_scores<B.value>(rows, nb, m_, q16, R, D, s32.data(), m_); });
           const uint8_t* ok = okp + i0;
           const int64_t m8 = m_ / 8 * 8;
@@ -1456,8 +1525,8 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
 #ifdef FEWBITS_KV_I16
       // the weighted sum of values in 256-bit vectors: wg[g * Rpad * n + r * n + i] = the softmax weight times token
       // i's scale of value group g (masked tokens: 0), vb[r * ng + g] = the weights times the group's minima (KIVI)
-      const auto group_weights = [&](int64_t bh_t, int64_t gs) {
-        // the value scales and minima group by group: vsf[g * n + i] (converted by vectors, then regrouped)
+      // the value scales and minima group by group: vsf[g * n + i] (converted by vectors, then regrouped)
+      const auto group_scales = [&](int64_t bh_t) {
         const auto regroup = [&](const at::Half* src, float* dst) {
           halves(src + bh_t * ng, ng == 1 ? dst : tmp.data(), n * ng);
           if (ng == 1) return;
@@ -1471,6 +1540,9 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         regroup(VS, vsf.data());
         if (kivi) regroup(VM, vmf.data());
         else std::fill(vmf.begin(), vmf.begin() + n * ng, 0.f);
+      };
+      [[maybe_unused]] const auto group_weights = [&](int64_t bh_t, int64_t gs) {
+        group_scales(bh_t);
         for (int64_t r = 0; r < R; ++r) {
           const float* sr = s.data() + r * n;
           for (int64_t g = 0; g < ng; ++g) {  // weights times the group's scales; KIVI: sum_i p_i m_i per group
@@ -1500,12 +1572,17 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
       };
       if (i16 && !ring) {  // the weights in int16 per query head and value group, the sums in int32, times the steps
         const int64_t bh_t = bh * T + t0, gs = Rpad * n, gvv = gv;
-        group_weights(bh_t, gs);
+        group_scales(bh_t);
         const uint8_t* rows = VC + bh_t * nb;
         const int64_t npad = (n + 1) / 2 * 2;
         for (int64_t g = 0; g < ng; ++g)
-          for (int64_t r = 0; r < R; ++r)
-            wsc[g * Rpad + r] = to_i16(wg.data() + g * gs + r * n, n, npad, w16.data() + (g * Rpad + r) * npad);
+          head_passes(R, [&](int64_t r0, auto RR) {
+            float b[RR.value];
+            value_weights_i16<RR.value>(s.data() + r0 * n, okp, vsf.data() + g * n, vmf.data() + g * n, n, npad,
+                                        wg.data() + g * gs + r0 * n, w16.data() + (g * Rpad + r0) * npad,
+                                        wsc.data() + g * Rpad + r0, b);
+            for (int64_t j = 0; j < RR.value; ++j) vb[(r0 + j) * ng + g] = b[j];
+          });
         by_bits(bits, [&](auto B) {
           int_values<B.value>(rows, nb, gvv, n, w16.data(), npad, Rpad * npad, R, D, acc32);
         });
