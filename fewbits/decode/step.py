@@ -193,12 +193,15 @@ def forward(model: torch.nn.Module, arch: Arch, cache: list[LayerKV], valid: tor
     base = valid[:, None, :] & (ar.view(1, 1, T) <= qslot)  # (B, n, T)
     if slot is None:  # a padding query sees itself: its row stays finite (and is never attended to)
         base = base | (ar.view(1, 1, T) == qslot)
+    # the masks stored once a step: inductor otherwise recomputes them inside every layer's kernel, into the
+    # operators' buffers (batch 8, 2048 tokens: a step 1.04x faster stored, bf16 and KIVI caches alike)
+    base = _stored(base)
     masks: dict[int | None, torch.Tensor] = {None: base}
     Hq, Hkv, D = arch.n_heads, arch.n_kv_heads, arch.head_dim
     fl = fused.layers if fused is not None else [None] * arch.n_layers
     for layer, plan, kv, f in zip(inner.layers[: arch.n_layers], arch.layers, cache, fl, strict=True):
         if plan.window not in masks:
-            masks[plan.window] = base & (qslot - ar.view(1, 1, T) < plan.window)
+            masks[plan.window] = _stored(base & (qslot - ar.view(1, 1, T) < plan.window))
         allowed = masks[plan.window]
         attn = layer.self_attn
         res = h

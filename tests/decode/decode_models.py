@@ -18,10 +18,13 @@ COMMON = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden
               num_key_value_heads=2, max_position_embeddings=512)
 
 
-def build(family: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def build(family: str, dtype: torch.dtype = torch.float32, layers: int | None = None) -> torch.nn.Module:
+    """A tiny random `family` model; `layers` (Llama only) instead of COMMON's two."""
     torch.manual_seed(0)
+    if layers is not None and family != "llama":
+        raise ValueError("layers: Llama only")
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**COMMON))
+        model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": layers or COMMON["num_hidden_layers"]}))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**COMMON))  # q/k/v biases
     elif family == "qwen3":

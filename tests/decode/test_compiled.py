@@ -116,3 +116,32 @@ def test_query_rotary_embedding_is_stored_once_not_recomputed_per_slot() -> None
     torch._dynamo.reset()
     with compile_scope():  # fused 16-bit arithmetic rounds as eager does: the same scores
         torch.testing.assert_close(torch.compile(scores, fullgraph=True)(q, k, ang), ref, atol=1e-5, rtol=1e-5)
+
+
+def _bool_buffers_written(dec: StaticDecoder) -> int:
+    """The bool buffers the compiled decode step's C++ kernels write, summed over their calls."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with torch.no_grad(), compile_scope():
+        _, (code, *_) = run_and_get_code(torch.compile(dec._decode, fullgraph=True, dynamic=False),
+                                         torch.tensor([[5]]), dec.pos + 1, torch.tensor([12]))
+    signatures = dict(re.findall(r"(cpp_fused\w+) = async_compile\.cpp_pybinding\((\[.*?\]), r'''", code, re.S))
+    calls = re.findall(r"\n\s+(cpp_fused\w+)\(", code)
+    assert calls, "no C++ kernel calls found in the generated code"
+    return sum(signatures[c].count("'bool*'") for c in calls)
+
+
+def test_attention_mask_is_stored_once_a_step_not_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor recomputed the step's mask (valid slots up to the query's) inside every layer's kernel, into
+    that layer's operator buffer (batch 8, 2048 tokens: ~4% of a step); `_stored` writes it once.  Six
+    layers: the valid slots and the mask written, against one mask a layer with the identity."""
+    from fewbits.decode import step
+
+    dec = StaticDecoder(build("llama", torch.bfloat16, layers=6), "bf16", 1, 40, compile=False)
+    dec.prefill(torch.randint(4, 320, (1, 12)))
+    assert _bool_buffers_written(dec) == 2
+    monkeypatch.setattr(step, "_stored", lambda x: x)
+    assert _bool_buffers_written(dec) == 1 + 6
