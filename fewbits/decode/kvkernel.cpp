@@ -1523,8 +1523,6 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         for (int64_t x = 0; x < ng; ++x) vb[r * ng + x] = 0.f;
       }
 #ifdef FEWBITS_KV_I16
-      // the weighted sum of values in 256-bit vectors: wg[g * Rpad * n + r * n + i] = the softmax weight times token
-      // i's scale of value group g (masked tokens: 0), vb[r * ng + g] = the weights times the group's minima (KIVI)
       // the value scales and minima group by group: vsf[g * n + i] (converted by vectors, then regrouped)
       const auto group_scales = [&](int64_t bh_t) {
         const auto regroup = [&](const at::Half* src, float* dst) {
@@ -1541,6 +1539,9 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
         if (kivi) regroup(VM, vmf.data());
         else std::fill(vmf.begin(), vmf.begin() + n * ng, 0.f);
       };
+      // the AVX2 build's fp32 values path: wg[g * Rpad * n + r * n + i] = the softmax weight times token i's scale of
+      // value group g (masked tokens: 0), vb[r * ng + g] = the weights times the group's minima (KIVI); the integer
+      // path does this per value group and pass of heads in value_weights_i16
       [[maybe_unused]] const auto group_weights = [&](int64_t bh_t, int64_t gs) {
         group_scales(bh_t);
         for (int64_t r = 0; r < R; ++r) {
