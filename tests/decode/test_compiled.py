@@ -85,14 +85,19 @@ def test_eager_reason_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert why_eager(build("llama")) == "FEWBITS_EAGER=1"
 
 
-def _reduction_bodies(fn, *args) -> list[str]:  # noqa: ANN001 - the reduction loops' bodies of fn's C++ code
-    import re
-
+def _cpp_code(fn, *args) -> str:  # noqa: ANN001 - the C++ inductor generates for fn, compiled afresh
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    with compile_scope():
+    with torch.no_grad(), compile_scope():
         _, (code, *_) = run_and_get_code(torch.compile(fn, fullgraph=True, dynamic=False), *args)
+    return code
+
+
+def _reduction_bodies(fn, *args) -> list[str]:  # noqa: ANN001 - the reduction loops' bodies of fn's C++ code
+    import re
+
+    code = _cpp_code(fn, *args)
     return re.findall(r"tmp_acc\w*_vec = [^;]*;(.*?)vec_reduce_all", code, re.S)
 
 
@@ -122,12 +127,7 @@ def _bool_buffers_written(dec: StaticDecoder) -> int:
     """The bool buffers the compiled decode step's C++ kernels write, summed over their calls."""
     import re
 
-    from torch._inductor.utils import run_and_get_code
-
-    torch._dynamo.reset()
-    with torch.no_grad(), compile_scope():
-        _, (code, *_) = run_and_get_code(torch.compile(dec._decode, fullgraph=True, dynamic=False),
-                                         torch.tensor([[5]]), dec.pos + 1, torch.tensor([12]))
+    code = _cpp_code(dec._decode, torch.tensor([[5]]), dec.pos + 1, torch.tensor([12]))
     signatures = dict(re.findall(r"(cpp_fused\w+) = async_compile\.cpp_pybinding\((\[.*?\]), r'''", code, re.S))
     calls = re.findall(r"\n\s+(cpp_fused\w+)\(", code)
     assert calls, "no C++ kernel calls found in the generated code"
