@@ -443,6 +443,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, compute_efficiency=comp_eff,
+                   kv_compute_measured=True,
                    linear_call_overhead_s=call_extra, bandwidth_curve=curve if len(curve) > 1 else (),
                    **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,

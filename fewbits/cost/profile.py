@@ -23,6 +23,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "head_bandwidth_efficiency": 0.66,      # the 16-bit parts every format keeps (LM head, router, norms)
                                               #   where measured apart from the 16-bit linears; 0: "float"'s
       "kv_bandwidth_efficiency": {"float": 0.8, "fp8": 0.75, ...},   # by the family of the KV format
+      "kv_compute_measured": false,           # true: those were timed on decode steps of the attention itself
+                                              #   (`fewbits probe`), so its maths is in them: a decode step's
+                                              #   attention is its cache bytes at them, no FLOP roofline on top
       "compute_efficiency": {"float": 0.65, ...},                    # by the family of the weights
       "overhead_s": 0.0003,                   # fixed time per step (launches, sampling, scheduling)
       "overhead_per_seq_s": 0.0,              # added per sequence of the batch beyond the first
@@ -153,6 +156,7 @@ class Profile:
     description: str = ""
     bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
     kv_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
+    kv_compute_measured: bool = False
     compute_efficiency: dict[str, float] = field(default_factory=dict)
     overhead_s: float = 0.0
     overhead_per_seq_s: float = 0.0
@@ -262,6 +266,7 @@ class Profile:
         return {"schema": PROFILE_SCHEMA, "version": PROFILE_VERSION, "name": self.name,
                 "description": self.description, "bandwidth_efficiency": dict(self.bandwidth_efficiency),
                 "kv_bandwidth_efficiency": dict(self.kv_bandwidth_efficiency),
+                "kv_compute_measured": self.kv_compute_measured,
                 "compute_efficiency": dict(self.compute_efficiency), "overhead_s": self.overhead_s,
                 "overhead_per_seq_s": self.overhead_per_seq_s,
                 "linear_call_overhead_s": dict(self.linear_call_overhead_s),

@@ -16,6 +16,11 @@ all-reduces of the b x d activations, each 2 (n-1)/n * bytes / link + latency.  
       + max(B_kv / (beta eta_kv), F_att / (peak_16 eta_c16))        attention over the cache
       + t_comm + t_0                                                 all-reduces + fixed overhead
 
+with the attention's FLOP roofline left out of a decode step where the profile's eta_kv were timed on decode
+steps of the attention itself (`Profile.kv_compute_measured`, `fewbits probe`): its maths is then in eta_kv
+already (a decode step does the same FLOPs per cached byte at any batch and context, so the two cannot be told
+apart, nor need to be), and the linears' compute efficiency eta_c16 is no measure of the attention's.
+
 with eta from the `Profile` per format family.  The two rooflines are summed, not merged into one,
 because the kernels of a step run one after another: a batch whose linears are compute-bound still
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
@@ -316,20 +321,23 @@ def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b
 
 
 def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, weight_q: np.ndarray,
-            dense: np.ndarray, kv_q: np.ndarray, kv_w: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray
-            ) -> dict[str, np.ndarray]:
+            dense: np.ndarray, kv_q: np.ndarray, kv_w: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray,
+            att_timed: bool = False) -> dict[str, np.ndarray]:
     """The two rooflines of a step (linear layers, attention) and their sum.  The cache's quantised
     bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's.  All
     of them at `Profile.bandwidth_at` the step's working set (all it reads: faster than memory where it fits
-    the last-level cache; `device.bandwidth` without a measured curve)."""
+    the last-level cache; `device.bandwidth` without a measured curve).  `att_timed`: those efficiencies
+    are the attention's own timed rates (compute included), so its time is its bytes' alone."""
     beta = profile.bandwidth_at(device, weight_q + dense + w.head_q + kv_q + kv_w)
     t_mem_w = (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / beta
     t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / beta
     t_comp_w = lin_flops / (w.peak * w.eta_c)
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
-    t_lin, t_att = np.maximum(t_mem_w, t_comp_w), np.maximum(t_mem_kv, t_comp_kv)
+    t_lin = np.maximum(t_mem_w, t_comp_w)
+    t_att = t_mem_kv if att_timed else np.maximum(t_mem_kv, t_comp_kv)
     # compute-bound: the phases limited by compute take most of the step
-    in_compute = np.where(t_comp_w > t_mem_w, t_lin, 0.0) + np.where(t_comp_kv > t_mem_kv, t_att, 0.0)
+    att_compute = np.logical_and(t_comp_kv > t_mem_kv, not att_timed)
+    in_compute = np.where(t_comp_w > t_mem_w, t_lin, 0.0) + np.where(att_compute, t_att, 0.0)
     return {"t_memory": t_mem_w + t_mem_kv, "t_compute": t_comp_w + t_comp_kv, "t_linear": t_lin,
             "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att), "bandwidth": beta}
 
@@ -350,7 +358,7 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
     lin_flops = b * w.linear_flops
     att_flops = model.attention_flops_per_pair * (c + b) / devices
     ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, read_q + write_q, read_w + write_w,
-                 lin_flops, att_flops)
+                 lin_flops, att_flops, att_timed=profile.kv_compute_measured)
     t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, c + b, devices)
     t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, ctx + 1)

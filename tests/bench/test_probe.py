@@ -13,7 +13,7 @@ from fewbits.bench.decode import BenchRow, format_row, summary
 from fewbits.bench.gemv import build_set, effective_spec
 from fewbits.bench.probe import build_profile, layer_shapes, sixteen_bit_peaks
 from fewbits.cost.plan import plan
-from fewbits.cost.profile import load_profile, save_profile
+from fewbits.cost.profile import DEFAULT, load_profile, save_profile
 from fewbits.kernels import choose_kernel
 from fewbits.models.spec import ModelSpec
 
@@ -87,6 +87,8 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     compiled = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None)
     # compiled (the default): a quantised matmul is one operator call, as the skeleton's 16-bit one it replaces
     assert compiled.measured["decode_path"] == "compiled" and prof.measured["decode_path"] == "eager"
+    # the KV rates are the attention's own timed steps, its maths included: no FLOP roofline over them
+    assert compiled.kv_compute_measured and prof.kv_compute_measured and not DEFAULT.kv_compute_measured
     assert compiled.call_overhead("int8") == 0.0 and compiled.bw_eff("int8") == prof.bw_eff("int8")
     # the 16-bit linears and the 16-bit LM head each at their own rate (not one blend of both)
     assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
@@ -164,7 +166,6 @@ def _no_skeleton_rows(monkeypatch):
 def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=1, curve=None):
     """Replace `generate` with a step time built from the model the probe fits (true cache bytes)."""
     import fewbits.generate
-    from fewbits.cost.profile import DEFAULT
     from fewbits.cost.step import attention_layer_bytes, kv_step_bytes, kv_terms
     from fewbits.generate import GenerationResult
     from fewbits.kvcache.format import parse_kv_format
