@@ -44,21 +44,36 @@ file is built without ``-ffast-math`` for it), bit for bit.  Its schema marks th
 (``Tensor(a!)``), so a compiled step keeps it as one node that writes in place, and the quantisation runs only
 when a group is full, not under a `torch.where` at every step.
 
-Both are torch operators with fake implementations, so a compiled step keeps each as one node.  They are
-compiled once per machine (`fewbits.kernels.native`) with the C++ compiler the compiled path already needs and
+Both are torch operators with fake implementations, so a compiled step keeps each as one node.  Their source is
+kvkernel.cpp (the shared helpers and the operators) with its per-ISA parts written in where it names them
+(`source`): kvkernel_avx512.inc (the 512-bit fp32 loops), kvkernel_avx2.inc (the 256-bit ones),
+kvkernel_i16.inc (the 16-bit integer loops over KIVI's codes, and the int8 cache's as one 8-bit plane) and
+kvkernel_vnni.inc (their 512-bit VNNI kernels); one translation unit, as before.  They are compiled once per machine (`fewbits.kernels.native`) with the C++ compiler the compiled path already needs and
 cached under ``$FEWBITS_CACHE/kernels`` (default ``~/.cache/fewbits``); where that fails `available()` is False
 and `fewbits.decode.cache` / `fewbits.decode.step` keep the pure-torch write and reductions.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from fewbits.kernels import native
 
-_SRC = Path(__file__).with_name("kvkernel.cpp").read_text()  # the operators' C++ source, package data
+#: a line of kvkernel.cpp that stands for one of its per-ISA parts (kvkernel_avx512.inc, _avx2, _i16, _vnni)
+PART = re.compile(r'^#include "(kvkernel_\w+\.inc)"\n', re.M)
+
+
+def source() -> str:
+    """The operators' C++ source (package data): kvkernel.cpp with each per-ISA part it names (`PART`) written in
+    where it stands, one translation unit as the build compiles it."""
+    here = Path(__file__).parent
+    return PART.sub(lambda m: (here / m.group(1)).read_text(), (here / "kvkernel.cpp").read_text())
+
+
+_SRC = source()
 
 CHUNK = 256  # tokens per parallel unit
 #: the fewest tokens per parallel unit of `attend_rows` (a row is cheap to read: small units keep both threads busy
