@@ -48,9 +48,10 @@ Both are torch operators with fake implementations, so a compiled step keeps eac
 kvkernel.cpp (the shared helpers and the operators) with its per-ISA parts written in where it names them
 (`source`): kvkernel_avx512.inc (the 512-bit fp32 loops), kvkernel_avx2.inc (the 256-bit ones),
 kvkernel_i16.inc (the 16-bit integer loops over KIVI's codes, and the int8 cache's as one 8-bit plane) and
-kvkernel_vnni.inc (their 512-bit VNNI kernels); one translation unit, as before.  They are compiled once per machine (`fewbits.kernels.native`) with the C++ compiler the compiled path already needs and
-cached under ``$FEWBITS_CACHE/kernels`` (default ``~/.cache/fewbits``); where that fails `available()` is False
-and `fewbits.decode.cache` / `fewbits.decode.step` keep the pure-torch write and reductions.
+kvkernel_vnni.inc (their 512-bit VNNI kernels); one translation unit, as before.  They are compiled once per
+machine (`fewbits.kernels.native`) with the C++ compiler the compiled path already needs and cached under
+``$FEWBITS_CACHE/kernels`` (default ``~/.cache/fewbits``); where that fails `available()` is False and
+`fewbits.decode.cache` / `fewbits.decode.step` keep the pure-torch write and reductions.
 """
 
 from __future__ import annotations
