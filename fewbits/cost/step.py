@@ -16,11 +16,6 @@ all-reduces of the b x d activations, each 2 (n-1)/n * bytes / link + latency.  
       + max(B_kv / (beta eta_kv), F_att / (peak_16 eta_c16))        attention over the cache
       + t_comm + t_0                                                 all-reduces + fixed overhead
 
-with the attention's FLOP roofline left out of a decode step where the profile's eta_kv were timed on decode
-steps of the attention itself (`Profile.kv_compute_measured`, `fewbits probe`): its maths is then in eta_kv
-already (a decode step does the same FLOPs per cached byte at any batch and context, so the two cannot be told
-apart, nor need to be), and the linears' compute efficiency eta_c16 is no measure of the attention's.
-
 with eta from the `Profile` per format family.  The two rooflines are summed, not merged into one,
 because the kernels of a step run one after another: a batch whose linears are compute-bound still
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
@@ -29,6 +24,11 @@ layer of the KV format, and the refill of the core cache each layer's stream (we
 keys/values, x bytes) evicts: L E min(1, x / X), or L E(x) from a measured curve (`refill_time`).
 Mixture-of-experts layers read the experts the batch touches: E (1 - (1 - k/E)^b) per layer in
 expectation under uniform routing.
+
+A decode step's attention takes its bytes alone, without the FLOP roofline, where the profile's eta_kv were
+timed on decode steps of the attention itself (`Profile.kv_compute_measured`, `fewbits probe`): its maths is then
+in eta_kv already (a decode step does the same FLOPs per cached byte at any batch and context, so the two cannot
+be told apart, nor need to be), and the linears' compute efficiency eta_c16 is no measure of the attention's.
 
 Everything is numpy and broadcasts: b and context may be arrays, and so may the per-format terms
 (`WeightTerms`/`KVTerms` fields), which is what `fewbits.cost.sweep` uses.
