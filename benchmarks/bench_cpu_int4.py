@@ -5,6 +5,7 @@ each reads, beside a read of memory (`fewbits.bench.machine.memory_bandwidth`).
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/bench_cpu_int4.py [--rows 1,8] [--spec int4-g32,int4-g64]
         [--models smollm2,gemma3] [--min-mb 256] [--rounds 40] [--avx2] [--loops] [--threads 1 --clock cpu]
+        [--baseline OLD_CPU_INT4_CPP]
 
 Shapes: the fused q/k/v, o, fused gate/up and down projections of SmolLM2-135M and Gemma-3-270M.  Each kernel's
 weights are replicated until they exceed --min-mb (colder than the last-level cache); every sample multiplies
@@ -12,7 +13,11 @@ by the next ~8 MB of copies, the kernels alternate sample by sample in one proce
 counts (other processes only add time).  "x torch" is the operator's speed over torch's.  --avx2 adds the
 operator built without AVX-512 (``-mno-avx512f``: its AVX2 path, what an AVX2 machine runs), --loops its plain
 loops, and --torch-avx2 runs torch's operator in its AVX2 build as well (``ATEN_CPU_CAPABILITY=avx2``, a second
-process).
+process).  --baseline FILE adds the operator built from another version of cpu_int4.cpp (kernel "q4 baseline")
+and a column "x base", the baseline's time over this version's, per q4 row: a change's before / after in one run,
+
+    git show HEAD~1:fewbits/kernels/cpu_int4.cpp > /tmp/q4_before.cpp
+    PYTHONPATH=. python benchmarks/bench_cpu_int4.py --rows 1,8 --kernels q4 --baseline /tmp/q4_before.cpp
 """
 
 from __future__ import annotations
@@ -90,6 +95,27 @@ def _avx2_class() -> type | None:
     return Avx2
 
 
+def _baseline_class(path: str) -> type:
+    """Q4Kernel on the operator built from another version of cpu_int4.cpp, under its own torch namespace."""
+    from pathlib import Path
+
+    name = "fewbits_q4base"
+    src = Path(path).read_text().replace("@Q8_BLOCK@", cpu_int4.act8.Q8_BLOCK_SRC).replace(
+        "@X16_BLOCK@", cpu_int4.act8.X16_BLOCK_SRC).replace(cpu_int4.NAME, name)
+    if not cpu_int4.available(src, name):
+        sys.exit(f"{path} did not build: {cpu_int4.native.why(name)}")
+    op = getattr(torch.ops, name).q4_mm.default
+
+    class Base(cpu_int4.Q4Kernel):
+        name = "q4 baseline"
+
+        def __init__(self, qt) -> None:  # noqa: ANN001
+            super().__init__(qt)
+            self._op = op
+
+    return Base
+
+
 class _Loops(cpu_int4.Q4Kernel):
     name = "q4 plain loops"
     path = 1
@@ -112,6 +138,9 @@ def main() -> None:
                     help="also the operator built without AVX-512 (its AVX2 path, what an AVX2 machine runs)")
     ap.add_argument("--loops", action="store_true", help="also the operator's plain loops (path 1)")
     ap.add_argument("--torch-avx2", action="store_true", help="also torch's operator in its AVX2 build")
+    ap.add_argument("--baseline", metavar="FILE",
+                    help="also the operator built from another version of cpu_int4.cpp, and a column of its time "
+                         "over this one's ('x base'): before / after a change in one run")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [int(r) for r in args.rows.split(",")]
@@ -133,6 +162,8 @@ def main() -> None:
             makers["q4 no AVX-512"] = cls
     if args.loops:
         makers["q4 plain loops"] = _Loops
+    if args.baseline:
+        makers["q4 baseline"] = _baseline_class(args.baseline)
     bw = memory_bandwidth(1 << 28)
     isa = "not built"
     if cpu_int4.available():
@@ -144,7 +175,7 @@ def main() -> None:
           f"{isa}, memory read {bw / 1e9:.1f} GB/s, weights >= {args.min_mb:.0f} MB per kernel, "
           f"~{args.sample_mb:.0f} MB per sample, fastest of {args.rounds}")
     print(f"{'model':>8} {'layer':>8} {'shape':>11} {'spec':>9} {'rows':>4} {'kernel':>24} {'us':>8} {'GB/s':>6} "
-          f"{'x mem':>6} {'x torch':>7} {'x bf16':>7}")
+          f"{'x mem':>6} {'x torch':>7} {'x bf16':>7}" + (f" {'x base':>7}" if args.baseline else ""))
     g = torch.Generator().manual_seed(0)
     for model in args.models.split(","):
         for layer, n, k in SHAPES[model]:
@@ -186,9 +217,10 @@ def main() -> None:
                         gbs = ks[0].nbytes / t[s] / 1e9
                         vs_t = f"{t['torch'] / t[s]:6.2f}x" if "torch" in t else ""
                         vs_b = f"{t['bf16'] / t[s]:6.2f}x" if "bf16" in t else ""
+                        vs_o = f"{t['q4 baseline'] / t[s]:6.2f}x" if s == "q4" and "q4 baseline" in t else ""
                         label = "bf16" if s == "bf16" else spec
                         print(f"{model:>8} {layer:>8} {f'{n}x{k}':>11} {label:>9} {m:>4} {s:>24} {t[s] * 1e6:8.1f} "
-                              f"{gbs:6.1f} {gbs * 1e9 / bw:6.2f} {vs_t:>7} {vs_b:>7}")
+                              f"{gbs:6.1f} {gbs * 1e9 / bw:6.2f} {vs_t:>7} {vs_b:>7} {vs_o:>7}")
                 del sets
     if args.torch_avx2 and "torch" in kinds:
         print("\ntorch's operator in its AVX2 build (ATEN_CPU_CAPABILITY=avx2):", flush=True)

@@ -26,7 +26,9 @@ namespace {
 constexpr int64_t MAXM = 8;     // rows of x per pass over the weight
 constexpr int64_t BLOCK = 32;   // output channels per parallel unit
 // rows of weight ahead whose same columns a pass prefetches (the hardware prefetcher misses the pattern of R rows
-// read side by side)
+// read side by side), into L2 (prefetcht1), not L1: on an AVX-512 EPYC, with the same prefetches into L1, bf16
+// weights times 8 rows of x ran at 0.55-0.67x this speed and int8 weights times one row at 0.71-0.98x
+// (benchmarks/bench_rows.py --baseline); the load itself then brings the line to L1 from an L2 hit
 constexpr int64_t PREFETCH_ROWS = 16;
 
 // I8B: int8 weights times bf16 x through dpbf16 (AVX512-BF16 builds, 2+ rows of a bf16 x)
@@ -143,7 +145,7 @@ inline void block_avx2(const float* __restrict x, int64_t K, const char* w, int6
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       wv[r] = widen8<KIND>(w + r * ld_bytes, k);
-      if ((k * ESZ) % 64 == 0) _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * ESZ, _MM_HINT_T0);
+      if ((k * ESZ) % 64 == 0) _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * ESZ, _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -169,7 +171,7 @@ inline float row1_avx2(const float* __restrict x, int64_t K, const char* w, int6
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    if ((k * ESZ) % 64 == 0) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ, _MM_HINT_T0);
+    if ((k * ESZ) % 64 == 0) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j)
       acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * j), widen8<KIND>(w, k + 8 * j), acc[j]);
@@ -269,7 +271,7 @@ inline void block_a8(const int8_t* __restrict xq, const float* __restrict d, int
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ld + k));
       aw[r] = _mm256_abs_epi8(wv[r]);
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -355,7 +357,7 @@ inline void block_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_loadu_si512(w + r * ld + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T1);
     }
     dpbf16_rows<M, R>(acc, x, K, k, ~__mmask32(0), wv);
   }
@@ -407,7 +409,7 @@ inline void block_i8_bf16(const uint16_t* __restrict x, int64_t K, const int8_t*
       const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, p)));
       const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, p + 16)));
       wv[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // columns k .. k+15 from lo, k+16 .. k+31 from hi
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * ld), _MM_HINT_T0);
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + PREFETCH_ROWS * ld), _MM_HINT_T1);
     }
     dpbf16_rows<M, R>(acc, x, K, k, left >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << left) - 1), wv);
   }
@@ -443,7 +445,7 @@ inline void block_f32(const float* __restrict x, int64_t K, const char* w, int64
     for (int r = 0; r < R; ++r) {
       wv[r] = widen16<KIND>(w + r * ld_bytes, k, 0, true);
       if ((k * esz(KIND)) % 64 == 0)  // once per cache line of the weight row
-        _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * esz(KIND), _MM_HINT_T0);
+        _mm_prefetch(w + (r + PREFETCH_ROWS) * ld_bytes + k * esz(KIND), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -480,14 +482,14 @@ inline float row1_bf16(const uint16_t* __restrict x, int64_t K, const uint16_t* 
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k + 32), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k + 32), _MM_HINT_T1);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
     a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(x + k + 32), (__m512bh)_mm512_loadu_si512(w + k + 32));
   }
   for (; k < K; k += 32) {
     const __mmask32 mk = K - k >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1ull << (K - k)) - 1);
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + k), _MM_HINT_T1);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_maskz_loadu_epi16(mk, x + k), (__m512bh)_mm512_maskz_loadu_epi16(mk, w + k));
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
@@ -505,7 +507,7 @@ inline float row1_f32(const float* __restrict x, int64_t K, const char* w, int64
   int64_t k = 0;
   for (; k + 64 <= K; k += 64) {
 #pragma GCC unroll 2
-    for (int64_t c = 0; c < 64 * ESZ; c += 64) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ + c, _MM_HINT_T0);
+    for (int64_t c = 0; c < 64 * ESZ; c += 64) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ + c, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j)
       a[j] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16 * j), widen16<KIND>(w, k + 16 * j, 0, true), a[j]);
@@ -573,7 +575,7 @@ inline void block_a8(const uint8_t* __restrict xu, const float* __restrict d, in
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm512_maskz_loadu_epi8(mk, w + r * ld + k);
       corr[r] = _mm512_dpbusd_epi32(zero, c128, wv[r]);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -643,12 +645,12 @@ inline float row1_x16(const int16_t* xq, const float* xd, int64_t K, const int8_
   const int64_t nb = K / 32;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T1);
     f0 = x16_block_sum(xq, xd, w, b, f0);
     f1 = x16_block_sum(xq, xd, w, b + 1, f1);
   }
   if (b < nb) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T1);
     f0 = x16_block_sum(xq, xd, w, b, f0);
   }
   const __m256 f = _mm256_add_ps(f0, f1);
