@@ -708,11 +708,42 @@ void matmul_rows(const void* x, int64_t M, int64_t K, int64_t xsize, const char*
   }
 }
 
+// A call's temporary buffer of n T's, not zeroed: up to SCRATCH_KEEP bytes it is this thread's buffer for SLOT,
+// kept from call to call (a decode step makes ~120 calls, each of whose allocations, zero fills and frees of a few
+// kB to a head's 200 kB had cost more than the small layers' arithmetic), larger ones its own.  Each SLOT is one
+// of a call's buffers; the operators do not call each other, so no two live buffers share a slot.
+constexpr int64_t SCRATCH_KEEP = 4 << 20;
+template <typename T, int SLOT>
+class Scratch {
+ public:
+  explicit Scratch(int64_t n) : n_(n) {
+    thread_local std::vector<T> kept;
+    if (n * int64_t(sizeof(T)) <= SCRATCH_KEEP) {
+      if (int64_t(kept.size()) < n) kept.resize(n);
+      p_ = kept.data();
+    } else {
+      own_.resize(n);
+      p_ = own_.data();
+    }
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch(Scratch&&) = default;  // own_'s buffer moves with it, so p_ stays valid
+  T* data() const { return p_; }
+  size_t size() const { return size_t(n_); }
+  T& operator[](int64_t i) const { return p_[i]; }
+
+ private:
+  std::vector<T> own_;
+  T* p_;
+  int64_t n_;
+};
+
 // a float tensor's values as fp32 in a plain buffer (a decode call's x, scales, corrections: no torch temporaries,
 // whose allocation and dispatch cost more than these few kilobytes)
-std::vector<float> as_float(const at::Tensor& t) {
+template <int SLOT>
+Scratch<float, SLOT> as_float(const at::Tensor& t) {
   const at::Tensor c = t.contiguous();
-  std::vector<float> v(c.numel());
+  Scratch<float, SLOT> v(c.numel());
   if (c.scalar_type() == at::kFloat) std::memcpy(v.data(), c.data_ptr<float>(), v.size() * 4);
   else if (c.scalar_type() == at::kBFloat16) {
     const at::BFloat16* p = c.data_ptr<at::BFloat16>();
@@ -739,7 +770,7 @@ inline uint16_t bf16_bits(float f) {
 // y (M x N) in `like`'s dtype = acc * scales[n] (+ xsum[m] * corr[n]), rounded once.  Spans of a row split between
 // threads, in loops the compiler vectorises (a batch-8 LM head has ~400K outputs; against the scalar loop before,
 // on an AVX2 EPYC: SmolLM2's head at 8 rows 3.55 -> 3.51 ms, an 18-wide one of the same vocabulary 1.02 -> 0.93 ms).
-at::Tensor finish(std::vector<float>& acc, int64_t M, int64_t N, const float* scales, const float* xsum,
+at::Tensor finish(float* acc, int64_t M, int64_t N, const float* scales, const float* xsum,
                   const float* corr, const at::Tensor& like) {
   const at::ScalarType st = like.scalar_type();
   const bool direct = st == at::kBFloat16 || st == at::kHalf || st == at::kFloat;
@@ -748,7 +779,7 @@ at::Tensor finish(std::vector<float>& acc, int64_t M, int64_t N, const float* sc
   at::parallel_for(0, M * N, 16384, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {  // [i, e): a span of row m
       const int64_t m = i / N, n0 = i - m * N, e = std::min(i1, (m + 1) * N);
-      float* a = acc.data() + i;
+      float* a = acc + i;
       const int64_t len = e - i;
       if (scales) for (int64_t j = 0; j < len; ++j) a[j] *= scales[n0 + j];
       if (corr) { const float xs = xsum[m]; for (int64_t j = 0; j < len; ++j) a[j] += xs * corr[n0 + j]; }
@@ -773,7 +804,7 @@ at::Tensor finish(std::vector<float>& acc, int64_t M, int64_t N, const float* sc
   return direct ? y : y.to(st);
 }
 
-std::vector<float> row_sums(const std::vector<float>& x, int64_t M, int64_t K) {
+std::vector<float> row_sums(const float* x, int64_t M, int64_t K) {
   std::vector<float> s(M, 0.f);
   for (int64_t m = 0; m < M; ++m) for (int64_t k = 0; k < K; ++k) s[m] += x[m * K + k];
   return s;
@@ -794,7 +825,7 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
               "dense_mm: x and w must both be bf16 or both fp16, got ", x.scalar_type(), " and ", w.scalar_type());
   const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
   const Kind kind = w.scalar_type() == at::kBFloat16 ? BF16 : F16;
-  std::vector<float> acc(M * N);
+  Scratch<float, 3> acc(M * N);
   if (M && N) {
     const char* W = static_cast<const char*>(w.data_ptr());
 #ifdef ROWS_AVX512
@@ -802,15 +833,15 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
       const at::Tensor xc = x.contiguous();
       matmul_rows(xc.data_ptr(), M, K, 2, W, w.stride(0) * 2, kind, N, acc.data());
     } else {
-      const std::vector<float> xf = as_float(x);
+      const auto xf = as_float<0>(x);
       matmul_rows(xf.data(), M, K, 4, W, w.stride(0) * 2, kind, N, acc.data());
     }
 #else
-    const std::vector<float> xf = as_float(x);
+    const auto xf = as_float<0>(x);
     matmul_rows(xf.data(), M, K, 4, W, w.stride(0) * 2, kind, N, acc.data());
 #endif
   }
-  return finish(acc, M, N, nullptr, nullptr, nullptr, x);
+  return finish(acc.data(), M, N, nullptr, nullptr, nullptr, x);
 }
 
 // x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
@@ -825,16 +856,17 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   TORCH_CHECK(scales.numel() == N, "int8_mm: ", N, " output channels but ", scales.numel(), " scales");
   const bool has_c = corr.has_value() && corr->defined();
   TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
-  const std::vector<float> xf = as_float(x), sc = as_float(scales);
-  const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
-                                                                                           : std::vector<float>();
-  std::vector<float> acc(M * N);
+  const auto xf = as_float<0>(x);
+  const auto sc = as_float<1>(scales);
+  const auto cv = has_c ? as_float<2>(*corr) : Scratch<float, 2>(0);
+  const std::vector<float> xs = has_c ? row_sums(xf.data(), M, K) : std::vector<float>();
+  Scratch<float, 3> acc(M * N);
   const char* W = static_cast<const char*>(q.data_ptr());
   bool done = !(M && N);
 #ifdef ROWS_X16
   if (!done && path == 0 && M <= X16_MAX_ROWS && K % 32 == 0) {
-    std::vector<int16_t> xq(K);
-    std::vector<float> xd(K / 32);
+    Scratch<int16_t, 0> xq(K);
+    Scratch<float, 4> xd(K / 32);
     if (quantize_x16(xf.data(), K, xq.data(), xd.data())) {
       const int64_t ld = q.stride(0);
       float* out = acc.data();
@@ -854,7 +886,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   }
 #endif
   if (!done) matmul_rows(xf.data(), M, K, 4, W, q.stride(0), I8, N, acc.data());
-  return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
+  return finish(acc.data(), M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
 // x (M, K) float, codes (N, K) uint8 FP8 codes (E4M3, or E5M2 if e5m2), scales (N,) or (1,) float -> (x w^T) * scales
@@ -865,14 +897,15 @@ at::Tensor fp8_mm(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const int64_t M = x.size(0), N = codes.size(0), K = x.size(1);
   TORCH_CHECK(scales.numel() == N || scales.numel() == 1, "fp8_mm: ", N, " output channels but ", scales.numel(),
               " scales (one per channel, or one)");
-  const std::vector<float> xf = as_float(x), given = as_float(scales);
-  std::vector<float> sc(N);
+  const auto xf = as_float<0>(x);
+  const auto given = as_float<1>(scales);
+  Scratch<float, 5> sc(N);
   for (int64_t n = 0; n < N; ++n) sc[n] = given[given.size() == 1 ? 0 : n] * (e5m2 ? 1.f : E4M3_SCALE);
-  std::vector<float> acc(M * N);
+  Scratch<float, 3> acc(M * N);
   if (M && N)
     matmul_rows(xf.data(), M, K, 4, static_cast<const char*>(codes.data_ptr()), codes.stride(0), e5m2 ? E5M2 : E4M3,
                 N, acc.data());
-  return finish(acc, M, N, sc.data(), nullptr, nullptr, x);
+  return finish(acc.data(), M, N, sc.data(), nullptr, nullptr, x);
 }
 
 // as int8_mm, with x rounded to int8 per row and block of 32 columns (fewbits.kernels.act8) and multiplied in
@@ -888,20 +921,21 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
   const bool has_c = corr.has_value() && corr->defined();
   TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm_a8: ", N, " output channels but ", corr->numel(),
               " corrections");
-  const std::vector<float> xf = as_float(x), sc = as_float(scales);
-  const std::vector<float> cv = has_c ? as_float(*corr) : std::vector<float>(), xs = has_c ? row_sums(xf, M, K)
-                                                                                           : std::vector<float>();
+  const auto xf = as_float<0>(x);
+  const auto sc = as_float<1>(scales);
+  const auto cv = has_c ? as_float<2>(*corr) : Scratch<float, 2>(0);
+  const std::vector<float> xs = has_c ? row_sums(xf.data(), M, K) : std::vector<float>();
   const float* X = xf.data();
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> d(M * (K / 32));
+  Scratch<int8_t, 0> xq(M * K);
+  Scratch<float, 4> d(M * (K / 32));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b)
       d[m * (K / 32) + b] = fb_q8_block(X + m * K + b * 32, 32, xq.data() + m * K + b * 32);
 #if ROWS_A8 && defined(ROWS_AVX512)
-  std::vector<uint8_t> xu(M * K);  // codes + 128: vpdpbusd's unsigned operand
+  Scratch<uint8_t, 0> xu(M * K);  // codes + 128: vpdpbusd's unsigned operand
   for (int64_t k = 0; k < M * K; ++k) xu[k] = uint8_t(int32_t(xq[k]) + 128);
 #endif
-  std::vector<float> acc(M * N);
+  Scratch<float, 3> acc(M * N);
   float* O = acc.data();
   const int8_t* W = static_cast<const int8_t*>(q.data_ptr());
   const int64_t ld = q.stride(0);
@@ -934,7 +968,7 @@ at::Tensor int8_mm_a8(const at::Tensor& x, const at::Tensor& q, const at::Tensor
       });
     }
   }
-  return finish(acc, M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
+  return finish(acc.data(), M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
 }
 
 // ---------------------------------------------------------------- greedy decoding's token choice

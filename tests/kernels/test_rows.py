@@ -106,6 +106,37 @@ def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: to
         _close(ops.int8_mm(x, q, s, corr, 1 if M == 1 else 0), ref, dtype)
 
 
+@needs_ops
+@pytest.mark.parametrize("impl", ["native", "portable"])
+def test_calls_of_every_size_in_turn_keep_their_own_results(impl: str) -> None:
+    """The operators' temporaries live in per-thread buffers kept between calls (up to 4 MB, larger ones are
+    their own): a call after a larger one, after one past that limit (8 x 140,000 fp32 outputs: 4.5 MB), with
+    and without corrections and in every operator, each equals its own reference, and an earlier call's output
+    is not overwritten by a later call's."""
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(7)
+    K = 64
+    outs = []
+    for M, N, asym in [(1, 960, False), (8, 3072, True), (1, 40, False), (8, 140_000, False), (2, 576, True),
+                       (1, 140_000, True), (3, 7, False)]:
+        q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+        s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+        corr = torch.randn(N, generator=g) * 0.01 if asym else None
+        x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+        ref = x.float() @ (q.float() * s.float()[:, None]).T
+        if corr is not None:
+            ref = ref + x.float().sum(-1, keepdim=True) * corr
+        y = ops.int8_mm(x, q, s, corr, 0)
+        _close(y, ref, torch.bfloat16)
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        d = ops.dense_mm(x, w)
+        _close(d, x.float() @ w.float().T, torch.bfloat16)
+        outs.append((y, ref, d, x.float() @ w.float().T))
+    for y, ref, d, dref in outs:
+        _close(y, ref, torch.bfloat16)
+        _close(d, dref, torch.bfloat16)
+
+
 def _takes_x16(impl: str, K: int) -> bool:
     """Whether int8_mm at one row multiplies int16 blocks of x on this implementation (the AVX2 and AVX-512 builds,
     K a multiple of 32)."""
