@@ -23,6 +23,20 @@ def _strs(s: str) -> tuple[str, ...]:
     return tuple(v.strip() for v in s.split(",") if v.strip())
 
 
+def _memory_read(device: str) -> float:
+    """Bytes/s of a read of 1 GiB on `device`, as `fewbits probe` measures its bandwidth."""
+    from fewbits.bench.machine import memory_bandwidth
+
+    return memory_bandwidth(1 << 30, device=device)
+
+
+def _drift_line(probed: float, now: float, when: str) -> str:
+    return (f"memory read {when}: {now / 1e9:.1f} GB/s, {now / probed:.2f}x the profile's {probed / 1e9:.1f} GB/s"
+            + ("" if abs(now / probed - 1) <= 0.1 else
+               " (the host is not as it was probed, e.g. other processes' load: the predictions assume the "
+               "profile's machine; probe again to compare them now)"))
+
+
 @click.command("bench")
 @click.argument("model")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False), default=None,
@@ -55,7 +69,9 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
     weight format and KV-cache format, with the cost model's prediction and its error.  Decode runs the compiled
     static-cache step (compiled graphs cached on disk under $FEWBITS_CACHE/inductor; compile time shown apart)
-    unless --eager."""
+    unless --eager.  With a probed --profile, memory is read as the probe read it, before and after the rows,
+    beside the profile's bandwidth: a host slower or faster than when probed moves every measurement away from
+    its prediction."""
     import torch
 
     from fewbits.bench.decode import HEADER, BenchMemoryError, run_bench, summary
@@ -95,6 +111,14 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         prof = load_profile(profile_path)
     click.echo(f"profile {prof.name}: {prof.device.name if prof.device else 'datasheet device'}; "
                f"torch threads {torch.get_num_threads()}")
+    # a probed profile's bandwidth beside the same read now and after the rows: on a shared host the machine's
+    # speed drifts (one afternoon: 60 GB/s at a probe, 34 GB/s at the bench after it), and a prediction can only
+    # be as near the measurement as the machine is to its profile
+    probed = float((prof.measured or {}).get("bandwidth") or 0.0) if profile_path is not None else 0.0
+    reads: dict[str, float] = {}
+    if probed > 0:
+        reads["before"] = _memory_read(dev)
+        click.echo(_drift_line(probed, reads["before"], "before the rows"))
     click.echo(HEADER)
     try:
         if json_out:
@@ -105,8 +129,12 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     except (BenchMemoryError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))
+    if probed > 0:
+        reads["after"] = _memory_read(dev)
+        click.echo(_drift_line(probed, reads["after"], "after the rows"))
     if json_out:
         data = json.dumps({"model": model, "profile": prof.name, "device": dev, "random_weights": random_weights,
                            "path": "eager" if eager else "compiled",
+                           "memory_read_bytes_s": {"profile": probed, **reads} if probed > 0 else None,
                            "rows": [r.to_dict() for r in rows]}, indent=1)
         write_text(json_out, data)

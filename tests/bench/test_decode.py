@@ -184,3 +184,36 @@ def test_split_activations_reads_the_a8_suffix():
     assert split_activations("int4-g32:torch") == ("int4-g32:torch", "16")
     assert split_activations("bf16") == ("bf16", "16")
     assert split_activations("int4-a8") == ("int4-a8", "16")  # only the "+a8" suffix counts
+
+
+def test_bench_reports_the_memory_read_beside_the_probed_profiles(tmp_path, monkeypatch):
+    """With a probed profile, `fewbits bench` reads memory as the probe did before and after its rows and prints
+    it beside the profile's bandwidth, with a warning past 10% (a shared host drifts between probe and bench);
+    the JSON keeps the three figures.  A profile without a measured bandwidth prints nothing of it."""
+    from fewbits.bench import decode
+    from fewbits.cli import bench as bench_cli
+    from fewbits.cli import main
+    from fewbits.cost.profile import save_profile
+
+    path, prof = _tiny(tmp_path)
+    reads = iter([34e9, 58e9])
+    monkeypatch.setattr(bench_cli, "_memory_read", lambda device: next(reads))
+    monkeypatch.setattr(decode, "run_bench", lambda *a, **k: [])
+    monkeypatch.setattr(decode, "summary", lambda rows: "no rows")
+    probed = tmp_path / "probed.json"
+    save_profile(Profile(name="p", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
+                         compute_efficiency={"float": 0.5}, device=prof.device, measured={"bandwidth": 60e9}),
+                 probed)
+    out_json = tmp_path / "rows.json"
+    res = CliRunner().invoke(main, ["bench", str(path), "--profile", str(probed), "--json", str(out_json)])
+    assert res.exit_code == 0, res.output
+    before, after = (ln for ln in res.output.splitlines() if ln.startswith("memory read"))
+    assert before.startswith("memory read before the rows: 34.0 GB/s, 0.57x the profile's 60.0 GB/s (the host is")
+    assert after == "memory read after the rows: 58.0 GB/s, 0.97x the profile's 60.0 GB/s"
+    assert json.loads(out_json.read_text())["memory_read_bytes_s"] == {"profile": 60e9, "before": 34e9,
+                                                                       "after": 58e9}
+    plain = tmp_path / "plain.json"
+    save_profile(prof, plain)
+    monkeypatch.setattr(bench_cli, "_memory_read", lambda device: pytest.fail("read without a probed bandwidth"))
+    res = CliRunner().invoke(main, ["bench", str(path), "--profile", str(plain)])
+    assert res.exit_code == 0 and "memory read" not in res.output, res.output
