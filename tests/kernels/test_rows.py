@@ -111,8 +111,8 @@ def test_int8_equals_dequantised_matmul(impl: str, asym: bool, K: int, dtype: to
 def test_calls_of_every_size_in_turn_keep_their_own_results(impl: str) -> None:
     """The operators' temporaries live in per-thread buffers kept between calls (up to 4 MB, larger ones are
     their own): a call after a larger one, after one past that limit (8 x 140,000 fp32 outputs: 4.5 MB), with
-    and without corrections and in every operator, each equals its own reference, and an earlier call's output
-    is not overwritten by a later call's."""
+    and without corrections, with bf16 scales, fp32 ones and a strided bf16 view, in both
+    operators, each equals its own reference, and an earlier call's output is not overwritten by a later call's."""
     ops = _ops(impl)
     g = torch.Generator().manual_seed(7)
     K = 64
@@ -121,6 +121,8 @@ def test_calls_of_every_size_in_turn_keep_their_own_results(impl: str) -> None:
                        (1, 140_000, True), (3, 7, False)]:
         q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
         s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+        if asym:  # the scales as fp32, and as a strided bf16 view: both read through an fp32 copy
+            s = s.float() if M < 8 else torch.stack([s, s], 1)[:, 0]
         corr = torch.randn(N, generator=g) * 0.01 if asym else None
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
         ref = x.float() @ (q.float() * s.float()[:, None]).T
