@@ -121,7 +121,7 @@ def test_calls_of_every_size_in_turn_keep_their_own_results(impl: str) -> None:
                        (1, 140_000, True), (3, 7, False)]:
         q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
         s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
-        if asym:  # the scales as fp32, and as a strided bf16 view: both read through an fp32 copy
+        if asym:  # the scales as fp32, or as a strided bf16 view
             s = s.float() if M < 8 else torch.stack([s, s], 1)[:, 0]
         corr = torch.randn(N, generator=g) * 0.01 if asym else None
         x = torch.randn(M, K, generator=g).to(torch.bfloat16)
