@@ -100,8 +100,7 @@ def _baseline_class(path: str) -> type:
     from pathlib import Path
 
     name = "fewbits_q4base"
-    src = Path(path).read_text().replace("@Q8_BLOCK@", cpu_int4.act8.Q8_BLOCK_SRC).replace(
-        "@X16_BLOCK@", cpu_int4.act8.X16_BLOCK_SRC).replace(cpu_int4.NAME, name)
+    src = cpu_int4.act8.with_blocks(Path(path).read_text()).replace(cpu_int4.NAME, name)
     if not cpu_int4.available(src, name):
         sys.exit(f"{path} did not build: {cpu_int4.native.why(name)}")
     op = getattr(torch.ops, name).q4_mm.default

@@ -115,6 +115,11 @@ inline bool fb_x16_block(const __m256 f[4], int16_t* q, float* d_out, int32_t* s
 """
 
 
+def with_blocks(src: str) -> str:
+    """C++ source with its ``@Q8_BLOCK@`` and ``@X16_BLOCK@`` lines replaced by the two blocks' code."""
+    return src.replace("@Q8_BLOCK@", Q8_BLOCK_SRC).replace("@X16_BLOCK@", X16_BLOCK_SRC)
+
+
 def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (M, K) (K a multiple of 32) as the AVX2 one-row paths take it: (q int16 (M, K), d fp32 (M, K/32)) with
     x ~ q * d per block of 32 columns.  d = 2^(e - 14) where 2^e <= the block's largest |x| < 2^(e+1) (0 where that

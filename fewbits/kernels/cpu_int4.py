@@ -72,7 +72,7 @@ COLS = 8  # input columns per 64-byte chunk: group sizes and in_features need mu
 _SRC = Path(__file__).with_name("cpu_int4.cpp").read_text()  # the operators' C++ source, package data
 
 NAME = "fewbits_q4"
-_SRC = _SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC).replace("@X16_BLOCK@", act8.X16_BLOCK_SRC)
+_SRC = act8.with_blocks(_SRC)
 int16_blocks = act8.int16_blocks  # the one-row int16 path's specification
 
 

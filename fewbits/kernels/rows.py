@@ -56,7 +56,7 @@ from fewbits.kernels import act8, native
 
 SRC = Path(__file__).with_name("rows.cpp").read_text()  # the operators' C++ source, package data
 
-SRC = SRC.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC).replace("@X16_BLOCK@", act8.X16_BLOCK_SRC)
+SRC = act8.with_blocks(SRC)
 NAME = "fewbits_rows"
 MAX_ROWS = 8  # rows of x up to which int8_mm beats torch's int8 operator (benchmarks/bench_rows.py)
 
@@ -154,7 +154,6 @@ def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...
     """Build the same source under operator namespace `ns` with extra macros / compiler flags (tests and
     benchmarks of the portable path: ``defines=("FEWBITS_ROWS_PORTABLE",)``, ``cflags=("-mno-avx512f",)``), or
     `source`, another version of ``rows.cpp`` (a benchmark's baseline: ``git show REV:fewbits/kernels/rows.cpp``)."""
-    text = SRC if source is None else source.replace("@Q8_BLOCK@", act8.Q8_BLOCK_SRC).replace(
-        "@X16_BLOCK@", act8.X16_BLOCK_SRC)
+    text = SRC if source is None else act8.with_blocks(source)
     src = "".join(f"#define {d}\n" for d in (f"ROWS_NS {ns}", *defines)) + text
     return native.build(ns, src, fakes(ns), native.CFLAGS + list(cflags))
