@@ -189,6 +189,39 @@ def test_int8_one_row_is_the_int16_blocks_times_the_weight(impl: str, asym: bool
 
 
 @needs_ops
+def test_amx_is_used_where_the_cpu_has_it() -> None:
+    """`rows_amx` (int8_mm's tile path for 3+ rows of a bf16 x) answers for the CPU's AMX flags: on a CPU with
+    them the native build has the path and the OS grants the tiles."""
+    flags = set(native.cpu_flags().split())
+    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and rows.built_isa() == 2
+    assert torch.ops.fewbits_rows.rows_amx() == has
+
+
+@needs_ops
+@pytest.mark.parametrize("impl", ["native", "portable"])
+@pytest.mark.parametrize("K", [77, 576, 2051])
+def test_int8_many_rows_of_a_bf16_x_are_the_exact_products_summed(impl: str, K: int) -> None:
+    """int8_mm on 2 to 35 rows of a bf16 x (the native build: dpbf16, or AMX tiles from 3 rows where the CPU has
+    them, in passes of 16 rows; N and K not multiples of the tiles'): every product exact, so the error is fp32
+    summation's (K * 2^-24 of sum |x w|) and one rounding of the output.  A code read from the wrong column or
+    channel moves an output by about sum |x w| / K, past that bound."""
+    ops = _ops(impl)
+    g = torch.Generator().manual_seed(K)
+    N = 45
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    w = q.double() * s.double()[:, None]
+    for M in (2, 3, 8, 16, 17, 18, 35):
+        x = (torch.randn(M, K, generator=g) * torch.logspace(-3, 1, K)[torch.randperm(K, generator=g)])
+        x = x.to(torch.bfloat16)
+        ref = x.double() @ w.T
+        bound = torch.finfo(torch.bfloat16).eps * ref.abs() + K * 2.0**-24 * (x.double().abs() @ w.abs().T)
+        y = ops.int8_mm(x, q, s, None)
+        assert y.dtype == torch.bfloat16 and y.shape == (M, N)
+        assert ((y.double() - ref).abs() - bound).max() <= 0, (impl, K, M)
+
+
+@needs_ops
 @pytest.mark.parametrize("impl", IMPLS)
 def test_int8_one_row_carries_a_non_finite_activation_to_every_output(impl: str) -> None:
     """A NaN or an Inf in the one row of x gives no finite output (the int16 path hands such a row to its fp32
