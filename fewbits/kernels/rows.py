@@ -73,10 +73,16 @@ def built_isa() -> int:
     return 1 if {"avx2", "fma", "f16c"} <= flags else 0
 
 
-#: weight dtype -> rows of x up to which dense_mm beats torch's matmul (benchmarks/bench_rows.py): with
-#: AVX-512 oneDNN's bf16 matmul is faster from 3 rows; without it oneDNN widens bf16 slowly (2-3 GB/s at 8 rows
-#: against dense_mm's 8-10 on an AVX2 host)
-DENSE_MAX_ROWS = {torch.bfloat16: 2 if built_isa() == 2 else 8, torch.float16: 8}
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (read from its flags, as `built_isa`)."""
+    return {"amx_tile", "amx_bf16"} <= set(native.cpu_flags().split())
+
+
+#: weight dtype -> rows of x up to which dense_mm beats torch's matmul (benchmarks/bench_rows.py): on an AVX-512
+#: EPYC oneDNN's bf16 matmul is faster from 3 rows; on an AVX-512 Xeon with AMX it was not (dense_mm 2.0-2.6x
+#: torch's at 3-4 rows, 1.19-1.32x at 8: SmolLM2's q/k/v, gate/up, down and head); without AVX-512 oneDNN widens
+#: bf16 slowly (2-3 GB/s at 8 rows against dense_mm's 8-10 on an AVX2 host)
+DENSE_MAX_ROWS = {torch.bfloat16: 2 if built_isa() == 2 and not amx_cpu() else 8, torch.float16: 8}
 
 
 def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
