@@ -741,7 +741,9 @@ class Scratch {
 // flushed as AMX does) in four independent sums.  The dpbf16 path (block_i8_bf16) spends an instruction per row
 // of x and 32 codes besides the five that convert them; here the conversion is all that grows with the weight.
 // On a 2-core Xeon with AMX (bench_rows.py --rows 2,3,4,8 --ops int8 --baseline): 3 rows 1.19-1.46x, 4 rows
-// 1.33-1.70x, 8 rows 1.85-2.39x the dpbf16 path, from memory, SmolLM2's layers and head.  bf16 weights through
+// 1.33-1.70x, 8 rows 1.85-2.39x the dpbf16 path, from memory, SmolLM2's layers and head, converting a whole
+// block of 16 channels (16 x K codes) ahead of its tiles; converting it in chunks of 128 columns, each while the
+// tiles take the chunk before (all in L1), ran 1.21-1.66x that (8 rows 13.4 -> 19-22 GB/s of codes).  bf16 weights through
 // the same tiles read in place ran at 0.51-0.73x the dpbf16 path at 3-4 rows and 1.01-1.20x at 8 (16 weight rows
 // read side by side: one stream each), so they keep it.
 constexpr int64_t AMX_MIN_ROWS = 3, AMX_MAX_ROWS = 16, AMX_CH = 16;
@@ -799,56 +801,53 @@ inline __m512i bf16_codes(const int8_t* p, int64_t left) {
   return _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16), _mm512_set1_epi32(int32_t(0xFFFF0000u)), 0xE4);
 }
 
-// code rows 0 .. rows-1 (of 16) as bf16 rows of Kp columns (a multiple of 32; zero past K and below the last row):
-// one weight row at a time, a single sequential stream, the row PREFETCH_ROWS ahead (the next block's) prefetched
-void codes_bf16(const int8_t* w, int64_t ld, int64_t K, int64_t Kp, int64_t rows, uint16_t* a) {
+constexpr int64_t AMX_CK = 4;  // blocks of 32 columns a chunk: 16 rows x 128 columns, 4 kB in bf16
+
+// chunk j of code rows 0 .. rows-1 (of 16): AMX_CK blocks of 32 columns from column 32 AMX_CK j, as bf16 rows of
+// 32 AMX_CK (zero past K and below the last row); the same columns of the next block's rows prefetched into L2
+inline void codes_chunk(const int8_t* w, int64_t ld, int64_t K, int64_t rows, int64_t j, uint16_t* dst) {
+  const int64_t k0 = j * AMX_CK * 32;
   for (int64_t r = 0; r < AMX_CH; ++r) {
-    uint16_t* dst = a + r * Kp;
-    if (r >= rows) { std::memset(dst, 0, Kp * 2); continue; }
+    uint16_t* d = dst + r * AMX_CK * 32;
+    if (r >= rows) { std::memset(d, 0, AMX_CK * 64); continue; }
     const int8_t* src = w + r * ld;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(src + PREFETCH_ROWS * ld + k), _MM_HINT_T1);
-      _mm512_storeu_si512(dst + k, bf16_codes(src + k, 32));
+    _mm_prefetch(reinterpret_cast<const char*>(src + AMX_CH * ld + k0), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(src + AMX_CH * ld + k0 + 64), _MM_HINT_T1);
+    for (int64_t t = 0; t < AMX_CK; ++t) {
+      const int64_t k = k0 + 32 * t;
+      _mm512_store_si512(d + 32 * t, bf16_codes(src + k, K - k));
     }
-    for (; k < Kp; k += 32) _mm512_storeu_si512(dst + k, bf16_codes(src + k, K - k));
   }
 }
 
-// out (M x N fp32) = x (M x K bf16, M <= AMX_MAX_ROWS) . w (N x K int8 codes, row stride ld)^T.  A block of 16
-// channels' codes is converted while the tiles multiply the block before (two buffers), so the vector units and
-// the tile unit overlap.
+// out (M x N fp32) = x (M x K bf16, M <= AMX_MAX_ROWS) . w (N x K int8 codes, row stride ld)^T.  Per block of 16
+// channels, chunk by chunk of 128 columns: the next chunk's codes are converted while the tiles multiply the
+// chunk before (two 4 kB buffers, in L1 with x's tiles), so the vector units and the tile unit overlap.
 void amx_rows(const uint16_t* x, int64_t M, const int8_t* w, int64_t ld, int64_t K, int64_t N, float* out) {
-  const int64_t nkb = (K + 31) / 32, Kp = nkb * 32;
-  Scratch<uint32_t, 6> xt(nkb * 16 * M);
+  const int64_t nkb = (K + 31) / 32, nch = (nkb + AMX_CK - 1) / AMX_CK;
+  Scratch<uint32_t, 6> xt(nch * AMX_CK * 16 * M);
   pack_x_pairs(x, M, K, xt.data());
   const uint32_t* X = xt.data();
   at::parallel_for(0, (N + AMX_CH - 1) / AMX_CH, 1, [&](int64_t b0, int64_t b1) {
     amx_config(M);
-    Scratch<uint16_t, 7> buf(2 * AMX_CH * Kp);
+    alignas(64) uint16_t buf[2][AMX_CH * AMX_CK * 32];
     alignas(64) float c[4][AMX_CH * AMX_MAX_ROWS];
-    const auto convert = [&](int64_t b) {
-      codes_bf16(w + b * AMX_CH * ld, ld, K, Kp, std::min(AMX_CH, N - b * AMX_CH), buf.data() + (b & 1) * AMX_CH * Kp);
-    };
-    convert(b0);
+    constexpr int64_t lda = AMX_CK * 64;
     for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n = b * AMX_CH, rows = std::min(AMX_CH, N - n), lda = Kp * 2;
-      const uint16_t* A = buf.data() + (b & 1) * AMX_CH * Kp;
+      const int64_t n = b * AMX_CH, rows = std::min(AMX_CH, N - n);
+      const int8_t* wb = w + n * ld;
       _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      int64_t kb = 0;
-      for (; kb + 4 <= nkb; kb += 4) {  // four independent sums, every fourth block of 32 columns
-        _tile_loadd(4, A + kb * 32, lda); _tile_loadd(6, X + kb * 16 * M, M * 4); _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(5, A + (kb + 1) * 32, lda); _tile_loadd(7, X + (kb + 1) * 16 * M, M * 4);
-        _tile_dpbf16ps(1, 5, 7);
-        _tile_loadd(4, A + (kb + 2) * 32, lda); _tile_loadd(6, X + (kb + 2) * 16 * M, M * 4);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(5, A + (kb + 3) * 32, lda); _tile_loadd(7, X + (kb + 3) * 16 * M, M * 4);
-        _tile_dpbf16ps(3, 5, 7);
+      codes_chunk(wb, ld, K, rows, 0, buf[0]);
+      for (int64_t j = 0; j < nch; ++j) {  // four independent sums, one per block of a chunk
+        const uint16_t* A = buf[j & 1];
+        const uint32_t* XB = X + j * AMX_CK * 16 * M;
+        const int64_t nk = std::min(AMX_CK, nkb - j * AMX_CK);
+        _tile_loadd(4, A, lda); _tile_loadd(6, XB, M * 4); _tile_dpbf16ps(0, 4, 6);
+        if (nk > 1) { _tile_loadd(5, A + 32, lda); _tile_loadd(7, XB + 16 * M, M * 4); _tile_dpbf16ps(1, 5, 7); }
+        if (nk > 2) { _tile_loadd(4, A + 64, lda); _tile_loadd(6, XB + 32 * M, M * 4); _tile_dpbf16ps(2, 4, 6); }
+        if (nk > 3) { _tile_loadd(5, A + 96, lda); _tile_loadd(7, XB + 48 * M, M * 4); _tile_dpbf16ps(3, 5, 7); }
+        if (j + 1 < nch) codes_chunk(wb, ld, K, rows, j + 1, buf[(j + 1) & 1]);
       }
-      for (; kb < nkb; ++kb) {
-        _tile_loadd(4, A + kb * 32, lda); _tile_loadd(6, X + kb * 16 * M, M * 4); _tile_dpbf16ps(0, 4, 6);
-      }
-      if (b + 1 < b1) convert(b + 1);
       _tile_stored(0, c[0], M * 4); _tile_stored(1, c[1], M * 4);
       _tile_stored(2, c[2], M * 4); _tile_stored(3, c[3], M * 4);
       for (int64_t r = 0; r < rows; ++r)
