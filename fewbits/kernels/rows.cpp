@@ -746,7 +746,8 @@ class Scratch {
 // tiles take the chunk before (all in L1), ran 1.21-1.66x that (8 rows 13.4 -> 19-22 GB/s of codes).  bf16 weights through
 // the same tiles read in place ran at 0.51-0.73x the dpbf16 path at 3-4 rows and 1.01-1.20x at 8 (16 weight rows
 // read side by side: one stream each), so they keep it.
-constexpr int64_t AMX_MIN_ROWS = 3, AMX_MAX_ROWS = 16, AMX_CH = 16;
+// (2 rows through the tiles, chunked: 1.26-1.41x the dpbf16 path, the same shapes; one row keeps the int16 path)
+constexpr int64_t AMX_MIN_ROWS = 2, AMX_MAX_ROWS = 16, AMX_CH = 16;
 
 bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
 
@@ -1229,7 +1230,7 @@ at::Tensor argmax_rows(const at::Tensor& logits) {
 // loops)
 int64_t a8_fast() { return ROWS_A8; }
 
-// whether int8_mm multiplies 3+ rows of a bf16 x through AMX here: built with it, and the OS lets this process use
+// whether int8_mm multiplies 2+ rows of a bf16 x through AMX here: built with it, and the OS lets this process use
 // its tiles
 bool rows_amx() {
 #ifdef ROWS_AMX

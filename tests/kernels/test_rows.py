@@ -190,7 +190,7 @@ def test_int8_one_row_is_the_int16_blocks_times_the_weight(impl: str, asym: bool
 
 @needs_ops
 def test_amx_is_used_where_the_cpu_has_it() -> None:
-    """`rows_amx` (int8_mm's tile path for 3+ rows of a bf16 x) answers for the CPU's AMX flags: none without
+    """`rows_amx` (int8_mm's tile path for 2+ rows of a bf16 x) answers for the CPU's AMX flags: none without
     them; with them, the path is built and its answer is the OS's grant of the tiles, as `q4_mm`'s AMX path
     (built and asked apart) finds it."""
     from fewbits.kernels import cpu_int4
@@ -208,8 +208,8 @@ def test_amx_is_used_where_the_cpu_has_it() -> None:
 @pytest.mark.parametrize("impl", ["native", "portable"])
 @pytest.mark.parametrize("K", [77, 576, 2051])
 def test_int8_many_rows_of_a_bf16_x_are_the_exact_products_summed(impl: str, K: int) -> None:
-    """int8_mm on 2 to 35 rows of a bf16 x (the native build: dpbf16, or AMX tiles from 3 rows where the CPU has
-    them, in passes of 16 rows; N and K not multiples of the tiles'): every product exact, so the error is fp32
+    """int8_mm on 2 to 35 rows of a bf16 x (the native build: dpbf16, or AMX tiles where the CPU has them, in
+    passes of 16 rows, 17 as 16 + 1; N and K not multiples of the tiles'): every product exact, so the error is fp32
     summation's (K * 2^-24 of sum |x w|) and one rounding of the output.  A code read from the wrong column or
     channel moves an output by about sum |x w| / K, past that bound."""
     ops = _ops(impl)
