@@ -743,10 +743,10 @@ class Scratch {
 // On a 2-core Xeon with AMX (bench_rows.py --rows 2,3,4,8 --ops int8 --baseline): 3 rows 1.19-1.46x, 4 rows
 // 1.33-1.70x, 8 rows 1.85-2.39x the dpbf16 path, from memory, SmolLM2's layers and head, converting a whole
 // block of 16 channels (16 x K codes) ahead of its tiles; converting it in chunks of 128 columns, each while the
-// tiles take the chunk before (all in L1), ran 1.21-1.66x that (8 rows 13.4 -> 19-22 GB/s of codes).  bf16 weights through
-// the same tiles read in place ran at 0.51-0.73x the dpbf16 path at 3-4 rows and 1.01-1.20x at 8 (16 weight rows
-// read side by side: one stream each), so they keep it.
-// (2 rows through the tiles, chunked: 1.26-1.41x the dpbf16 path, the same shapes; one row keeps the int16 path)
+// tiles take the chunk before (all in L1), ran 1.21-1.66x that (8 rows 13.4 -> 19-22 GB/s of codes), and 2 rows
+// 1.26-1.41x the dpbf16 path (one row keeps the int16 path).  bf16 weights through the same tiles, read in place,
+// ran at 0.51-0.73x the dpbf16 path at 3-4 rows and 1.01-1.20x at 8 (16 weight rows read side by side: one
+// stream each), so they keep it.
 constexpr int64_t AMX_MIN_ROWS = 2, AMX_MAX_ROWS = 16, AMX_CH = 16;
 
 bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
