@@ -22,8 +22,8 @@ these operators aim at the bandwidth instead:
   The M x R sums a block of channels ends with are folded to four lanes and added four at a time (``sums``): 8 rows
   1.50-1.89x (int8) and 1.14-1.38x (bf16) over reducing each alone.  On a CPU with AMX (`rows_amx()`), 2-16 rows
   of a bf16 x go through its tiles instead (the codes converted to bf16 per 16 channels and 128 columns,
-  ``tdpbf16ps``): on a 2-core AMX Xeon 1.26-1.41x the dpbf16 path at 2 rows, ~2-2.5x at 3-8 (19-22 GB/s of codes
-  at 8 rows).
+  ``tdpbf16ps``): on a 2-core AMX Xeon 1.26-1.41x the dpbf16 path at 2 rows; at 3-8 rows the first form
+  (whole blocks converted ahead) 1.19-2.39x it and the chunked one 1.21-1.66x that (19-22 GB/s of codes at 8 rows).
 * `fewbits_rows::fp8_mm(x, codes, scales, e5m2)`: x (M, K) any float dtype, codes (N, K) uint8 FP8 codes (E4M3,
   or E5M2), scales (N,) or (1,) -> (x @ w.T) * scales, the layout of `fewbits.kernels.cpu.Fp8DequantKernel` with
   one scale per channel or tensor.  Each code is widened to fp32 as an fp16 (E5M2 is an fp16's top byte, E4M3's
