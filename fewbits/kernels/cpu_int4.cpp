@@ -274,48 +274,87 @@ struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb
 
 bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
 
-// tiles: 0 = C (mt x 16 fp32), 1 = A (mt x 32 bf16 of x), 2 = B (16 pairs of k x 16 output rows)
+// tiles 0-3: C (mt x 16 fp32: four sums, one per block of 32 columns of a chunk), 4-5: A (mt rows of x x 32
+// bf16), 6-7: B (16 pairs of columns x 16 output rows)
 void tile_config(int64_t mt) {
   alignas(64) TileConfig c{};
   c.palette = 1;
-  c.rows[0] = uint8_t(mt); c.colsb[0] = 64;
-  c.rows[1] = uint8_t(mt); c.colsb[1] = 64;
-  c.rows[2] = 16; c.colsb[2] = 64;
+  for (int t = 0; t < 8; ++t) { c.rows[t] = uint8_t(t >= 6 ? 16 : mt); c.colsb[t] = 64; }
+  asm volatile("" : : "r"(&c) : "memory");  // GCC 12 dropped the stores above as dead where this was not inlined
   _tile_loadconfig(&c);
 }
 
-// as block_fast, for mt <= 16 rows of x through AMX: per 32 columns the 4 chunks' decoded registers are
-// the B tile (pair rows 4 q + j), x's columns the A tile; each group's C tile is scaled like block_fast's sums.
-// group % 32 == 0.  bbuf: 2 x 512 words (two B tiles, so decoding the next overlaps the last's load), cbuf: 256
+constexpr int64_t AMX_CK = 4;  // blocks of 32 columns a chunk at most: 4 B tiles, 4 kB decoded
+
+// blocks of 32 columns a chunk for a group of spg such blocks: whole groups (1, 2 or 4 of them), or a divisor of
+// the group, so that a group's sums always end with a chunk
+inline int64_t chunk_blocks(int64_t spg) {
+  if (spg <= AMX_CK && AMX_CK % spg == 0) return AMX_CK;
+  for (int64_t d = AMX_CK; d > 1; --d)
+    if (spg % d == 0) return d;
+  return 1;
+}
+
+// columns k0 .. k1 - 1 of block b's codes (cb) decoded to bf16 B tiles: per 32 columns one tile of 16 pairs, pair
+// row 4 q + j holding columns 2 j, 2 j + 1 of code chunk q for each of the 16 output rows (the word order the
+// chunk's nibbles j already have); the codes 2 kB ahead are prefetched (the tiles' path had none: 1.15-1.54x at
+// 3-8 rows from memory with it)
+inline void decode_chunk(const uint16_t* cb, int64_t k0, int64_t k1, __m512i tab, uint16_t* B) {
+  for (int64_t c = k0 / KC; c < k1 / KC; ++c) {
+    _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
+    const __m512i wd = _mm512_loadu_si512(cb + c * 32);
+    uint16_t* d = B + (c - k0 / KC) * 128;
+    _mm512_store_si512(d + 0, _mm512_permutexvar_epi16(wd, tab));
+    _mm512_store_si512(d + 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab));
+    _mm512_store_si512(d + 64, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab));
+    _mm512_store_si512(d + 96, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab));
+  }
+}
+
+// as block_fast, for mt <= 16 rows of x through AMX: x's columns are the A tiles, the decoded codes the B tiles.
+// Chunk by chunk of up to 4 x 32 columns, the next chunk is decoded (into the other half of bbuf) while the tiles
+// multiply this one into four independent sums (C tiles 0-3, one per 32 columns); where a chunk ends a group, its
+// sums are stored (cbuf) and scaled like block_fast's.  group % 32 == 0.  bbuf: 2 x 4 x 512 words, cbuf: 4 x 256.
+// Tried on a 2-core AMX Xeon, not kept: codes as 128 + c by one vpternlogd instead of vpermw (1.3x faster alone)
+// with the sums in two sets of two C tiles stored a unit late, together: 1.07-1.38x this one with the weights in
+// cache, but 0.84-1.12x from memory and a compiled int4-g64 step at batch 8 0.93x (bench_compiled.py speed).
 void block_amx(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab, uint16_t* bbuf, float* cbuf) {
   alignas(64) float yacc[AMX_MT * R];
   for (int64_t i = 0; i < mt * R; ++i) yacc[i] = 0.f;
   const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
   const uint16_t* xb = a.x + m0 * a.K;
-  int64_t step = 0;
-  for (int64_t g = 0; g < a.G; ++g) {
-    _tile_zero(0);
-    for (int64_t k0 = g * a.group; k0 < (g + 1) * a.group; k0 += 32, ++step) {
-      uint16_t* B = bbuf + (step & 1) * 512;
-      for (int64_t q = 0; q < 4; ++q) {
-        const __m512i wd = _mm512_loadu_si512(cb + (k0 / KC + q) * 32);
-        _mm512_store_si512(B + (4 * q + 0) * 32, _mm512_permutexvar_epi16(wd, tab));
-        _mm512_store_si512(B + (4 * q + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4), tab));
-        _mm512_store_si512(B + (4 * q + 2) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 8), tab));
-        _mm512_store_si512(B + (4 * q + 3) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 12), tab));
-      }
-      _tile_loadd(2, B, 64);
-      _tile_loadd(1, xb + k0, a.K * 2);
-      _tile_dpbf16ps(0, 1, 2);
-    }
+  const int64_t ldx = a.K * 2, nb = a.K / 32, spg = a.group / 32, ck = chunk_blocks(spg);
+  const int64_t nch = (nb + ck - 1) / ck;
+  decode_chunk(cb, 0, std::min(a.K, ck * 32), tab, bbuf);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t j = 0; j < nch; ++j) {
+    const uint16_t* B = bbuf + (j & 1) * AMX_CK * 512;
+    const int64_t s0 = j * ck, ns = std::min(ck, nb - s0), k0 = s0 * 32;
+    _tile_loadd(6, B, 64); _tile_loadd(4, xb + k0, ldx); _tile_dpbf16ps(0, 4, 6);
+    if (ns > 1) { _tile_loadd(7, B + 512, 64); _tile_loadd(5, xb + k0 + 32, ldx); _tile_dpbf16ps(1, 5, 7); }
+    if (ns > 2) { _tile_loadd(6, B + 1024, 64); _tile_loadd(4, xb + k0 + 64, ldx); _tile_dpbf16ps(2, 4, 6); }
+    if (ns > 3) { _tile_loadd(7, B + 1536, 64); _tile_loadd(5, xb + k0 + 96, ldx); _tile_dpbf16ps(3, 5, 7); }
+    if (j + 1 < nch)
+      decode_chunk(cb, k0 + ck * 32, std::min(a.K, k0 + 2 * ck * 32), tab, bbuf + ((j + 1) & 1) * AMX_CK * 512);
+    const int64_t s1 = s0 + ns;
+    if (s1 % spg != 0) continue;  // the group goes on into the next chunk
     _tile_stored(0, cbuf, 64);
-    const int64_t ti = (b * a.G + g) * R;
-    const __m512 s = load16(a.scales, a.half, ti);
-    const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
-    for (int64_t t = 0; t < mt; ++t) {
-      __m512 sum = _mm512_load_ps(cbuf + t * R);
-      if (a.zeros) sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
-      _mm512_store_ps(yacc + t * R, _mm512_fmadd_ps(sum, s, _mm512_load_ps(yacc + t * R)));
+    if (ns > 1) _tile_stored(1, cbuf + 256, 64);
+    if (ns > 2) _tile_stored(2, cbuf + 512, 64);
+    if (ns > 3) _tile_stored(3, cbuf + 768, 64);
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    // the groups whose last block is in this chunk: blocks t0 .. t1 - 1 of it (all of it for a longer group)
+    for (int64_t g = std::min(s0, s1 - spg) / spg; g * spg < s1; ++g) {
+      const int64_t t0 = std::max<int64_t>(0, g * spg - s0), t1 = std::min(ns, (g + 1) * spg - s0);
+      const int64_t ti = (b * a.G + g) * R;
+      const __m512 s = load16(a.scales, a.half, ti);
+      const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
+      for (int64_t t = 0; t < mt; ++t) {
+        __m512 sum = _mm512_load_ps(cbuf + t0 * 256 + t * R);
+        for (int64_t u = t0 + 1; u < t1; ++u) sum = _mm512_add_ps(sum, _mm512_load_ps(cbuf + u * 256 + t * R));
+        if (a.zeros) sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
+        _mm512_store_ps(yacc + t * R, _mm512_fmadd_ps(sum, s, _mm512_load_ps(yacc + t * R)));
+      }
     }
   }
   for (int64_t t = 0; t < mt; ++t)
@@ -746,8 +785,8 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
 #endif
 #if FB_AMX
     if (amx) {
-      alignas(64) uint16_t bbuf[2 * 512];
-      alignas(64) float cbuf[AMX_MT * R];
+      alignas(64) uint16_t bbuf[2 * AMX_CK * 512];
+      alignas(64) float cbuf[AMX_CK * AMX_MT * R];
       int64_t configured = -1;
       for (int64_t b = lo; b < hi; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += AMX_MT) {

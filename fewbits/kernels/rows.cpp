@@ -762,6 +762,7 @@ inline void amx_config(int64_t M) {
     c.rows[t] = 16;
     c.colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : M * 4);
   }
+  asm volatile("" : : "r"(&c) : "memory");  // GCC 12 can drop the stores above as dead (seen out of line)
   _tile_loadconfig(&c);
 }
 
