@@ -1,6 +1,7 @@
 """int8 and FP8 per-channel weights at decode sizes on a CPU: `fewbits_rows::int8_mm` / `fp8_mm`
-(`fewbits.kernels.rows`) for up to `rows.MAX_ROWS` rows of activations, torch's ``aten._weight_int8pack_mm`` /
-the decode-to-bf16-then-matmul of `Fp8DequantKernel` for more.
+(`fewbits.kernels.rows`) for up to `rows.MAX_ROWS` rows of activations (int8 with a bf16 x:
+`rows.INT8_BF16_MAX_ROWS`), torch's ``aten._weight_int8pack_mm`` / the decode-to-bf16-then-matmul of
+`Fp8DequantKernel` for more.
 
 `Int8RowsKernel` is `fewbits.kernels.cpu.Int8PackKernel` with another operator for few rows: the same
 tensors (int8 codes shifted by 128, bf16 scales, the asymmetric formats' fp32 correction), held once and
@@ -25,6 +26,7 @@ class Int8RowsKernel(Int8PackKernel):
 
     name = "cpu_int8_rows"
     max_rows = rows.MAX_ROWS
+    max_rows_bf16 = rows.INT8_BF16_MAX_ROWS  # the same for a bf16 x (more where the operator's AMX path runs)
     # the few-row operator's path: 0 the fastest built (on AVX2 one row of x in int16 blocks, `act8.int16_blocks`),
     # 1 x in fp32 at every row count (tests, benchmarks); read at each call, so a compiled graph keeps the value
     # it traced
@@ -37,7 +39,7 @@ class Int8RowsKernel(Int8PackKernel):
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > self.max_rows:
+        if x2.shape[0] > (self.max_rows_bf16 if x2.dtype == torch.bfloat16 else self.max_rows):
             return super().__call__(x, bias)
         return _finish(torch.ops.fewbits_rows.int8_mm(x2, self.q, self.scales, self.corr, self.path), x, bias)
 

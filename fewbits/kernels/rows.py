@@ -84,6 +84,9 @@ def amx_cpu() -> bool:
 #: torch's at 3-4 rows, 1.19-1.32x at 8: SmolLM2's q/k/v, gate/up, down and head); without AVX-512 oneDNN widens
 #: bf16 slowly (2-3 GB/s at 8 rows against dense_mm's 8-10 on an AVX2 host)
 DENSE_MAX_ROWS = {torch.bfloat16: 2 if built_isa() == 2 and not amx_cpu() else 8, torch.float16: 8}
+#: rows of a bf16 x up to which int8_mm beats torch's int8 operator: where its AMX path runs (`rows_amx`), 16
+#: (2.7-4.0x torch's at 12 and 16 rows on a 2-core AMX Xeon, SmolLM2's q/k/v, gate/up, down and head); else MAX_ROWS
+INT8_BF16_MAX_ROWS = 16 if built_isa() == 2 and amx_cpu() and "avx512_bf16" in native.cpu_flags().split() else MAX_ROWS
 
 
 def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

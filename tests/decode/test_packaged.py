@@ -24,7 +24,10 @@ N = 64
 # (22.875) and the compiled step's pick at 57 is one bf16 step below the eager maximum (23.875 against 24.0).
 # SmolLM2's greedy run meets one-bf16-step ties too (bf16 at token 6, int8 at 18), and Gemma-3 int4-g64 on
 # fewbits' own int4 operator at 17 (18.50 vs 18.38): fp32 sums in another order, rounded to bf16 logits, break
-# them either way.  So a compiled pick must be the eager maximum or one bf16 step of it below, at most twice.
+# them either way.  So a compiled pick must be the eager maximum or one bf16 step of it below, and below it at most
+# twice.  A pick of another token at an exact tie of the eager logits is no error (argmax takes the lower index;
+# any other order of the sums may take either): with int8 at 9-16 rows through int8_mm's AMX path (the 9-token
+# prefill), the eager run ties exactly at 8, 21 and 54, and the compiled step took 21 and 54 the other way.
 @pytest.mark.parametrize(("name", "weights", "kv"), [("gemma3-270m", "int8", "bf16")])
 def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:
@@ -57,4 +60,5 @@ def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, re
     step = torch.ldexp(torch.ones_like(top), torch.frexp(top.abs())[1] - 8)  # one bf16 step at the maximum
     assert bool((top - at_pick <= step).all()), \
         f"compiled picks (position, compiled, eager) {off} are more than one bf16 step below the eager maximum"
-    assert len(off) <= 2, f"more than two near-ties taken the other way: {off}"
+    below = [j for j in range(N) if top[j] > at_pick[j]]
+    assert len(below) <= 2, f"more than two picks below the eager maximum (one-step near-ties): {off}"

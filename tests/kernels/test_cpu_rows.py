@@ -34,7 +34,8 @@ def test_rows_kernel_equals_reference(spec: str, dtype: torch.dtype) -> None:
         assert y.shape == (2, m, qt.shape[0]) and y.dtype == dtype
         # one bf16 rounding of x (torch's path) and of the output
         assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
-        if 2 * m <= Int8RowsKernel.max_rows:  # the few-row operator, then the bias as the kernel classes add it
+        most = Int8RowsKernel.max_rows_bf16 if dtype == torch.bfloat16 else Int8RowsKernel.max_rows
+        if 2 * m <= most:  # the few-row operator, then the bias as the kernel classes add it
             direct = torch.ops.fewbits_rows.int8_mm(x.reshape(-1, qt.shape[1]), kern.q, kern.scales, kern.corr)
             assert torch.equal(y.reshape(-1, qt.shape[0]), direct + b.to(dtype))
 
@@ -43,8 +44,9 @@ def test_rows_kernel_equals_reference(spec: str, dtype: torch.dtype) -> None:
 def test_more_rows_run_torch_operator_on_the_same_codes() -> None:
     qt = _qt("int8-asym")
     kern, pack = prepare_linear(qt), Int8PackKernel(qt)
-    x = torch.randn(Int8RowsKernel.max_rows + 1, qt.shape[1]).to(torch.bfloat16)
-    assert torch.equal(kern(x), pack(x))
+    for n, dtype in ((Int8RowsKernel.max_rows_bf16, torch.bfloat16), (Int8RowsKernel.max_rows, torch.float32)):
+        x = torch.randn(n + 1, qt.shape[1]).to(dtype)
+        assert torch.equal(kern(x), pack(x)), dtype
 
 
 def test_without_the_operators_the_dispatcher_picks_torch(monkeypatch: pytest.MonkeyPatch) -> None:
