@@ -26,8 +26,9 @@ N = 64
 # fewbits' own int4 operator at 17 (18.50 vs 18.38): fp32 sums in another order, rounded to bf16 logits, break
 # them either way.  So a compiled pick must be the eager maximum or one bf16 step of it below, and below it at most
 # twice.  A pick of another token at an exact tie of the eager logits is no error (argmax takes the lower index;
-# any other order of the sums may take either): with int8 at 9-16 rows through int8_mm's AMX path (the 9-token
-# prefill), the eager run ties exactly at 8, 21 and 54, and the compiled step took 21 and 54 the other way.
+# any other order of the sums may take either): on an AMX Xeon, with int8 at 9-16 rows through int8_mm's AMX path
+# (the 9-token prefill), the eager run ties exactly at 8, 21 and 54, and the compiled step took 21 and 54 the other
+# way.
 @pytest.mark.parametrize(("name", "weights", "kv"), [("gemma3-270m", "int8", "bf16")])
 def test_compiled_greedy_tokens_equal_eager(name: str, weights: str, kv: str, request: pytest.FixtureRequest,
                                             tmp_path: Path) -> None:
