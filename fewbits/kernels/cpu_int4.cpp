@@ -30,8 +30,10 @@ constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
 // 64-byte chunks ahead of the one read that the one-row paths prefetch (the blocks are contiguous, so this runs
 // into the next block at a block's end)
 constexpr int64_t PREFETCH_CHUNKS = 32;
-// rows of x from which the AMX path runs (fewer: vdpbf16ps, which decodes less per call)
-constexpr int64_t AMX_MIN_ROWS = 3;
+// rows of x from which the AMX path runs (one row: vdpbf16ps, which decodes less per call).  At 2 rows the AMX path
+// (block_amx, decoding ahead) ran 1.0-1.16x vdpbf16ps on SmolLM2's layers and 1.08-1.4x on Gemma-3's, from memory
+// on a 2-core AMX Xeon (bench_cpu_int4.py --rows 2 --spec int4-g64,int4-g32 --baseline, 3 rows ~1.0x as a control)
+constexpr int64_t AMX_MIN_ROWS = 2;
 // rows of x up to which the AVX2 path takes x in int16 (X16); from 2 rows the fp32 path's AND and convert per 8
 // weights are shared by the rows and X16 gained nothing (2-3 rows 0.99-1.00x, 4 rows 0.88-0.92x; one row 1.11-1.26x)
 constexpr int64_t X16_MAX_ROWS = 1;

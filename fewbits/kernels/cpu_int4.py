@@ -27,10 +27,11 @@ Fast path (``__AVX512BF16__``): one 512-bit load is a chunk; the word shifted ri
 32-entry table (``vpermw``; the table repeats its 16 entries so the fifth index bit is ignored) gives 16 rows'
 bf16 pairs (w_{i,k}, w_{i,k+1}) for ``vdpbf16ps`` against the broadcast pair (x_k, x_{k+1}).  Up to 8 rows of
 x reuse each decoded register; more rows are cut into tiles of 8 over the same block (still in L1).  With AMX
-(``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (3) rows on and for
+(``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (2) rows on and for
 groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
-AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once;
-each group's C tile is scaled as above: batch 8 and prefill cost little more than one row.
+AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once:
+128 columns are decoded ahead (the codes prefetched) while the tiles multiply the 128 before into four C tiles,
+and each group's sums are scaled as above where a chunk ends it.
 
 AVX2 path (``__AVX2__`` + FMA + F16C, no AVX-512): two 256-bit loads are a chunk (8 output rows each); a
 32-bit lane holds one row's 8 codes, nibble t in bits 4t..4t+3.  Masking nibble t in place and converting
