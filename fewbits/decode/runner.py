@@ -241,7 +241,8 @@ class StaticDecoder:
                     try:
                         fn = compiled.aot_compile((args, {}))
                     except (TypeError, AttributeError, pickle.PicklingError) as exc:
-                        # e.g. the int8 kernels' guards do not pickle ("cannot pickle RootGuardManager")
+                        # e.g. guards on an object that does not pickle ("cannot pickle RootGuardManager": another
+                        # decoder's compiled step held on the model, before `generate.Decoders`)
                         log.info("fewbits.decode: the step cannot be saved whole (%s); compiled without saving", exc)
                         fn = compiled
                     else:
