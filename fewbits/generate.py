@@ -129,10 +129,13 @@ def sample_next(logits: torch.Tensor, do_sample: bool = False, temperature: floa
 def decode_loop(prefill: Callable[[], torch.Tensor], step: Callable[[torch.Tensor], torch.Tensor],
                 max_new_tokens: int, sync: Callable[[], None], do_sample: bool = False, temperature: float = 1.0,
                 top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, float, list[float]]:
+                generator: torch.Generator | None = None, between: Callable[[], None] | None = None
+                ) -> tuple[torch.Tensor, float, list[float]]:
     """The prefill-then-step loop every decode path shares: `prefill()` gives the prompt's last logits (B, V),
     `step(ids)` appends one token per sequence and gives its logits.  Returns the tokens (B, n) (a finished
-    sequence padded with `eos_token_id`), the prefill's wall time and every step's, each ended by `sync`."""
+    sequence padded with `eos_token_id`), the prefill's wall time and every step's, each ended by `sync`.
+    `between()`, where given, runs before each step outside its time (`fewbits probe` streams there the bytes
+    a real model's step reads beside its skeleton's)."""
     sync()
     t0 = time.perf_counter()
     nxt = sample_next(prefill(), do_sample, temperature, top_k, top_p, generator)
@@ -144,6 +147,9 @@ def decode_loop(prefill: Callable[[], torch.Tensor], step: Callable[[torch.Tenso
     for _ in range(max_new_tokens - 1):
         if done is not None and bool(done.all()):
             break
+        if between is not None:
+            between()
+            sync()
         t1 = time.perf_counter()
         nxt = sample_next(step(nxt), do_sample, temperature, top_k, top_p, generator)
         if done is not None:
@@ -169,8 +175,10 @@ def generate(
     eos_token_id: int | None = None,
     seed: int | None = None,
     cache: QuantizedKVCache | None = None,
+    between: Callable[[], None] | None = None,
 ) -> GenerationResult:
-    """Generate `max_new_tokens` tokens for each row of `input_ids` (B, T) with a KV cache in format `kv`."""
+    """Generate `max_new_tokens` tokens for each row of `input_ids` (B, T) with a KV cache in format `kv`.
+    `between`: run before each step, outside its time (`decode_loop`)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
     if max_new_tokens <= 0:
@@ -201,7 +209,7 @@ def generate(
 
     with attention_backends(device):  # the whole decode: prefill and steps
         tokens, prefill_s, steps = decode_loop(prefill, step, max_new_tokens, synchronizer(device), do_sample,
-                                               temperature, top_k, top_p, eos_token_id, gen)
+                                               temperature, top_k, top_p, eos_token_id, gen, between)
     fmt = cache.fmt.spec if hasattr(cache, "fmt") else str(kv)
     nbytes = cache.nbytes if hasattr(cache, "nbytes") else 0
     return GenerationResult(tokens, T, prefill_s, steps, nbytes, fmt)

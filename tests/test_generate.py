@@ -111,6 +111,28 @@ def test_every_timed_step_waits_for_the_device(tiny, monkeypatch):
     assert calls == ["cpu"] * (2 + 3)  # before and after the prefill, after every decode step
 
 
+def test_between_runs_before_every_step_outside_its_time(monkeypatch):
+    """`between` (the probe's read of other bytes) runs once before each step, after a sync, and none of its
+    time counts: on a clock that it moves by 1000 s and a step by 1 s, every step takes 1 s."""
+    now = [0.0]
+    events: list[str] = []
+    monkeypatch.setattr(gen_mod.time, "perf_counter", lambda: now[0])
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        events.append("step")
+        now[0] += 1.0
+        return torch.zeros(1, 4)
+
+    def between() -> None:
+        events.append("between")
+        now[0] += 1000.0
+
+    tokens, _, steps = gen_mod.decode_loop(lambda: torch.zeros(1, 4), step, 4, lambda: events.append("sync"),
+                                           between=between)
+    assert steps == [1.0, 1.0, 1.0] and tokens.shape == (1, 4)
+    assert events == ["sync", "sync"] + ["between", "sync", "step", "sync"] * 3
+
+
 def test_synchronizer_per_device(monkeypatch):
     assert synchronizer("cpu")() is None
     seen = []

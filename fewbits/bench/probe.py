@@ -76,6 +76,7 @@ from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth
+from fewbits.cost.step import kv_step_bytes, kv_terms
 from fewbits.decode import pages
 from fewbits.formats.format import parse_format
 from fewbits.generate import synchronizer
@@ -243,6 +244,36 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
         return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
+def between_bytes(spec: ModelSpec, kvf: Any, batch: int, context: int, depth: int, weight_bytes: int) -> int:
+    """Bytes a step of the model `spec` reads beside a `depth`-layer skeleton's cache of `context` tokens a
+    sequence in format `kvf`: its linears' (`weight_bytes`) and the cache of its other `spec.n_layers - depth`
+    layers (the store's true bytes, `kv_step_bytes`)."""
+    kb = kv_step_bytes(kv_terms(spec, kvf.full_spec, DEFAULT), batch, context)
+    per_layer = float(kb["read_q"] + kb["read_w"]) / spec.n_layers
+    return int(weight_bytes + per_layer * max(spec.n_layers - depth, 0))
+
+
+class Flush:
+    """A buffer read through between a skeleton's timed steps (`between_bytes` of it), grown as needed."""
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        self.buf = torch.empty(0, device=self.device)
+
+    def reader(self, nbytes: int) -> Any:
+        """A callable that reads `nbytes` bytes of the buffer (None for 0 bytes)."""
+        n = nbytes // 4
+        if n <= 0:
+            return None
+        if self.buf.numel() < n:
+            self.buf = torch.ones(n, device=self.device)
+        view = self.buf[:n]
+        return lambda: view.sum()
+
+    def release(self) -> None:
+        self.buf = torch.empty(0, device=self.device)
+
+
 #: skeleton depths of the compiled path's steps: every KV format at the last, the 16-bit cache at each (the fit
 #: splits the fixed cost into a part per step and a part per layer, and scales it to the model's depth)
 COMPILED_DEPTHS = (2, 6)
@@ -253,7 +284,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                refill_bytes: int | None = None, measure_refill: bool = True,
                refill_sizes: tuple[float, ...] | None = None, device: str | torch.device = "cpu",
                compiled: bool = False, depths: tuple[int, ...] | None = None,
-               log: Any = None) -> dict[str, dict[str, Any]]:
+               weight_bytes: int = 0, log: Any = None) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and several contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
@@ -285,6 +316,13 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     same skeleton was compiled before) before its timed steps; a shallow skeleton compiles in a fraction of
     the model's depth's time, the reason for the depths.  The refill is measured on the compiled path too
     (`CompiledRefill`, one graph per stream size at the model's depth; eager: `refill_cost`'s hooks).
+
+    `weight_bytes`: the bytes of the model's linears a step reads (0: none).  Before each timed step a buffer of
+    that many bytes, and of the cache of the model's layers the skeleton lacks, is read (`between_bytes`,
+    outside the step's time): a real step reads a layer's cache again only after all of its weights and its
+    other layers' caches have passed, so from memory where those exceed the last-level cache, while a
+    skeleton read alone finds its shallower cache there (SmolLM2's attention at 2048 tokens, batch 8, 16-bit
+    cache: 20.5 GB/s over 6 layers' caches, 11.9 over 30).
 
     Before the fit, each step time loses what the skeleton's own linears (its vocabulary-wide LM head, each
     layer's 16-wide projections) take at its batch beyond the cost of their calls (`skeleton_rows_cost`,
@@ -321,6 +359,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
         if not compiled or (d == main and (s == kv_specs[0] or parse_kv_format(s).residual > 0)):
             return [(b, c) for b in batches for c in contexts]
         return [(b, max(contexts)) for b in batches]
+    flush = Flush(device)
     refill_model: torch.nn.Module | None = None
     compiled_refill = None
     if measure_refill and x_cache > 0:
@@ -352,7 +391,8 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             t0 = time.perf_counter()
             for b, c in shapes(s, d):  # (on the compiled path each is one graph: the fewer, the faster)
                 ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
-                t = min(decode(model, ids, steps + 1, kv=kvf).decode_step_s)
+                other = between_bytes(spec, kvf, b, c + steps, d, weight_bytes) if weight_bytes else 0
+                t = min(decode(model, ids, steps + 1, kv=kvf, between=flush.reader(other)).decode_step_s)
                 fastest[(s, b, c, d)] = min(t, fastest.get((s, b, c, d), t))
             if r == 0:
                 say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
@@ -360,6 +400,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     say("  the skeleton's own linears' work beyond their calls (taken off its steps: the GEMV passes count the "
         "model's own): " + ", ".join(f"batch {b}: head {r['head'] * 1e3:.2f} ms, a layer {r['layer'] * 1e6:.0f} us"
                                      for b, r in rows_cost.items()))
+    flush.release()
     fit = fit_step_costs(spec, kv_specs, take_off_rows(fastest, rows_cost), steps, x_cache, refill,
                          curve if len(refill_sizes) else None, measured=fastest)
     for r in fit.values():
@@ -415,7 +456,10 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     else:
         depths = (spec.n_layers,)
         log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
-    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths, log=log)
+    fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
+    head = passes.get("lm_head_bf16", {}).get("bytes", 0)  # every format's step reads the 16-bit head
+    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths,
+                    weight_bytes=int(fewest + head), log=log)
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     # in a compiled step a quantised matmul is one call of its operator from the generated code, as the
     # skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge (nor to measure)
@@ -427,8 +471,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
-    fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
-    fields = step_profile_fields(spec, kv, bw, log, bw_at=lambda n: curve_bandwidth(curve, bw, n), weight_bytes=fewest)
+    fields = step_profile_fields(spec, kv, bw, log, bw_at=lambda n: curve_bandwidth(curve, bw, n),
+                                 weight_bytes=fewest + head)
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     for low in ("int8", "fp8"):  # low-precision units count only where they beat 16-bit maths
         if rates.get(low, 0) > rates["bf16"]:

@@ -154,14 +154,11 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
 
     `bw_at(bytes)`: the bandwidth at a working set (the probe's `bandwidth_curve`).  A cache's efficiency is
     relative to it at the working set of a step of the model itself at the skeleton's largest cache: that cache
-    plus `weight_bytes` (the fewest bytes of linears a step of the model reads, the GEMV passes' smallest), as
-    the step model reads the cache at the bandwidth of the whole step's working set.  A cache read at memory speed
-    costs more per byte beside the weights than the skeleton's, from the last-level cache (SmolLM2 at batch 8 and
-    512 tokens paid ~96 ms per GB of cache beside its weights, the skeleton ~42): the skeleton's longest contexts
-    reach memory for the 16-bit, int8 and fp8 caches (75, 39 MB).  A KIVI cache's operator is compute-bound: its
-    per-byte time is the same wherever the codes come from, and its largest skeleton cache (27 MB of int4)
-    fits the last-level cache; an efficiency relative to that cache's bandwidth (74 GB/s against 35 from memory)
-    had doubled its time per byte in SmolLM2's steps (int4 cache at 2048 tokens predicted +26%)."""
+    at the model's depth plus `weight_bytes` (the fewest bytes a step of the model reads beside its cache, the
+    GEMV passes' smallest and the LM head), as the step model reads the cache at the bandwidth of the whole
+    step's working set, and as the skeleton's steps read it: `step_costs` reads those other bytes between its
+    steps.  (A cache read at memory speed costs more per byte than from the last-level cache: SmolLM2 at batch
+    8 and 512 tokens paid ~96 ms per GB of cache beside its weights, a skeleton stepped alone ~42.)"""
     base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
     overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
     kv_eff: dict[str, float] = {}
@@ -171,7 +168,7 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
     for s, r in kv.items():
         kvf = parse_kv_format(s)
         fam = format_family(kvf.cost_format(spec.head_dim))
-        largest = max((float(pt[2]) for pt in r.get("points", [])), default=0.0)
+        largest = max((float(pt[2]) * spec.n_layers / pt[4] for pt in r.get("points", [])), default=0.0)
         beta = bw_at(largest + weight_bytes) if bw_at is not None and largest > 0 else bw
         kv_eff.setdefault(fam, _clamp(1.0 / (r["s_per_byte"] * beta)) if r["s_per_byte"] > 0 else 1.0)
         extra = ""

@@ -10,6 +10,7 @@ per reason).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -54,9 +55,9 @@ def decoder_for(model: torch.nn.Module, kv: KVFormat | str, batch: int, max_len:
 def generate_static(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, kv: KVFormat | str = "bf16",
                     attention_mask: torch.Tensor | None = None, do_sample: bool = False, temperature: float = 1.0,
                     top_k: int = 0, top_p: float = 1.0, eos_token_id: int | None = None,
-                    seed: int | None = None) -> GenerationResult:
+                    seed: int | None = None, between: Callable[[], None] | None = None) -> GenerationResult:
     """`generate` through the compiled step; `compile_s` holds the compile (or cache load) time, apart from
-    `decode_step_s`."""
+    `decode_step_s`.  `between`: run before each step, outside its time (`decode_loop`)."""
     if input_ids.dim() != 2 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids must be (batch, tokens) with at least one token, got {tuple(input_ids.shape)}")
     if max_new_tokens <= 0:
@@ -77,7 +78,7 @@ def generate_static(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tok
             _LOGGED.add(why)
             log.warning("fewbits.decode: running eagerly: %s", why)
         res = generate(model, input_ids, max_new_tokens, kv, attention_mask, do_sample, temperature, top_k, top_p,
-                       eos_token_id, seed)
+                       eos_token_id, seed, between=between)
         res.eager_reason = why
         return res
     assert dec is not None
@@ -89,6 +90,6 @@ def generate_static(model: torch.nn.Module, input_ids: torch.Tensor, max_new_tok
     with attention_backends(device), compile_scope():
         tokens, prefill_s, steps = decode_loop(lambda: dec.prefill(ids, mask), dec.step, max_new_tokens,
                                                synchronizer(device), do_sample, temperature, top_k, top_p,
-                                               eos_token_id, gen)
+                                               eos_token_id, gen, between)
     return GenerationResult(tokens, T, prefill_s, steps, dec.kv_nbytes, dec.fmt.spec,
                             path="compiled", compile_s=dec.compile_s)

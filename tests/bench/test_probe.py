@@ -170,8 +170,11 @@ def _fake_steps(monkeypatch, fixed, per_seq, s16, s_q, refill=0.0, refill_bytes=
     from fewbits.generate import GenerationResult
     from fewbits.kvcache.format import parse_kv_format
 
-    def fake_generate(model, ids, n, kv="bf16"):
+    def fake_generate(model, ids, n, kv="bf16", between=None):
         b, c = ids.shape
+        for _ in range(n - 1):  # before every timed step, as `decode_loop`
+            if between is not None:
+                between()
         kvf = parse_kv_format(kv)
         ctx = c + n // 2
         kb = kv_step_bytes(kv_terms(TINY, kvf.full_spec, DEFAULT), b, ctx)
@@ -207,6 +210,44 @@ def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypat
         assert r["refill_s"] == 0 and len(r["points"]) == 4
 
 
+def test_between_bytes_are_the_weights_and_the_other_layers_cache():
+    """SmolLM2-135M (30 layers, 3 KV heads of 64): a 16-bit cache holds 2 x 3 x 64 x 2 = 768 bytes a token and a
+    layer; beside a 6-layer skeleton's cache of 2048 tokens at batch 8 the model reads 24 layers' more."""
+    from fewbits.bench.probe import between_bytes
+    from fewbits.kvcache.format import parse_kv_format
+    from fewbits.models.presets import resolve_model
+
+    spec = resolve_model("smollm2-135m")
+    assert between_bytes(spec, parse_kv_format("bf16"), 8, 2048, 6, 10**8) == 10**8 + 24 * 8 * 2048 * 768
+    assert between_bytes(spec, parse_kv_format("bf16"), 8, 2048, 30, 10**8) == 10**8  # the model's own depth
+    # int8: 64 codes and one fp16 scale a head's key or value
+    assert between_bytes(spec, parse_kv_format("int8"), 1, 100, 6, 0) == 24 * 100 * 2 * 3 * (64 + 2)
+
+
+def test_step_costs_read_the_models_other_bytes_before_every_step(monkeypatch):
+    """With `weight_bytes`, every timed step of every point follows a read of the weights and the cache of the
+    layers the skeleton lacks (`between_bytes`), and the buffer is let go after the sweep."""
+    from fewbits.bench import probe
+    from fewbits.bench.probe import between_bytes, step_costs
+    from fewbits.kvcache.format import parse_kv_format
+
+    _fake_steps(monkeypatch, {"bf16": 5e-3}, 2e-3, 1e-9, {})
+    read: list[int] = []
+    made = probe.Flush.reader
+
+    def reader(self, nbytes):
+        fn = made(self, nbytes)
+        return lambda: (read.append(nbytes), fn())
+    monkeypatch.setattr(probe.Flush, "reader", reader)
+    deep = dataclasses.replace(TINY, n_layers=5)
+    res = step_costs(deep, ("bf16",), contexts=(32, 96), steps=8, refill_bytes=0, measure_refill=False,
+                     depths=(2,), weight_bytes=1 << 16, rounds=1)
+    want = [between_bytes(deep, parse_kv_format("bf16"), b, c + 8, 2, 1 << 16) for b in (1, 8) for c in (32, 96)]
+    assert read == [n for n in want for _ in range(8)]  # 8 timed steps a point
+    assert want[0] == (1 << 16) + 3 * 40 * 2 * 2 * 16 * 2  # 3 more layers of 40 tokens, 2 KV heads of 16
+    assert res["bf16"]["fixed_s"] > 0
+
+
 def test_step_costs_take_off_the_skeletons_own_linears_per_row(monkeypatch):
     """Steps that also pay the skeleton's head (0.8 ms) and each layer's linears (30 us) more at batch 8 than at 1:
     taken off before the fit, the per-sequence cost is the 2 ms the rest of the step costs, not 2 ms + 1.1 ms / 7."""
@@ -218,8 +259,8 @@ def test_step_costs_take_off_the_skeletons_own_linears_per_row(monkeypatch):
     inner = fewbits.generate.generate
     rows = {1: {"head": 0.0, "layer": 0.0}, 8: {"head": 8e-4, "layer": 3e-5}}
 
-    def with_linears(model, ids, n, kv="bf16"):
-        r = inner(model, ids, n, kv)
+    def with_linears(model, ids, n, kv="bf16", between=None):
+        r = inner(model, ids, n, kv, between)
         extra = rows[ids.shape[0]]["head"] + model.config.num_hidden_layers * rows[ids.shape[0]]["layer"]
         return dataclasses.replace(r, decode_step_s=[t + extra for t in r.decode_step_s])
 
@@ -280,7 +321,7 @@ def test_step_costs_fit_recovers_the_kivi_window_rate_and_dequantisation_jump(mo
     kivi = "int4-g16-r16"
     _no_skeleton_rows(monkeypatch)
 
-    def fake_generate(model, ids, n, kv="bf16"):
+    def fake_generate(model, ids, n, kv="bf16", between=None):
         b, c = ids.shape
         kvf = parse_kv_format(kv)
         kb = kv_step_bytes(kv_terms(TINY, kvf.full_spec, DEFAULT), b, c + n // 2)
@@ -489,7 +530,7 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
     ran: list[tuple[str, int, int, int]] = []
     _no_skeleton_rows(monkeypatch)
 
-    def fake_static(model, ids, n, kv="bf16"):
+    def fake_static(model, ids, n, kv="bf16", between=None):
         b, c = ids.shape
         depth = len(model.model.layers)
         kvf = parse_kv_format(kv)
