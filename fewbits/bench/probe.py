@@ -34,8 +34,11 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    graph to compile, minutes each at the model's depth: the skeletons there are 2 and 6 layers deep
    (`COMPILED_DEPTHS`; the 16-bit cache at both, to split the fixed costs into a part per step and a
    part per layer, which the fit scales to the model's depth), and a cache without a window runs only
-   the largest context at each batch: 18 shallow graphs instead of 20 at full depth, each saved on disk
-   (`fewbits.decode.precompiled`), so that a second probe loads them;
+   the largest context at each batch (the 16-bit cache at 2 layers the shortest too): 26 shallow graphs,
+   each saved on disk (`fewbits.decode.precompiled`), so that a second probe loads them.  Before each
+   timed step the probe reads the bytes the model's step reads beside the skeleton's cache (its linears'
+   and its other layers' cache), so that the skeleton's cache comes from where the model's does: memory,
+   where those bytes pass the last-level cache;
 5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them; measured
@@ -355,10 +358,15 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     def shapes(s: str, d: int) -> list[tuple[int, int]]:
         """The (batch, context) points of format `s` at depth `d`: every one where the fit needs them (the 16-bit
         cache at the main depth: the per-sequence and per-byte costs; a windowed cache: its window and its
-        dequantisation), else the largest context at each batch (a fixed and a per-byte cost to tell apart)."""
+        dequantisation), else the largest context at each batch (a fixed and a per-byte cost to tell apart), and
+        for the 16-bit cache at another depth the shortest too: its fixed cost per layer from steps whose cache
+        is small, not only from the longest, where it takes up whatever a batch-1 cache read from memory costs
+        beyond the per-byte rate the batch-8 steps fit (two probes on one host: 19.4 us a layer from the longest
+        alone, 15.6 with the shortest; 6.9 before the skeleton's cache came from memory)."""
         if not compiled or (d == main and (s == kv_specs[0] or parse_kv_format(s).residual > 0)):
             return [(b, c) for b in batches for c in contexts]
-        return [(b, max(contexts)) for b in batches]
+        ends = (min(contexts), max(contexts)) if s == kv_specs[0] else (max(contexts),)
+        return [(b, c) for b in batches for c in dict.fromkeys(ends)]
     flush = Flush(device)
     refill_model: torch.nn.Module | None = None
     compiled_refill = None

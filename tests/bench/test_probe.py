@@ -562,7 +562,9 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
     graphs = set(ran)
     assert {(s, d) for s, _, _, d in graphs} == {("bf16", 1), ("bf16", 3), ("int8", 3), (kivi, 3)}
     assert {(b, c) for s, b, c, d in graphs if s == "int8"} == {(1, 96), (8, 96)}  # no window: 2 graphs
-    assert len({g for g in graphs if g[0] == kivi}) == 4 and len({g for g in graphs if g[0] == "bf16"}) == 6
+    assert len({g for g in graphs if g[0] == kivi}) == 4 and len({g for g in graphs if g[0] == "bf16"}) == 8
+    # the 16-bit cache at the shallow depth at the shortest and the longest context: its cost per layer from both
+    assert {(b, c) for s, b, c, d in graphs if s == "bf16" and d == 1} == {(1, 8), (8, 8), (1, 96), (8, 96)}
 
 
 def test_step_set_calls_16_bit_layers_on_the_steps_operator():
