@@ -36,9 +36,10 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    part per layer, which the fit scales to the model's depth), and a cache without a window runs only
    the largest context at each batch (the 16-bit cache at 2 layers the shortest too): 26 shallow graphs,
    each saved on disk (`fewbits.decode.precompiled`), so that a second probe loads them.  Before each
-   timed step the probe reads the bytes the model's step reads beside the skeleton's cache (its linears'
-   and its other layers' cache), so that the skeleton's cache comes from where the model's does: memory,
-   where those bytes pass the last-level cache;
+   timed step the skeleton's KV cache is evicted from the CPU's caches (`fewbits.bench.evict`), so that it
+   comes from memory as a model's step, whose weights and other layers pass between, reads it; the cache's
+   efficiency is then relative to the memory's bandwidth, and the step model scales it by the bandwidth at
+   the step's working set;
 5. the core-cache refill: the same skeleton at batch 1 with every layer first streaming twice an L2
    cache's worth of bytes of its own; the time the step's small operations lose (the streaming itself
    subtracted) per layer is what a real model's weights, or a large batch's cache, cost them; measured
@@ -64,6 +65,7 @@ from typing import Any
 
 import torch
 
+from fewbits.bench.evict import evictor
 from fewbits.bench.gemv import A8, build_set, inputs_for
 from fewbits.bench.machine import (
     CURVE_SIZES,
@@ -79,7 +81,6 @@ from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
 from fewbits.cost.devices import DeviceSpec
 from fewbits.cost.profile import DEFAULT, Profile, curve_bandwidth
-from fewbits.cost.step import kv_step_bytes, kv_terms
 from fewbits.decode import pages
 from fewbits.formats.format import parse_format
 from fewbits.generate import synchronizer
@@ -247,36 +248,6 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
         return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
-def between_bytes(spec: ModelSpec, kvf: Any, batch: int, context: int, depth: int, weight_bytes: int) -> int:
-    """Bytes a step of the model `spec` reads beside a `depth`-layer skeleton's cache of `context` tokens a
-    sequence in format `kvf`: its linears' (`weight_bytes`) and the cache of its other `spec.n_layers - depth`
-    layers (the store's true bytes, `kv_step_bytes`)."""
-    kb = kv_step_bytes(kv_terms(spec, kvf.full_spec, DEFAULT), batch, context)
-    per_layer = float(kb["read_q"] + kb["read_w"]) / spec.n_layers
-    return int(weight_bytes + per_layer * max(spec.n_layers - depth, 0))
-
-
-class Flush:
-    """A buffer read through between a skeleton's timed steps (`between_bytes` of it), grown as needed."""
-
-    def __init__(self, device: str | torch.device = "cpu") -> None:
-        self.device = torch.device(device)
-        self.buf = torch.empty(0, device=self.device)
-
-    def reader(self, nbytes: int) -> Any:
-        """A callable that reads `nbytes` bytes of the buffer (None for 0 bytes)."""
-        n = nbytes // 4
-        if n <= 0:
-            return None
-        if self.buf.numel() < n:
-            self.buf = torch.ones(n, device=self.device)
-        view = self.buf[:n]
-        return lambda: view.sum()
-
-    def release(self) -> None:
-        self.buf = torch.empty(0, device=self.device)
-
-
 #: skeleton depths of the compiled path's steps: every KV format at the last, the 16-bit cache at each (the fit
 #: splits the fixed cost into a part per step and a part per layer, and scales it to the model's depth)
 COMPILED_DEPTHS = (2, 6)
@@ -287,7 +258,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
                refill_bytes: int | None = None, measure_refill: bool = True,
                refill_sizes: tuple[float, ...] | None = None, device: str | torch.device = "cpu",
                compiled: bool = False, depths: tuple[int, ...] | None = None,
-               weight_bytes: int = 0, log: Any = None) -> dict[str, dict[str, Any]]:
+               evict: bool = True, log: Any = None) -> dict[str, dict[str, Any]]:
     """Per KV format: decode steps of `skeleton_model` at two batches and several contexts (the fastest of
     `steps` steps in each of `rounds` interleaved rounds), fitted jointly by least squares with
 
@@ -320,12 +291,12 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     the model's depth's time, the reason for the depths.  The refill is measured on the compiled path too
     (`CompiledRefill`, one graph per stream size at the model's depth; eager: `refill_cost`'s hooks).
 
-    `weight_bytes`: the bytes of the model's linears a step reads (0: none).  Before each timed step a buffer of
-    that many bytes, and of the cache of the model's layers the skeleton lacks, is read (`between_bytes`,
-    outside the step's time): a real step reads a layer's cache again only after all of its weights and its
-    other layers' caches have passed, so from memory where those exceed the last-level cache, while a
-    skeleton read alone finds its shallower cache there (SmolLM2's attention at 2048 tokens, batch 8, 16-bit
-    cache: 20.5 GB/s over 6 layers' caches, 11.9 over 30).
+    `evict` (compiled path, CPU): before each timed step the skeleton's KV cache is evicted from the CPU's
+    caches, outside the step's time (`fewbits.bench.evict`): a real step reads a layer's cache again only after
+    its weights and its other layers' caches have passed, so from memory where those exceed the last-level
+    cache, while a skeleton stepped alone finds its shallower cache there (SmolLM2's attention at 2048 tokens,
+    batch 8, 16-bit cache: 20.5 GB/s over 6 layers' caches, 11.9 over 30).  The figures returned say whether
+    it ran (``cache_evicted``): the cache's efficiency is then relative to the memory's bandwidth.
 
     Before the fit, each step time loses what the skeleton's own linears (its vocabulary-wide LM head, each
     layer's 16-wide projections) take at its batch beyond the cost of their calls (`skeleton_rows_cost`,
@@ -338,6 +309,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
 
     decode = generate
     if compiled:
+        from fewbits.decode.generate import decoder_for
         from fewbits.decode.generate import generate_static as decode
     depths = tuple(depths or ((spec.n_layers,) if not compiled else COMPILED_DEPTHS))
     say = log or (lambda _m: None)
@@ -367,7 +339,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             return [(b, c) for b in batches for c in contexts]
         ends = (min(contexts), max(contexts)) if s == kv_specs[0] else (max(contexts),)
         return [(b, c) for b in batches for c in dict.fromkeys(ends)]
-    flush = Flush(device)
+    evicted = True
     refill_model: torch.nn.Module | None = None
     compiled_refill = None
     if measure_refill and x_cache > 0:
@@ -399,8 +371,12 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             t0 = time.perf_counter()
             for b, c in shapes(s, d):  # (on the compiled path each is one graph: the fewer, the faster)
                 ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
-                other = between_bytes(spec, kvf, b, c + steps, d, weight_bytes) if weight_bytes else 0
-                t = min(decode(model, ids, steps + 1, kv=kvf, between=flush.reader(other)).decode_step_s)
+                between = None
+                if compiled and evict and on_cpu:  # the decoder `decode` runs, built (compiled) here
+                    between = evictor(t for layer in decoder_for(model, kvf, b, c + steps + 1).cache
+                                      for t in layer.t.values())
+                evicted = evicted and between is not None
+                t = min(decode(model, ids, steps + 1, kv=kvf, between=between).decode_step_s)
                 fastest[(s, b, c, d)] = min(t, fastest.get((s, b, c, d), t))
             if r == 0:
                 say(f"  {s} cache, {d}-layer skeleton: {time.perf_counter() - t0:.0f} s (compiling included)")
@@ -408,11 +384,11 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     say("  the skeleton's own linears' work beyond their calls (taken off its steps: the GEMV passes count the "
         "model's own): " + ", ".join(f"batch {b}: head {r['head'] * 1e3:.2f} ms, a layer {r['layer'] * 1e6:.0f} us"
                                      for b, r in rows_cost.items()))
-    flush.release()
     fit = fit_step_costs(spec, kv_specs, take_off_rows(fastest, rows_cost), steps, x_cache, refill,
                          curve if len(refill_sizes) else None, measured=fastest)
     for r in fit.values():
         r["skeleton_rows_s"] = {str(b): v for b, v in rows_cost.items()}  # what was taken off, for the record
+        r["cache_evicted"] = evicted
     return fit
 
 
@@ -464,10 +440,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     else:
         depths = (spec.n_layers,)
         log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
-    fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
-    head = passes.get("lm_head_bf16", {}).get("bytes", 0)  # every format's step reads the 16-bit head
-    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths,
-                    weight_bytes=int(fewest + head), log=log)
+    kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths, log=log)
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     # in a compiled step a quantised matmul is one call of its operator from the generated code, as the
     # skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge (nor to measure)
@@ -479,7 +452,10 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
-    fields = step_profile_fields(spec, kv, bw, log, bw_at=lambda n: curve_bandwidth(curve, bw, n),
+    fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
+    head = passes.get("lm_head_bf16", {}).get("bytes", 0)  # every format's step reads the 16-bit head
+    evicted = all(r.get("cache_evicted", False) for r in kv.values())  # its cache read from memory: beta
+    fields = step_profile_fields(spec, kv, bw, log, bw_at=None if evicted else lambda n: curve_bandwidth(curve, bw, n),
                                  weight_bytes=fewest + head)
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     for low in ("int8", "fp8"):  # low-precision units count only where they beat 16-bit maths

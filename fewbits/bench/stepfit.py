@@ -156,9 +156,10 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
     relative to it at the working set of a step of the model itself at the skeleton's largest cache: that cache
     at the model's depth plus `weight_bytes` (the fewest bytes a step of the model reads beside its cache, the
     GEMV passes' smallest and the LM head), as the step model reads the cache at the bandwidth of the whole
-    step's working set, and as the skeleton's steps read it: `step_costs` reads those other bytes between its
-    steps.  (A cache read at memory speed costs more per byte than from the last-level cache: SmolLM2 at batch
-    8 and 512 tokens paid ~96 ms per GB of cache beside its weights, a skeleton stepped alone ~42.)"""
+    step's working set.  (A cache read at memory speed costs more per byte than from the last-level cache:
+    SmolLM2 at batch 8 and 512 tokens paid ~96 ms per GB of cache beside its weights, a skeleton stepped alone
+    ~42.)  Without `bw_at` it is relative to `bw`: what the probe passes where its skeleton's cache was evicted
+    before each step (`fewbits.bench.evict`), so read from memory."""
     base = kv["bf16"] if "bf16" in kv else next(iter(kv.values()))
     overhead, per_seq = max(base["fixed_s"], 0.0), max(base["per_seq_s"], 0.0)
     kv_eff: dict[str, float] = {}

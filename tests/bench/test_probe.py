@@ -210,44 +210,6 @@ def test_step_costs_fit_recovers_fixed_per_sequence_and_per_byte_costs(monkeypat
         assert r["refill_s"] == 0 and len(r["points"]) == 4
 
 
-def test_between_bytes_are_the_weights_and_the_other_layers_cache():
-    """SmolLM2-135M (30 layers, 3 KV heads of 64): a 16-bit cache holds 2 x 3 x 64 x 2 = 768 bytes a token and a
-    layer; beside a 6-layer skeleton's cache of 2048 tokens at batch 8 the model reads 24 layers' more."""
-    from fewbits.bench.probe import between_bytes
-    from fewbits.kvcache.format import parse_kv_format
-    from fewbits.models.presets import resolve_model
-
-    spec = resolve_model("smollm2-135m")
-    assert between_bytes(spec, parse_kv_format("bf16"), 8, 2048, 6, 10**8) == 10**8 + 24 * 8 * 2048 * 768
-    assert between_bytes(spec, parse_kv_format("bf16"), 8, 2048, 30, 10**8) == 10**8  # the model's own depth
-    # int8: 64 codes and one fp16 scale a head's key or value
-    assert between_bytes(spec, parse_kv_format("int8"), 1, 100, 6, 0) == 24 * 100 * 2 * 3 * (64 + 2)
-
-
-def test_step_costs_read_the_models_other_bytes_before_every_step(monkeypatch):
-    """With `weight_bytes`, every timed step of every point follows a read of the weights and the cache of the
-    layers the skeleton lacks (`between_bytes`), and the buffer is let go after the sweep."""
-    from fewbits.bench import probe
-    from fewbits.bench.probe import between_bytes, step_costs
-    from fewbits.kvcache.format import parse_kv_format
-
-    _fake_steps(monkeypatch, {"bf16": 5e-3}, 2e-3, 1e-9, {})
-    read: list[int] = []
-    made = probe.Flush.reader
-
-    def reader(self, nbytes):
-        fn = made(self, nbytes)
-        return lambda: (read.append(nbytes), fn())
-    monkeypatch.setattr(probe.Flush, "reader", reader)
-    deep = dataclasses.replace(TINY, n_layers=5)
-    res = step_costs(deep, ("bf16",), contexts=(32, 96), steps=8, refill_bytes=0, measure_refill=False,
-                     depths=(2,), weight_bytes=1 << 16, rounds=1)
-    want = [between_bytes(deep, parse_kv_format("bf16"), b, c + 8, 2, 1 << 16) for b in (1, 8) for c in (32, 96)]
-    assert read == [n for n in want for _ in range(8)]  # 8 timed steps a point
-    assert want[0] == (1 << 16) + 3 * 40 * 2 * 2 * 16 * 2  # 3 more layers of 40 tokens, 2 KV heads of 16
-    assert res["bf16"]["fixed_s"] > 0
-
-
 def test_step_costs_take_off_the_skeletons_own_linears_per_row(monkeypatch):
     """Steps that also pay the skeleton's head (0.8 ms) and each layer's linears (30 us) more at batch 8 than at 1:
     taken off before the fit, the per-sequence cost is the 2 ms the rest of the step costs, not 2 ms + 1.1 ms / 7."""
@@ -515,6 +477,52 @@ DEEP = ModelSpec(name="deep", family="llama", n_layers=12, hidden_size=64, n_hea
                  intermediate_size=128, vocab_size=256, tie_embeddings=True, max_position_embeddings=4096)
 
 
+@pytest.mark.parametrize("evict", [True, False])
+def test_compiled_steps_evict_the_skeletons_cache_before_each_timed_step(monkeypatch, evict):
+    """On the compiled path every timed step follows the eviction of the cache of the decoder it runs (that of
+    `decoder_for` at its batch and length: every tensor of every layer), and the figures say so."""
+    import types
+
+    import fewbits.decode.generate
+    from fewbits.bench import probe
+    from fewbits.bench.probe import step_costs
+    from fewbits.generate import GenerationResult
+
+    _no_skeleton_rows(monkeypatch)
+    caches: dict[tuple, list] = {}
+
+    def fake_decoder(model, kv, batch, max_len):
+        key = (str(kv), batch, max_len, len(model.model.layers))
+        caches.setdefault(key, [types.SimpleNamespace(t={"k": torch.zeros(2), "v": torch.zeros(2)})
+                                for _ in model.model.layers])
+        return types.SimpleNamespace(cache=caches[key])
+
+    evicted: list[frozenset[int]] = []
+    monkeypatch.setattr(probe, "evictor", lambda ts: (lambda ts=list(ts): evicted.append(frozenset(map(id, ts)))))
+
+    def fake_static(model, ids, n, kv="bf16", between=None):
+        b, c = ids.shape
+        for _ in range(n - 1):
+            if between is not None:
+                between()
+        return GenerationResult(ids[:, :1], c, 0.0, [1e-3 + 1e-4 * b + 1e-6 * c * len(model.model.layers)])
+
+    monkeypatch.setattr(fewbits.decode.generate, "generate_static", fake_static)
+    monkeypatch.setattr(fewbits.decode.generate, "decoder_for", fake_decoder)
+    res = step_costs(DEEP, ("bf16",), contexts=(8, 96), steps=8, rounds=1, refill_bytes=0, measure_refill=False,
+                     compiled=True, depths=(1, 3), evict=evict)
+    assert res["bf16"]["cache_evicted"] is evict
+    if not evict:
+        assert evicted == [] and caches == {}
+        return
+    points = res["bf16"]["points"]  # (batch, prompt, bytes, seconds, depth)
+    assert len(evicted) == 8 * len(points)  # 8 timed steps a point
+    want = {frozenset(id(t) for layer in caches[("bf16", b, c + 9, d)] for t in layer.t.values())
+            for b, c, _, _, d in points}
+    assert set(evicted) == want and len(want) == len(points)  # a point's decoder each, every layer's k and v
+    assert sorted(len(e) for e in evicted) == sorted(2 * d for *_, d in points for _ in range(8))
+
+
 def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_depth(monkeypatch):
     """Compiled steps of 1- and 3-layer skeletons of a 12-layer model: the fixed time per step and per layer,
     per extra sequence and per layer, each cache's extra per layer and per byte are recovered and given for
@@ -549,7 +557,7 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
 
     monkeypatch.setattr(fewbits.decode.generate, "generate_static", fake_static)
     res = step_costs(DEEP, ("bf16", "int8", kivi), contexts=(8, 96), steps=8, rounds=1, refill_bytes=0,
-                     measure_refill=False, compiled=True, depths=(1, 3))
+                     measure_refill=False, compiled=True, depths=(1, 3), evict=False)
     assert res["bf16"]["fixed_s"] == pytest.approx(1e-3 + 2e-4 * 12, rel=1e-6)
     assert res["int8"]["fixed_s"] == pytest.approx(1e-3 + (2e-4 + 4e-5) * 12, rel=1e-6)
     assert res[kivi]["fixed_s"] == pytest.approx(1e-3 + (2e-4 + 6e-5) * 12, rel=1e-6)
