@@ -134,8 +134,8 @@ def decode_loop(prefill: Callable[[], torch.Tensor], step: Callable[[torch.Tenso
     """The prefill-then-step loop every decode path shares: `prefill()` gives the prompt's last logits (B, V),
     `step(ids)` appends one token per sequence and gives its logits.  Returns the tokens (B, n) (a finished
     sequence padded with `eos_token_id`), the prefill's wall time and every step's, each ended by `sync`.
-    `between()`, where given, runs before each step outside its time (`fewbits probe` streams there the bytes
-    a real model's step reads beside its skeleton's)."""
+    `between()`, where given, runs before each step outside its time (`fewbits probe` evicts its skeleton's
+    KV cache from the CPU's caches there, `fewbits.bench.evict`)."""
     sync()
     t0 = time.perf_counter()
     nxt = sample_next(prefill(), do_sample, temperature, top_k, top_p, generator)

@@ -332,9 +332,8 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
         cache at the main depth: the per-sequence and per-byte costs; a windowed cache: its window and its
         dequantisation), else the largest context at each batch (a fixed and a per-byte cost to tell apart), and
         for the 16-bit cache at another depth the shortest too: its fixed cost per layer from steps whose cache
-        is small, not only from the longest, where it takes up whatever a batch-1 cache read from memory costs
-        beyond the per-byte rate the batch-8 steps fit (two probes on one host: 19.4 us a layer from the longest
-        alone, 15.6 with the shortest; 6.9 before the skeleton's cache came from memory)."""
+        is small as well, not only from the longest, where it takes up whatever a batch-1 cache read from memory
+        costs beyond the per-byte rate the batch-8 steps fit."""
         if not compiled or (d == main and (s == kv_specs[0] or parse_kv_format(s).residual > 0)):
             return [(b, c) for b in batches for c in contexts]
         ends = (min(contexts), max(contexts)) if s == kv_specs[0] else (max(contexts),)
