@@ -248,6 +248,22 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
         return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
+def cache_evictor(model: torch.nn.Module, kvf: Any, batch: int, max_len: int) -> Any:
+    """An `evictor` of the KV cache of the compiled decoder `generate_static` runs for `model` at these shapes
+    (built, so compiled or loaded, here); None where that runs eagerly (`why_eager`) or the decoder cannot be
+    built (`generate_static` then says why and decodes eagerly: no cache of its own to evict)."""
+    from fewbits.decode.generate import decoder_for
+    from fewbits.decode.runner import why_eager
+
+    if why_eager(model, next(model.parameters()).device) is not None:
+        return None
+    try:
+        dec = decoder_for(model, kvf, batch, max_len)
+    except Exception:  # noqa: BLE001 - a compiler failure: generate_static runs eagerly and logs it
+        return None
+    return evictor(t for layer in dec.cache for t in layer.t.values())
+
+
 #: skeleton depths of the compiled path's steps: every KV format at the last, the 16-bit cache at each (the fit
 #: splits the fixed cost into a part per step and a part per layer, and scales it to the model's depth)
 COMPILED_DEPTHS = (2, 6)
@@ -309,7 +325,6 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
 
     decode = generate
     if compiled:
-        from fewbits.decode.generate import decoder_for
         from fewbits.decode.generate import generate_static as decode
     depths = tuple(depths or ((spec.n_layers,) if not compiled else COMPILED_DEPTHS))
     say = log or (lambda _m: None)
@@ -370,10 +385,7 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
             t0 = time.perf_counter()
             for b, c in shapes(s, d):  # (on the compiled path each is one graph: the fewer, the faster)
                 ids = torch.randint(0, spec.vocab_size, (b, c), generator=g)
-                between = None
-                if compiled and evict and on_cpu:  # the decoder `decode` runs, built (compiled) here
-                    between = evictor(t for layer in decoder_for(model, kvf, b, c + steps + 1).cache
-                                      for t in layer.t.values())
+                between = cache_evictor(model, kvf, b, c + steps + 1) if compiled and evict and on_cpu else None
                 evicted = evicted and between is not None
                 t = min(decode(model, ids, steps + 1, kv=kvf, between=between).decode_step_s)
                 fastest[(s, b, c, d)] = min(t, fastest.get((s, b, c, d), t))

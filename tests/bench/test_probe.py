@@ -80,6 +80,21 @@ def _canned(monkeypatch):
     return bw
 
 
+@pytest.mark.parametrize("evicted", [True, False])
+def test_an_evicted_cache_is_rated_against_memory(monkeypatch, evicted):
+    """Where the probe evicted its skeleton's cache before each step, the cache came from memory: its efficiency
+    is relative to memory's bandwidth; else to the curve's at the model's working set (here 4 MB: the last-level
+    cache's 2 bw)."""
+    from fewbits.bench import probe
+
+    bw = _canned(monkeypatch)
+    monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu", compiled=True, **_: {
+        "bf16": {"fixed_s": 1e-3, "per_seq_s": 1e-4, "s_per_byte": 1 / (0.5 * bw), "points": [(8, 96, 1e6, 1e-3, 2)],
+                 "refill_s": 0.0, "refill_bytes": 0, "cache_evicted": evicted}})
+    prof = build_profile(TINY, weight_specs=("int8",), kv_specs=("bf16",), log=lambda _: None)
+    assert prof.kv_eff("float") == pytest.approx(0.5 if evicted else 0.25)
+
+
 def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     bw = _canned(monkeypatch)
     prof = build_profile(TINY, weight_specs=("int8", "int4-g64"), kv_specs=("bf16", "int8"), log=lambda _: None,
@@ -521,6 +536,30 @@ def test_compiled_steps_evict_the_skeletons_cache_before_each_timed_step(monkeyp
             for b, c, _, _, d in points}
     assert set(evicted) == want and len(want) == len(points)  # a point's decoder each, every layer's k and v
     assert sorted(len(e) for e in evicted) == sorted(2 * d for *_, d in points for _ in range(8))
+
+
+def test_a_decoder_that_cannot_be_built_leaves_the_steps_unevicted(monkeypatch):
+    """Where compiling the step fails (`generate_static` then decodes eagerly and says why), the probe evicts
+    nothing and records it, instead of failing on the decoder it wanted the cache of."""
+    import fewbits.decode.generate
+    from fewbits.bench.probe import step_costs
+    from fewbits.generate import GenerationResult
+
+    _no_skeleton_rows(monkeypatch)
+
+    def no_compiler(model, kv, batch, max_len):
+        raise RuntimeError("no C++ compiler")
+
+    def fake_static(model, ids, n, kv="bf16", between=None):
+        assert between is None
+        b, c = ids.shape
+        return GenerationResult(ids[:, :1], c, 0.0, [1e-3 + 1e-4 * b + 1e-6 * c * len(model.model.layers)])
+
+    monkeypatch.setattr(fewbits.decode.generate, "generate_static", fake_static)
+    monkeypatch.setattr(fewbits.decode.generate, "decoder_for", no_compiler)
+    res = step_costs(DEEP, ("bf16",), contexts=(8, 96), steps=8, rounds=1, refill_bytes=0, measure_refill=False,
+                     compiled=True, depths=(1, 3))
+    assert res["bf16"]["cache_evicted"] is False and res["bf16"]["fixed_s"] > 0
 
 
 def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_depth(monkeypatch):
