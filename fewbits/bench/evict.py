@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from fewbits.kernels import native
+from fewbits.kvcache.format import KVFormat
 
 NAME = "fewbits_evict"
 SRC = r"""
@@ -71,3 +72,19 @@ def evictor(tensors: Iterable[torch.Tensor]) -> Callable[[], None] | None:
         for t in ts:
             op(t)
     return run
+
+
+def cache_evictor(model: torch.nn.Module, kvf: KVFormat | str, batch: int, max_len: int) -> Callable[[], None] | None:
+    """An `evictor` of the KV cache of the compiled decoder `generate_static` runs for `model` at these shapes
+    (built, so compiled or loaded, here); None where that runs eagerly (`why_eager`) or the decoder cannot be
+    built (`generate_static` then says why and decodes eagerly: no cache of its own to evict)."""
+    from fewbits.decode.generate import decoder_for
+    from fewbits.decode.runner import why_eager
+
+    if why_eager(model, next(model.parameters()).device) is not None:
+        return None
+    try:
+        dec = decoder_for(model, kvf, batch, max_len)
+    except Exception:  # noqa: BLE001 - a compiler failure: generate_static runs eagerly and logs it
+        return None
+    return evictor(t for layer in dec.cache for t in layer.t.values())

@@ -65,7 +65,7 @@ from typing import Any
 
 import torch
 
-from fewbits.bench.evict import evictor
+from fewbits.bench.evict import cache_evictor
 from fewbits.bench.gemv import A8, build_set, inputs_for
 from fewbits.bench.machine import (
     CURVE_SIZES,
@@ -246,22 +246,6 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
     with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's global generator
         torch.manual_seed(0)
         return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
-
-
-def cache_evictor(model: torch.nn.Module, kvf: Any, batch: int, max_len: int) -> Any:
-    """An `evictor` of the KV cache of the compiled decoder `generate_static` runs for `model` at these shapes
-    (built, so compiled or loaded, here); None where that runs eagerly (`why_eager`) or the decoder cannot be
-    built (`generate_static` then says why and decodes eagerly: no cache of its own to evict)."""
-    from fewbits.decode.generate import decoder_for
-    from fewbits.decode.runner import why_eager
-
-    if why_eager(model, next(model.parameters()).device) is not None:
-        return None
-    try:
-        dec = decoder_for(model, kvf, batch, max_len)
-    except Exception:  # noqa: BLE001 - a compiler failure: generate_static runs eagerly and logs it
-        return None
-    return evictor(t for layer in dec.cache for t in layer.t.values())
 
 
 #: skeleton depths of the compiled path's steps: every KV format at the last, the 16-bit cache at each (the fit

@@ -499,7 +499,7 @@ def test_compiled_steps_evict_the_skeletons_cache_before_each_timed_step(monkeyp
     import types
 
     import fewbits.decode.generate
-    from fewbits.bench import probe
+    from fewbits.bench import evict as evict_mod
     from fewbits.bench.probe import step_costs
     from fewbits.generate import GenerationResult
 
@@ -513,7 +513,7 @@ def test_compiled_steps_evict_the_skeletons_cache_before_each_timed_step(monkeyp
         return types.SimpleNamespace(cache=caches[key])
 
     evicted: list[frozenset[int]] = []
-    monkeypatch.setattr(probe, "evictor", lambda ts: (lambda ts=list(ts): evicted.append(frozenset(map(id, ts)))))
+    monkeypatch.setattr(evict_mod, "evictor", lambda ts: (lambda ts=list(ts): evicted.append(frozenset(map(id, ts)))))
 
     def fake_static(model, ids, n, kv="bf16", between=None):
         b, c = ids.shape
