@@ -378,6 +378,22 @@ MaskRows mask_rows(const at::Tensor& allowed, int64_t B) {
   return {t, t.data_ptr<bool>(), B ? t.numel() / B : 0};
 }
 
+// out's elements x0 .. x0 + n - 1 (contiguous, fp32 / bf16 / fp16) = value(i) for i in 0 .. n - 1, rounded to nearest
+// even in out's dtype
+template <typename F>
+inline void store_row(at::Tensor& out, int64_t x0, int64_t n, F value) {
+  if (out.scalar_type() == at::kFloat) {
+    float* p = out.data_ptr<float>() + x0;
+    for (int64_t i = 0; i < n; ++i) p[i] = value(i);
+  } else if (out.scalar_type() == at::kBFloat16) {
+    at::BFloat16* p = out.data_ptr<at::BFloat16>() + x0;
+    for (int64_t i = 0; i < n; ++i) p[i] = at::BFloat16(value(i));
+  } else {
+    at::Half* p = out.data_ptr<at::Half>() + x0;
+    for (int64_t i = 0; i < n; ++i) p[i] = at::Half(value(i));
+  }
+}
+
 // The per-unit softmaxes (maximum pm, sum pl, weighted values pacc: unit k of (b, h) at bh * nunits + k, each
 // with R query heads) merged into one attention per query head -> (B, H, R, D) in q's dtype (rounded once)
 at::Tensor merge_units(const at::Tensor& q_in, int64_t BH, int64_t R, int64_t D, int64_t nunits,
@@ -400,17 +416,8 @@ at::Tensor merge_units(const at::Tensor& q_in, int64_t BH, int64_t R, int64_t D,
       }
       for (int64_t d = 0; d < D; ++d) o[d] /= L;
     }
-  auto out = at::empty(q_in.sizes(), q_in.options());  // in q's dtype, rounded to nearest even
-  const int64_t N = BH * R * D;
-  if (out.scalar_type() == at::kFloat) {
-    std::memcpy(out.data_ptr<float>(), O, N * sizeof(float));
-  } else if (out.scalar_type() == at::kBFloat16) {
-    at::BFloat16* p = out.data_ptr<at::BFloat16>();
-    for (int64_t x = 0; x < N; ++x) p[x] = at::BFloat16(O[x]);
-  } else {
-    at::Half* p = out.data_ptr<at::Half>();
-    for (int64_t x = 0; x < N; ++x) p[x] = at::Half(O[x]);
-  }
+  auto out = at::empty(q_in.sizes(), q_in.options());
+  store_row(out, 0, BH * R * D, [&](int64_t x) { return O[x]; });
   return out;
 }
 }  // namespace
@@ -910,6 +917,15 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
   const void *K = k_.data_ptr(), *V = v_.data_ptr();
   const at::ScalarType dt = k.scalar_type();
   const float* Q = q.data();
+  // one unit a (b, h): no merge; each thread writes its units' rows (as merge_units computes and rounds them)
+  at::Tensor out = nunits == 1 ? at::empty(q_in.sizes(), q_in.options()) : at::Tensor();
+  const auto finish_unit = [&](int64_t bh) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float m = pm[bh * R + r], l = pl[bh * R + r];
+      const float* a = pacc.data() + (bh * R + r) * D;
+      store_row(out, (bh * R + r) * D, D, [&](int64_t d) { return m == NEG_INF ? 0.f : a[d] / l; });
+    }
+  };
   at::parallel_for(0, B * H * nunits, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> s(R * chunk), sc(scaled ? chunk : 0);
     alignas(64) float c[MAXD];
@@ -921,11 +937,11 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
     std::vector<int32_t> s32(i8 ? R * chunk : 0);
     std::vector<int16_t> w16(i8 ? R * (chunk + 1) : 0);
 #endif
-    for (int64_t u = lo; u < hi; ++u) {
+    const auto run_unit = [&](int64_t u) {
       const int64_t bh = u / nunits, t0 = (u % nunits) * chunk, b = bh / H;
       const int64_t n = std::max<int64_t>(0, std::min(chunk, n_seen - t0));
       const bool* ok = AL + b * AT + t0;
-      if (std::find(ok, ok + n, true) == ok + n) continue;  // no slot to attend to: pm stays -inf, the merge skips it
+      if (std::find(ok, ok + n, true) == ok + n) return;  // no slot to attend to: pm stays -inf, the merge skips it
       const float* qh = Q + bh * R * D;
       const int64_t base = bh * nunits + u % nunits, row0 = bh * T + t0;
       float* acc = pacc.data() + base * R * D;
@@ -953,7 +969,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) acc[r * D + d] = static_cast<float>(acc32[r * D + d]) * st;
         }
-        continue;
+        return;
       }
 #endif
       if (!scores_rows(K, dt, row0, D, ok, n, qh, R, s.data()))
@@ -980,14 +996,19 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
           for (int64_t i = 0; i < n; ++i) s[r * n + i] *= sc[i];  // (a masked slot's weight is never read)
       }
       // the weighted sum of values (a masked slot is skipped: it weighs exactly 0)
-      if (values_rows(V, dt, row0, D, ok, n, s.data(), R, acc)) continue;
+      if (values_rows(V, dt, row0, D, ok, n, s.data(), R, acc)) return;
       for (int64_t i = 0; i < n; ++i) {
         if (!ok[i]) continue;
         row_f32(V, dt, row0 + i, D, c);
         for (int64_t r = 0; r < R; ++r) axpy(s[r * n + i], c, acc + r * D, D);
       }
+    };
+    for (int64_t u = lo; u < hi; ++u) {
+      run_unit(u);
+      if (nunits == 1) finish_unit(u);  // its own softmax is the whole one: written out by this thread
     }
   });
+  if (nunits == 1) return out;
   return merge_units(q_in, B * H, R, D, nunits, pm, pl, pacc);
 }
 

@@ -190,7 +190,7 @@ def _rows_ops(build: str):  # noqa: ANN202
 @pytest.mark.parametrize("build", ["native", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int8, torch.uint8])
 @pytest.mark.parametrize(("D", "R", "T", "chunk"), [(64, 3, 300, 64), (40, 3, 300, 64), (96, 5, 300, 64),
-                                                     (64, 4, 1300, 1024)])
+                                                     (64, 4, 1300, 1024), (64, 3, 300, 300)])
 def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D: int, R: int, T: int,
                                               chunk: int) -> None:
     """`attend_rows` called directly, on the main build and on the build without AVX-512 (the 256-bit path):
@@ -198,7 +198,8 @@ def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D:
     scales), masked slots and the slots after the query's own never read (they hold NaN here).  int8 with D a
     multiple of 16 takes the 16-bit integer path in both builds (VNNI's 512-bit one where D is a multiple of 32 on
     a CPU that has it): D = 96 (there a pass of 32 channels after one of 64), five query heads (a pass of four,
-    then one), an odd count of tokens in a chunk, and chunks asked of 1024 tokens (cut to 512: exact int32 sums)."""
+    then one), an odd count of tokens in a chunk, and chunks asked of 1024 tokens (cut to 512: exact int32 sums);
+    chunks of 300 tokens: one unit holds all the slots of a (b, h), whose thread writes its output (no merge)."""
     ops = _rows_ops(build)
     g = torch.Generator().manual_seed(D)
     B, H, slot = 2, 2, T - 40

@@ -105,19 +105,19 @@ def test_query_rotary_embedding_is_stored_once_not_recomputed_per_slot() -> None
     """Inductor inlines a pointwise query into the score reduction over every cache slot, recomputing its
     cos/sin per slot (0.4 ms a layer on SmolLM2); `_stored` makes it write the query once.  The identity
     shows the check can see the recomputation."""
-    from fewbits.decode.step import _rope, _stored
+    from fewbits.decode.step import _rope, _signed_sin, _stored
 
     q, k = torch.randn(1, 3, 1, 64).to(torch.bfloat16), torch.randn(1, 3, 256, 64).to(torch.bfloat16)
     ang = torch.randn(1, 1, 1, 64)
 
     def scores(q, k, ang, keep=_stored):  # noqa: ANN001, ANN202
-        qr = keep(_rope(q, ang.cos().to(q.dtype), ang.sin().to(q.dtype)))
+        qr = keep(_rope(q, ang.cos().to(q.dtype), _signed_sin(ang.sin().to(q.dtype))))
         return (qr.float() * k.float()).sum(-1)
 
     assert any(".cos()" in b for b in _reduction_bodies(lambda *a: scores(*a, keep=lambda x: x), q, k, ang))
     bodies = _reduction_bodies(scores, q, k, ang)
     assert bodies and not any(".cos()" in b for b in bodies)
-    ref = (_rope(q, ang.cos().to(q.dtype), ang.sin().to(q.dtype)).float() * k.float()).sum(-1)
+    ref = (_rope(q, ang.cos().to(q.dtype), _signed_sin(ang.sin().to(q.dtype))).float() * k.float()).sum(-1)
     torch._dynamo.reset()
     with compile_scope():  # fused 16-bit arithmetic rounds as eager does: the same scores
         torch.testing.assert_close(torch.compile(scores, fullgraph=True)(q, k, ang), ref, atol=1e-5, rtol=1e-5)
@@ -145,3 +145,21 @@ def test_attention_mask_is_stored_once_a_step_not_per_layer(monkeypatch: pytest.
     assert _bool_buffers_written(dec) == 2
     monkeypatch.setattr(step, "_stored", lambda x: x)
     assert _bool_buffers_written(dec) == 1 + 6
+
+
+def test_rope_equals_transformers_rotary_embedding() -> None:
+    """`_rope` with the signed sine (a roll instead of rotate_half's cat) gives transformers' own
+    `apply_rotary_pos_emb` bit for bit, in bf16 and fp32."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from fewbits.decode.step import _rope, _signed_sin
+
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        q, k = torch.randn(2, 9, 3, 64, generator=g).to(dt), torch.randn(2, 3, 3, 64, generator=g).to(dt)
+        ang = torch.randn(2, 3, 64, generator=g) * 10
+        cos, sin = ang.cos().to(dt), ang.sin().to(dt)
+        rq, rk = apply_rotary_pos_emb(q, k, cos, sin)  # (unsqueezes cos / sin at dim 1)
+        ssin = _signed_sin(sin.unsqueeze(1))
+        assert torch.equal(_rope(q, cos.unsqueeze(1), ssin), rq)
+        assert torch.equal(_rope(k, cos.unsqueeze(1), ssin), rk)
