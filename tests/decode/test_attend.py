@@ -253,6 +253,35 @@ def test_attend_rows_int8_sums_stay_exact_over_long_chunks() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_attend_rows_peaked_scores_match_softmax_and_leave_no_denormal_mode(dtype: torch.dtype) -> None:
+    """A very peaked head: most scores 87 or more below the largest, so their softmax weights would be denormals,
+    which the operator flushes to zero (they ran ~15x slower); the result is still softmax attention, and the
+    caller's floating-point mode is restored (a denormal survives a product afterwards)."""
+    g = torch.Generator().manual_seed(1)
+    B, H, R, T, D = 2, 3, 3, 600, 64
+    q = torch.randn(B, H, R, D, generator=g).bfloat16()
+    if dtype == torch.int8:
+        k = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
+        v = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
+        ks = (torch.rand(B, H, T, 1, generator=g) * 0.5 + 0.1).half()
+        vs = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
+        kf, vf = k.float() * ks.float(), v.float() * vs.float()
+    else:
+        k, v = (torch.randn(B, H, T, D, generator=g) * 30).bfloat16(), torch.randn(B, H, T, D, generator=g).bfloat16()
+        ks = vs = torch.empty(0)
+        kf, vf = k.float(), v.float()
+    s = torch.einsum("bhrd,bhtd->bhrt", q.double(), kf.double()) * 0.125
+    assert ((s.amax(-1, keepdim=True) - s) > 87).double().mean() > 0.5  # most weights below fp32's normal range
+    got = torch.ops.fewbits_kv.attend_rows(q, 0.125, k, v, ks, vs, torch.ones(B, T, dtype=torch.bool),
+                                           torch.tensor([T - 1]), 64)
+    ref = torch.einsum("bhrt,bhtd->bhrd", s.softmax(-1), vf.double())
+    torch.testing.assert_close(got.double(), ref, rtol=1e-2, atol=1e-2)
+    tiny = torch.tensor([1e-38], dtype=torch.float32)
+    assert float(tiny * 0.5) > 0  # the mode is back: a denormal product, not flushed
+
+
+@needs_kernel
 def test_attend_rows_reads_a_sliced_mask_and_refuses_a_slot_not_int64() -> None:
     """The mask may be a slice of a longer one (the step's (B, 1, cache + more)[..., :T]: not contiguous); the
     slot must be one int64 on the CPU (it is read from memory, not converted), and another dtype is named."""
