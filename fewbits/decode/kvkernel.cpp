@@ -9,6 +9,7 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+#include <cstdlib>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define FEWBITS_KV_I16 1  // KIVI codes times 16-bit integers (256-bit vpmaddwd), on AVX-512 CPUs too
@@ -255,12 +256,11 @@ inline float exp_sub_sum(float* y, int64_t n, float mx) {
 // of SmolLM2's bf16 cache at 2048 tokens, batch 8, called over 30 layers' caches in turn (360 MiB: from memory) read
 // 10.7-11.3 GB/s without, 12.5-13.1 with (96 rows ahead: 11.8-12.3); the compiled int4-g64 step at that context
 // 27.55-28.09 -> 25.54-26.37 ms (bench_compiled.py kv --weights int4-g64 --kv bf16 --batch 8, four processes)
-// The scores' pass also prefetches the first KV_PF_ROWS rows of its keys at its start, and each row of the values
-// (into L2) as it reads the key of that token, so the values' pass finds them there.  `attend_rows` alone, SmolLM2's
-// heads, batch 8, over 30 layers' caches in turn, alternating with the build before in one process (which reads
-// ~3% slower with the same code): 128 tokens 49.4 -> 42.1 us a layer (63.8 -> 54.1 with each cache evicted first),
-// 2000 tokens 691 -> 613 (750 -> 603); the build without AVX-512 (whose loops had no prefetch) 86.8 -> 61.6 and
-// 1060 -> 688.
+// The AVX2 loops (scores_8, values_8) got the same prefetch later: the compiled int4-g64 step (SmolLM2, bf16 cache,
+// batch 8) with the operators built without AVX-512, on an AVX-512 Xeon, alternating in one process: 2048 tokens
+// 39.1 -> 31.7 ms, 128 tokens 7.86 -> 7.16.  Tried, not kept: the values' rows prefetched into L2 along the scores'
+// pass (a whole chunk ahead): alone 1.13-1.37x faster at 128-2000 tokens, but the compiled step at 2048 tokens
+// 21.8 -> 23.5 ms.
 constexpr int64_t KV_PF_ROWS = 32;
 
 #include "kvkernel_avx512.inc"
@@ -356,19 +356,15 @@ inline void by_dtype(const void* base, at::ScalarType dt, int64_t off, F&& f) {
 // s[r * n + i] = q_r . row_i over rows row0 .. row0+n-1 of a (., D) tensor of dt (NEG_INF where !ok[i]) by the
 // vector path; false where none fits D (the caller runs the plain loop)
 inline bool scores_rows(const void* base, at::ScalarType dt, int64_t row0, int64_t D, const bool* ok, int64_t n,
-                        const float* q, int64_t R, float* s, const void* pf = nullptr) {
+                        const float* q, int64_t R, float* s) {
 #ifdef FEWBITS_KV_AVX512
   if (D % 16 == 0) {
-    by_dtype(base, dt, row0 * D, [&](auto rows) {
-      scores_16(rows, D, ok, n, q, R, s, pf ? static_cast<decltype(rows)>(pf) + row0 * D : nullptr);
-    });
+    by_dtype(base, dt, row0 * D, [&](auto rows) { scores_16(rows, D, ok, n, q, R, s); });
     return true;
   }
 #elif defined(FEWBITS_KV_AVX2)
   if (D % 8 == 0) {
-    by_dtype(base, dt, row0 * D, [&](auto rows) {
-      scores_8(rows, D, ok, n, q, R, s, pf ? static_cast<decltype(rows)>(pf) + row0 * D : nullptr);
-    });
+    by_dtype(base, dt, row0 * D, [&](auto rows) { scores_8(rows, D, ok, n, q, R, s); });
     return true;
   }
 #endif
@@ -1010,7 +1006,7 @@ at::Tensor attend_rows(const at::Tensor& q_in, double scale, const at::Tensor& k
         return;
       }
 #endif
-      if (!scores_rows(K, dt, row0, D, ok, n, qh, R, s.data(), V))  // V's rows prefetched along
+      if (!scores_rows(K, dt, row0, D, ok, n, qh, R, s.data()))
       for (int64_t i = 0; i < n; ++i) {  // scores
         if (!ok[i]) { for (int64_t r = 0; r < R; ++r) s[r * n + i] = NEG_INF; continue; }
         row_f32(K, dt, row0 + i, D, c);
