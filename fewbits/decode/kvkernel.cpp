@@ -9,7 +9,6 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
-#include <cstdlib>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #define FEWBITS_KV_I16 1  // KIVI codes times 16-bit integers (256-bit vpmaddwd), on AVX-512 CPUs too
@@ -255,7 +254,7 @@ inline float exp_sub_sum(float* y, int64_t n, float mx) {
 // rows of keys / values ahead of the one read that the 16-bit loops prefetch (4 kB at 64 bf16 channels).  One layer
 // of SmolLM2's bf16 cache at 2048 tokens, batch 8, called over 30 layers' caches in turn (360 MiB: from memory) read
 // 10.7-11.3 GB/s without, 12.5-13.1 with (96 rows ahead: 11.8-12.3); the compiled int4-g64 step at that context
-// 27.55-28.09 -> 25.54-26.37 ms (bench_compiled.py kv --weights int4-g64 --kv bf16 --batch 8, four processes)
+// 27.55-28.09 -> 25.54-26.37 ms (bench_compiled.py kv --weights int4-g64 --kv bf16 --batch 8, four processes).
 // The AVX2 loops (scores_8, values_8) got the same prefetch later: the compiled int4-g64 step (SmolLM2, bf16 cache,
 // batch 8) with the operators built without AVX-512, on an AVX-512 Xeon, alternating in one process: 2048 tokens
 // 39.1 -> 31.7 ms, 128 tokens 7.86 -> 7.16.  Tried, not kept: the values' rows prefetched into L2 along the scores'
@@ -264,8 +263,9 @@ inline float exp_sub_sum(float* y, int64_t n, float mx) {
 constexpr int64_t KV_PF_ROWS = 32;
 
 // bytes of int8 rows ahead of the one read that the integer loops (kvkernel_vnni.inc, kvkernel_i16.inc) prefetch (as
-// the 16-bit loops' 32 rows of 64 channels): one layer's compiled attention over SmolLM2's int8 cache at 2048 tokens, batch 8, called over 30 layers' caches in
-// turn (from memory) read 10.0 GB/s without, 10.8-11.0 with; over 6 layers' 15.6-16.5 without, 17.3-17.4 with
+// the 16-bit loops' 32 rows of 64 channels): one layer's compiled attention over SmolLM2's int8 cache at 2048
+// tokens, batch 8, called over 30 layers' caches in turn (from memory) read 10.0 GB/s without, 10.8-11.0 with; over
+// 6 layers' 15.6-16.5 without, 17.3-17.4 with.
 constexpr int64_t KV_PF_BYTES = 4096;
 // The KIVI loops (and kvkernel_i16.inc's, which the int8 cache takes without VNNI) prefetch the same way since: the
 // compiled int4-g64 step (SmolLM2, batch 8, 2048 tokens), alternating in one process: a KIVI int4 cache 21.64 ->
