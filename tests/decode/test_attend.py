@@ -173,6 +173,18 @@ def test_without_a_compiler_the_torch_path_is_used(monkeypatch: pytest.MonkeyPat
                                reference(layer, q, allowed, 30, 0.2), rtol=1e-5, atol=1e-5)
 
 
+def _int8_rows(g: torch.Generator, shape: tuple[int, ...], key_scales: tuple[float, float] = (0.02, 0.001)
+               ) -> tuple[torch.Tensor, ...]:
+    """int8 key and value codes of `shape` with fp16 per-token scales (keys' uniform in [b, a + b) for
+    key_scales (a, b), values' in [0.001, 0.021)), and the values they stand for in fp32: k, v, ks, vs, kf, vf."""
+    B, H, T, _ = shape
+    k = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    v = torch.randint(-127, 128, shape, generator=g, dtype=torch.int8)
+    ks = (torch.rand(B, H, T, 1, generator=g) * key_scales[0] + key_scales[1]).half()
+    vs = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
+    return k, v, ks, vs, k.float() * ks.float(), v.float() * vs.float()
+
+
 def _rows_ops(build: str):  # noqa: ANN202
     if build == "native":
         return torch.ops.fewbits_kv
@@ -205,11 +217,7 @@ def test_attend_rows_equals_softmax_attention(build: str, dtype: torch.dtype, D:
     B, H, slot = 2, 2, T - 40
     q = torch.randn(B, H, R, D, generator=g).bfloat16()
     if dtype == torch.int8:
-        k = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
-        v = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
-        ks = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
-        vs = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
-        kf, vf = k.float() * ks.float(), v.float() * vs.float()
+        k, v, ks, vs, kf, vf = _int8_rows(g, (B, H, T, D))
     elif dtype == torch.uint8:  # E4M3 codes: every finite one (subnormals too), NaN after the slot
         finite = torch.arange(256, dtype=torch.int32).to(torch.uint8)
         finite = finite[torch.isfinite(finite.view(torch.float8_e4m3fn).float())]
@@ -262,11 +270,7 @@ def test_attend_rows_peaked_scores_match_softmax_and_leave_no_denormal_mode(dtyp
     B, H, R, T, D = 2, 3, 3, 600, 64
     q = torch.randn(B, H, R, D, generator=g).bfloat16()
     if dtype == torch.int8:
-        k = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
-        v = torch.randint(-127, 128, (B, H, T, D), generator=g, dtype=torch.int8)
-        ks = (torch.rand(B, H, T, 1, generator=g) * 0.5 + 0.1).half()
-        vs = (torch.rand(B, H, T, 1, generator=g) * 0.02 + 0.001).half()
-        kf, vf = k.float() * ks.float(), v.float() * vs.float()
+        k, v, ks, vs, kf, vf = _int8_rows(g, (B, H, T, D), key_scales=(0.5, 0.1))
     else:
         k, v = (torch.randn(B, H, T, D, generator=g) * 30).bfloat16(), torch.randn(B, H, T, D, generator=g).bfloat16()
         ks = vs = torch.empty(0)
