@@ -30,8 +30,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, ssin: torch.Tensor) -> torch.Tenso
     product).  Compiled, the roll is an index inside one pointwise loop where rotate_half's `cat` made inductor
     write the rotated halves in loops of their own, each ending at a barrier of the step's threads (SmolLM2 int4-g64,
     batch 8, inductor's kernel profile: the layer's rotary kernel 11.6 us, 9.6 with cos / sin stored once a step,
-    7.5 with the roll)."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * ssin
+    7.5 with the roll).  The roll by half of D is written as the two halves swapped (a flip of a (2, D/2) view):
+    inductor reads `roll`'s index modulo D element by element into a buffer, the swapped halves as whole vectors
+    (the kernel 8.6 -> 5.5 us another day; the step 1.01x faster, alternating with the roll in one process)."""
+    half = x.shape[-1] // 2
+    return x * cos + x.unflatten(-1, (2, half)).flip(-2).flatten(-2) * ssin
 
 
 def _stored(x: torch.Tensor) -> torch.Tensor:
