@@ -442,7 +442,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     skel_lin = None if compiled else skeleton_linear_cost(spec, device=device)
     if skel_lin is not None:
         log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
-    bw_eff, head_eff, comp_eff, call_extra = linear_efficiencies(
+    bw_eff, head_eff, comp_eff, call_extra, head_comp = linear_efficiencies(
         spec, passes, bw, rates["bf16"], log, skel_lin, bw_at=lambda n: curve_bandwidth(curve, bw, n))
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
@@ -465,7 +465,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                 "gemv_passes": passes, "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
-                   bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, compute_efficiency=comp_eff,
+                   bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, head_compute_efficiency=head_comp,
+                   compute_efficiency=comp_eff,
                    kv_compute_measured=True,
                    linear_call_overhead_s=call_extra, bandwidth_curve=curve if len(curve) > 1 else (),
                    **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",

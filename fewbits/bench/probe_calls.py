@@ -20,17 +20,22 @@ from fewbits.models.spec import ModelSpec
 def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: float, peak_bf16: float,
                         log: Any = print, skeleton_linears_s: float | None = None,
                         bw_at: Callable[[float], float] | None = None
-                        ) -> tuple[dict[str, float], float, dict[str, float], dict[str, float]]:
-    """From `gemv_passes`: (bandwidth efficiency per family, of the 16-bit LM head, compute efficiency per
-    family, extra seconds per linear call per family).  The 16-bit linears ("float") and the LM head every
-    format keeps in 16 bits each stream at their own measured rate (here ~6.7 against ~8.4 GB/s: charging a
-    quantised model's head at the rate of the 16-bit linears over-counted it ~1.3 ms per step); together
-    they give the 16-bit model's time exactly as one blended efficiency did.  The extra cost per call of a
-    quantised family is its tiny calls' time less what the skeleton step (which every prediction starts
-    from) spends in its own 16-bit linears: `skeleton_linears_s` where measured (`skeleton_linear_cost`,
-    ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else the 16-bit tiny
-    calls' time (0.8 ms here).  `bw_at(bytes)`: the bandwidth at a pass's working set (its `pool_bytes`, see
-    `gemv_passes`), which its efficiency is relative to; else `bw`."""
+                        ) -> tuple[dict[str, float], float, dict[str, float], dict[str, float], float]:
+    """From `gemv_passes`: (bandwidth efficiency per family, of the 16-bit LM head, compute efficiency per family,
+    extra seconds per linear call per family, compute efficiency of the 16-bit LM head). Where the head's 8-row pass
+    took over 1.15x its 1-row pass (compute-limited: the CPU's dense_mm at 8 rows), the head gets that compute
+    efficiency of its own (the step model then gives it a roofline apart, see `fewbits.cost.step`) and the families'
+    compute efficiencies are their linears' alone; else it is 0 and the families' include the head's 8-row time, as
+    a step at the family's compute rate pays it. Without the head's own, a family whose linears stay memory-bound at
+    8 rows (int4 here) had its 16-bit head charged the 1-row time at 8 rows (SmolLM2: ~1.9 ms where the probe
+    measured 2.8). The 16-bit linears ("float") and the LM head every format keeps in 16 bits each stream at their
+    own measured rate (here ~6.7 against ~8.4 GB/s: charging a quantised model's head at the rate of the 16-bit
+    linears over-counted it ~1.3 ms per step); together they give the 16-bit model's time exactly as one blended
+    efficiency did. The extra cost per call of a quantised family is its tiny calls' time less what the skeleton
+    step (which every prediction starts from) spends in its own 16-bit linears: `skeleton_linears_s` where measured
+    (`skeleton_linear_cost`, ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else
+    the 16-bit tiny calls' time (0.8 ms here). `bw_at(bytes)`: the bandwidth at a pass's working set (its
+    `pool_bytes`, see `gemv_passes`), which its efficiency is relative to; else `bw`."""
     from fewbits.bench.gemv import split_a8
     from fewbits.bench.probe import head_shape, layer_shapes
     from fewbits.bench.stepfit import _clamp
@@ -42,6 +47,8 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     comp_eff: dict[str, float] = {}
     h = passes["lm_head_bf16"]
     head_flops8 = 2 * 8 * head_shape(spec)[0] * head_shape(spec)[1]
+    h1, h8 = h["rows1"]["t_s"], h["rows8"]["t_s"]
+    head_comp = _clamp(head_flops8 / (h8 * peak_bf16)) if h8 > 1.15 * h1 else 0.0
     call_extra: dict[str, float] = {}
     for f, r in passes.items():
         if f == "lm_head_bf16":
@@ -56,14 +63,16 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
             call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - base) / calls)
         if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
             # the step model divides all linear FLOPs (LM head included) by one compute rate per family
-            flops = r["rows8"]["flops"] + head_flops8
-            eff = flops / ((t8 + h["rows8"]["t_s"]) * peak_bf16)
+            if head_comp:  # the head has its own
+                eff = r["rows8"]["flops"] / (t8 * peak_bf16)
+            else:
+                eff = (r["rows8"]["flops"] + head_flops8) / ((t8 + h8) * peak_bf16)
             comp_eff.setdefault(fam, min(A8_COMPUTE_MAX, max(1e-3, eff)) if a8 else _clamp(eff))
         log(f"  {f:>9}: {r['bytes'] / 1e6:6.1f} MB of linears per step: 1 row {t1 * 1e3:7.2f} ms "
             f"(+{r['rows1']['t_calls_s'] * 1e3:.2f} ms calls), 8 rows {t8 * 1e3:7.2f} ms [{','.join(r['kernels'])}]")
     log(f"  bf16 LM head: {h['bytes'] / 1e6:.1f} MB, 1 row {h['rows1']['t_s'] * 1e3:.2f} ms, "
         f"8 rows {h['rows8']['t_s'] * 1e3:.2f} ms")
-    return bw_eff, _clamp(h["bytes"] / h["rows1"]["t_s"] / beta(h)), comp_eff, call_extra
+    return bw_eff, _clamp(h["bytes"] / h1 / beta(h)), comp_eff, call_extra, head_comp
 
 
 class _ZeroLinear(torch.nn.Module):

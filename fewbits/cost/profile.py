@@ -22,6 +22,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "bandwidth_efficiency": {"float": 0.8, "fp8": 0.52, "int8": 0.5, "int4": 0.34, "fp4": 0.34},
       "head_bandwidth_efficiency": 0.66,      # the 16-bit parts every format keeps (LM head, router, norms)
                                               #   where measured apart from the 16-bit linears; 0: "float"'s
+      "head_compute_efficiency": 0.1,         # the 16-bit LM head's matmul where it was compute-limited at 8
+                                              #   rows (measured): the head then has a roofline of its own and
+                                              #   compute_efficiency is the other linears'; 0: in the family's
       "kv_bandwidth_efficiency": {"float": 0.8, "fp8": 0.75, ...},   # by the family of the KV format
       "kv_compute_measured": false,           # true: those were timed on decode steps of the attention itself
                                               #   (`fewbits probe`), so its maths is in them: a decode step's
@@ -165,6 +168,7 @@ class Profile:
     kv_quantized_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_window_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
     head_bandwidth_efficiency: float = 0.0
+    head_compute_efficiency: float = 0.0
     cache_refill_s: float = 0.0
     cache_refill_bytes: float = 0.0
     cache_refill_curve: tuple[tuple[float, float], ...] = ()
@@ -204,6 +208,9 @@ class Profile:
                     raise ProfileError(f"profile {self.name!r}: {table}[{k!r}] = {v} is not finite")
         if not 0 <= self.head_bandwidth_efficiency <= 1:
             raise ProfileError(f"profile {self.name!r}: head_bandwidth_efficiency = {self.head_bandwidth_efficiency} "
+                               "is not in (0, 1] (or 0: not measured)")
+        if not 0 <= self.head_compute_efficiency <= 1:
+            raise ProfileError(f"profile {self.name!r}: head_compute_efficiency = {self.head_compute_efficiency} "
                                "is not in (0, 1] (or 0: not measured)")
         if not (math.isfinite(self.cache_refill_s) and math.isfinite(self.cache_refill_bytes)) \
                 or self.cache_refill_s < 0 or self.cache_refill_bytes < 0:
@@ -274,6 +281,7 @@ class Profile:
                 "kv_quantized_overhead_s": dict(self.kv_quantized_overhead_s),
                 "kv_window_bandwidth_efficiency": dict(self.kv_window_bandwidth_efficiency),
                 "head_bandwidth_efficiency": self.head_bandwidth_efficiency,
+                "head_compute_efficiency": self.head_compute_efficiency,
                 "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
                 "cache_refill_curve": [list(pt) for pt in self.cache_refill_curve],
                 "bandwidth_curve": [list(pt) for pt in self.bandwidth_curve],

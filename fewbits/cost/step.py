@@ -16,7 +16,11 @@ all-reduces of the b x d activations, each 2 (n-1)/n * bytes / link + latency.  
       + max(B_kv / (beta eta_kv), F_att / (peak_16 eta_c16))        attention over the cache
       + t_comm + t_0                                                 all-reduces + fixed overhead
 
-with eta from the `Profile` per format family.  The two rooflines are summed, not merged into one,
+with eta from the `Profile` per format family.  Where the profile measured the 16-bit LM head's own compute
+efficiency (`Profile.head_compute_efficiency`: on a CPU a 16-bit head of 8 rows is compute-limited while the
+int4 linears beside it are not), that head is a roofline of its own, max(B_f / (beta eta_f), F_head / (peak_16
+eta_ch)), added to the other linears' max(B_q / (beta eta_w), (F_lin - F_head) / (peak eta_c)).
+The two rooflines are summed, not merged into one,
 because the kernels of a step run one after another: a batch whose linears are compute-bound still
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
 of the batch, and (measured hosts) the extra cost per call of the weight format's kernels and per
@@ -74,6 +78,8 @@ class WeightTerms:
     head_q: float = 0.0  # bytes per step of an LM head quantised in its own format (`lm_head`)
     eta_h: float = 1.0  # bandwidth efficiency of that head (its format family's)
     head_call_s: float = 0.0  # extra fixed time of that head's call (its family's call overhead)
+    head_flops: float = 0.0  # 2 x the 16-bit LM head's weights (of linear_flops), where it has its own roofline
+    eta_ch: float = 0.0  # that head's compute efficiency (`Profile.head_compute_efficiency`; 0: none of its own)
 
 
 @dataclass(frozen=True)
@@ -149,7 +155,7 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
     if head_fmt is not None and not head_fmt.is_quantized:
         head_fmt = base  # asked for a 16-bit head
     n = devices
-    dense_q = dense_f = expert = calls = expert_linears = head_q = 0.0
+    dense_q = dense_f = expert = calls = expert_linears = head_q = head16 = 0.0
     head_own = None  # the fitted format of a head quantised in its own format
     for s in model.linear_shapes():
         name = f"{model.name}.{s.name}"
@@ -160,6 +166,8 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
                 continue
         if s.role == "router" or (s.role == "lm_head" and (not profile.quantize_lm_head or head_fmt is not None)):
             dense_f += _linear_bytes(base, s.shape, s.count, profile, name)
+            if s.role == "lm_head":
+                head16 += 2.0 * s.count * s.shape[0] * s.shape[1]
             continue
         f = fitted_format(fmt, s.shape, misfit, name)
         if f is None and s.role != "expert":  # kept 16-bit
@@ -197,7 +205,8 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
                        profile.bw_eff(fam), profile.head_eff(), profile.compute_eff(fam), calls / n,
                        expert_linears, profile.call_overhead(fam), head_q / n,
                        profile.bw_eff(format_family(head_own, activations)) if head_own else 1.0,
-                       profile.call_overhead(format_family(head_own, activations)) if head_own else 0.0)
+                       profile.call_overhead(format_family(head_own, activations)) if head_own else 0.0,
+                       head16 / n if profile.head_compute_efficiency else 0.0, profile.head_compute_efficiency)
 
 
 def resolve_kv(kv: str | Format | KVFormat) -> Format | KVFormat:
@@ -329,15 +338,25 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
     the last-level cache; `device.bandwidth` without a measured curve).  `att_timed`: those efficiencies
     are the attention's own timed rates (compute included), so its time is its bytes' alone."""
     beta = profile.bandwidth_at(device, weight_q + dense + w.head_q + kv_q + kv_w)
-    t_mem_w = (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / beta
     t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / beta
-    t_comp_w = lin_flops / (w.peak * w.eta_c)
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
-    t_lin = np.maximum(t_mem_w, t_comp_w)
     t_att = t_mem_kv if att_timed else np.maximum(t_mem_kv, t_comp_kv)
     # compute-bound: the phases limited by compute take most of the step
     att_compute = np.logical_and(t_comp_kv > t_mem_kv, not att_timed)
-    in_compute = np.where(t_comp_w > t_mem_w, t_lin, 0.0) + np.where(att_compute, t_att, 0.0)
+    # where the 16-bit head has its own compute efficiency (eta_ch > 0), its roofline apart from the other
+    # linears'; else one roofline over all (terms broadcast, so both are computed and one chosen per element)
+    own = np.logical_and(np.asarray(w.eta_ch) > 0, np.asarray(w.head_flops) > 0)
+    t_mem_q, t_mem_f = (weight_q / w.eta_w + w.head_q / w.eta_h) / beta, dense / w.eta_f / beta
+    t_mem_w = np.where(own, t_mem_q + t_mem_f, (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / beta)
+    head_flops = np.where(own, lin_flops * (w.head_flops / np.maximum(w.linear_flops, 1.0)), 0.0)
+    t_comp_q = (lin_flops - head_flops) / (w.peak * w.eta_c)
+    t_comp_f = head_flops / (device.peak_flops.get("bf16", w.peak) * np.where(own, w.eta_ch, 1.0))
+    t_comp_w = np.where(own, t_comp_q + t_comp_f, lin_flops / (w.peak * w.eta_c))
+    t_lin = np.where(own, np.maximum(t_mem_q, t_comp_q) + np.maximum(t_mem_f, t_comp_f),
+                     np.maximum(t_mem_w, t_comp_w))
+    split = np.where(t_comp_q > t_mem_q, t_comp_q, 0.0) + np.where(t_comp_f > t_mem_f, t_comp_f, 0.0)
+    lin_compute = np.where(own, split, np.where(t_comp_w > t_mem_w, t_lin, 0.0))
+    in_compute = lin_compute + np.where(att_compute, t_att, 0.0)
     return {"t_memory": t_mem_w + t_mem_kv, "t_compute": t_comp_w + t_comp_kv, "t_linear": t_lin,
             "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att), "bandwidth": beta}
 

@@ -115,8 +115,11 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.bw_eff("int4+a8") == pytest.approx(2e6 / 0.5e-3 / (2 * bw))
     assert "int8+a8" not in prof.bandwidth_efficiency and prof.bw_eff("int8+a8") == prof.bw_eff("int8")
     assert prof.bandwidth_curve == ((32 << 20, 2 * bw), (1 << 30, bw))
-    # int8 takes 4x longer at 8 rows: compute-limited; (8e6 body + 2*8*256*64 head FLOPs) / (6 ms * 5e11)
-    assert prof.compute_eff("int8") == pytest.approx((8e6 + 2 * 8 * 256 * 64) / (6e-3 * 5e11))
+    # the head takes 2x longer at 8 rows: compute-limited, a compute efficiency of its own, 2*8*256*64 FLOPs / (2 ms
+    # * 5e11) = 2.6e-4, held at the floor every efficiency has (1e-3); int8 takes 4x longer at 8 rows: compute-limited
+    # too, its linears' own 8e6 FLOPs / (4 ms * 5e11)
+    assert 2 * 8 * 256 * 64 / (2e-3 * 5e11) < 1e-3 and prof.head_compute_efficiency == 1e-3
+    assert prof.compute_eff("int8") == pytest.approx(8e6 / (4e-3 * 5e11))
     assert "int4" not in prof.compute_efficiency  # 0.85 ms vs 0.8 ms: still memory-bound
     assert prof.kv_eff("int8") == pytest.approx(0.05) and prof.overhead_s == 0.02
     assert prof.overhead_per_seq_s == 1e-3
@@ -418,11 +421,34 @@ def test_16_bit_model_time_unchanged_and_quantised_head_at_its_own_rate(monkeypa
                        "rows1": {"t_s": 2.1e-3, "t_calls_s": 1e-4, "t_bytes_s": 2e-3, "flops": 1e6},
                        "rows8": {"t_s": 2.1e-3, "t_calls_s": 1e-4, "t_bytes_s": 2e-3, "flops": 8e6}},
               "lm_head_bf16": {"bytes": 1e6, "rows1": {"t_s": 1e-4}, "rows8": {"t_s": 2e-4}}}
-    bw_eff, head, _, _ = linear_efficiencies(TINY, passes, bw, 5e11, log=lambda _: None)
+    bw_eff, head, _, _, _ = linear_efficiencies(TINY, passes, bw, 5e11, log=lambda _: None)
     # 16-bit model: body / (eta bw) + head / (eta_head bw) = 2 ms + 0.1 ms, the two measured times
     assert 8e6 / (bw_eff["float"] * bw) + 1e6 / (head * bw) == pytest.approx(2.1e-3, rel=1e-12)
     # the blended rate (9 MB / 2.1 ms) would have charged the head 0.233 ms, not its 0.1 ms
     assert 1e6 / (head * bw) == pytest.approx(1e-4, rel=1e-12)
+
+
+def test_a_head_compute_limited_at_8_rows_gets_a_compute_efficiency_of_its_own():
+    """Where the 16-bit head's 8-row pass takes over 1.15x its 1-row pass, its FLOPs at 8 rows over that time are
+    its own compute efficiency and a compute-limited family's is its linears' alone; where it does not, the head
+    has none (0) and the family's efficiency counts the head's 8-row FLOPs and time with its own, as before."""
+    from fewbits.bench.probe import head_shape
+    from fewbits.bench.probe_calls import linear_efficiencies
+
+    peak = 5e11
+    head_flops8 = 2 * 8 * head_shape(TINY)[0] * head_shape(TINY)[1]
+    row = {"t_s": 2.1e-3, "t_calls_s": 1e-4, "t_bytes_s": 2e-3, "flops": 1e6}
+    fam8 = {"t_s": 4.1e-3, "t_calls_s": 1e-4, "t_bytes_s": 4e-3, "flops": 8e6}  # compute-limited at 8 rows
+    for h8, own in ((3e-4, True), (1.1e-4, False)):
+        passes = {"bf16": {"kernels": ["k"], "bytes": 8e6, "rows1": row, "rows8": fam8},
+                  "lm_head_bf16": {"bytes": 1e6, "rows1": {"t_s": 1e-4}, "rows8": {"t_s": h8}}}
+        _, _, comp, _, head_comp = linear_efficiencies(TINY, passes, 10e9, peak, log=lambda _: None)
+        if own:
+            assert head_comp == pytest.approx(head_flops8 / (h8 * peak), rel=1e-12)
+            assert comp["float"] == pytest.approx(8e6 / (4e-3 * peak), rel=1e-12)
+        else:
+            assert head_comp == 0
+            assert comp["float"] == pytest.approx((8e6 + head_flops8) / ((4e-3 + h8) * peak), rel=1e-12)
 
 
 def test_skeleton_linear_cost_measures_the_skeletons_own_linears():
