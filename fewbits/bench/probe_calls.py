@@ -62,7 +62,7 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
             base = passes["bf16"]["rows1"]["t_calls_s"] if skeleton_linears_s is None else skeleton_linears_s
             call_extra.setdefault(fam, (r["rows1"]["t_calls_s"] - base) / calls)
         if t8 > 1.15 * t1:  # compute-limited at 8 rows: the roofline's compute side
-            # the step model divides all linear FLOPs (LM head included) by one compute rate per family
+            # one compute rate per family for its linears' FLOPs (and the 16-bit head's, where it has none of its own)
             if head_comp:  # the head has its own
                 eff = r["rows8"]["flops"] / (t8 * peak_bf16)
             else:

@@ -20,7 +20,7 @@ with eta from the `Profile` per format family.  Where the profile measured the 1
 efficiency (`Profile.head_compute_efficiency`: on a CPU a 16-bit head of 8 rows is compute-limited while the
 int4 linears beside it are not), that head is a roofline of its own, max(B_f / (beta eta_f), F_head / (peak_16
 eta_ch)), added to the other linears' max(B_q / (beta eta_w), (F_lin - F_head) / (peak eta_c)).
-The two rooflines are summed, not merged into one,
+The linears' and the attention's rooflines are summed, not merged into one,
 because the kernels of a step run one after another: a batch whose linears are compute-bound still
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
 of the batch, and (measured hosts) the extra cost per call of the weight format's kernels and per
