@@ -11,6 +11,9 @@ hold): d = 2^(e - 14) for the block's largest |x| in [2^e, 2^(e+1)), codes = x /
 to int16).  A bf16 has 8 significant bits, so every bf16 element within 2^-7 of its block's largest is exact and
 the rest round to a step of 2^-14 of it.  `X16_BLOCK_SRC` is the C++ both operators include, `int16_blocks` the
 reference.
+
+24-bit fixed point per row (``int8_mm``'s AMX path for 2-16 rows of a bf16 x, not an opt-in: every bf16 element
+within 2^-15 of its row's largest taken exactly): `fixed24_rows` is the reference.
 """
 
 from __future__ import annotations
@@ -134,6 +137,19 @@ def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = torch.where(amax >= 2.0**-112, torch.ldexp(torch.ones_like(amax), e - 15), torch.zeros_like(amax))
     q = torch.where(d[..., None] > 0, torch.round(xf / torch.where(d > 0, d, 1.0)[..., None]), 0.0)
     return q.clamp(-32768, 32767).to(torch.int16).reshape(M, K), d
+
+
+def fixed24_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K), finite, as ``int8_mm``'s AMX path takes 2+ rows of a bf16 x: (v int32 (M, K), step fp64 (M,)) with
+    x ~ v * step per row.  step = 2^(e - 22) where 2^e <= the row's largest |x| < 2^(e+1) (0 for a row of zeros),
+    v = x / step rounded half to even (|v| < 2^23): every bf16 element within 2^-15 of its row's largest is exact,
+    the rest round to a step of 2^-22 of it."""
+    xd = x.double()
+    amax = xd.abs().amax(-1)
+    _, e = torch.frexp(amax)  # amax = m * 2^e, m in [0.5, 1)
+    step = torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e - 23), torch.zeros_like(amax))
+    v = torch.round(xd / torch.where(step > 0, step, 1.0)[:, None])
+    return v.to(torch.int32), step
 
 
 def quantize_blocks(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

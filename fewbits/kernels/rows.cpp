@@ -732,134 +732,155 @@ class Scratch {
   int64_t n_;
 };
 
-#if defined(ROWS_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(ROWS_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define ROWS_AMX 1
-// ---------------------------------------------------------------- AMX (Intel's tile matrix unit), bf16
-// AMX_MIN_ROWS to AMX_MAX_ROWS rows of a bf16 x on int8 codes (int8_mm): per 16 output channels the weight rows
-// converted to bf16 (exact) are the A tile (16 channels x 32 columns), x's columns in pairs the B tile (16 pairs x
-// M rows), and tdpbf16ps accumulates the C tile (16 channels x M, fp32; products exact, sums in fp32, subnormals
-// flushed as AMX does) in four independent sums.  The dpbf16 path (block_i8_bf16) spends an instruction per row
-// of x and 32 codes besides the five that convert them; here the conversion is all that grows with the weight.
-// On a 2-core Xeon with AMX (bench_rows.py --rows 2,3,4,8 --ops int8 --baseline): 3 rows 1.19-1.46x, 4 rows
-// 1.33-1.70x, 8 rows 1.85-2.39x the dpbf16 path, from memory, SmolLM2's layers and head, converting a whole
-// block of 16 channels (16 x K codes) ahead of its tiles; converting it in chunks of 128 columns, each while the
-// tiles take the chunk before (all in L1), ran 1.21-1.66x that (8 rows 13.4 -> 19-22 GB/s of codes), and 2 rows
-// 1.26-1.41x the dpbf16 path (one row keeps the int16 path).  bf16 weights through the same tiles, read in place,
-// ran at 0.51-0.73x the dpbf16 path at 3-4 rows and 1.01-1.20x at 8 (16 weight rows read side by side: one
-// stream each), so they keep it.
-constexpr int64_t AMX_MIN_ROWS = 2, AMX_MAX_ROWS = 16, AMX_CH = 16;
+// ---------------------------------------------------------------- AMX (Intel's tile matrix unit), integers
+// AMX_MIN_ROWS to AMX_MAX_ROWS rows of a bf16 x on int8 codes (int8_mm) through the tiles' integer products
+// (tdpbssd / tdpbsud): the codes go straight from the weight into the A tiles (16 channels x 64 columns), nothing
+// converted.  Each row of x is taken as a 24-bit fixed point, x = step * v with step = 2^(e - 22) for the row's
+// largest |x| in [2^e, 2^(e+1)) and |v| < 2^23 (fewbits.kernels.act8.fixed24_rows, the reference): every bf16
+// element within 2^-15 of its row's largest is exact (8 significant bits), the rest round half to even to a step
+// of 2^-22 of it.  v = 2^16 h + 2^8 m + l (h a signed byte, m and l unsigned) makes three planes of x, the B tiles;
+// per 16 channels three integer sums (exact in int32 up to K = 2^17 columns: |code x byte| <= 2^14), combined
+// exactly in fp64 and rounded once to fp32: x's fixed-point dot product with the codes, correctly rounded (the
+// bf16 path it replaced, codes converted to bf16 for tdpbf16ps, summed the exact products in fp32).
+// Measured, SmolLM2-135M int8 with its head, the 121 calls of a step at 8 rows, the two paths alternating in one
+// process (the weights from memory): 8.93 / 9.26 ms against 9.66 / 10.68 for the bf16-tile path (1.07-1.15x); at
+// 2, 4 and 16 rows 1.07, 1.07 and 1.10x.  That is memory-bound far below the one-row path (4.1-4.5 ms for the same
+// bytes): with the codes always read from one hot block the same calls take 4.1-5.1 ms, so the tile unit's work
+// and the memory's overlap little; prefetch variants (into L1 ahead of the tiles, two blocks ahead, whole blocks
+// at once, the next block copied row by row between the tiles) were all within 0.9-1.04x.
+constexpr int64_t AMX_MIN_ROWS = 2, AMX_MAX_ROWS = 16, AMX_CH = 16, X24_PLANES = 3;
 
 bool amx_ready() { static const bool ok = at::cpu::init_amx(); return ok; }
 
 struct TileConfig { uint8_t palette, start; uint8_t reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 
-// tiles 0-3: C (16 channels x M fp32, four sums), 4-5: A (16 channels x 32 bf16), 6-7: B (16 column pairs x M rows
-// of x)
+// tiles 0-2: C (16 channels x M int32, one per plane of x), 3: A (16 channels x 64 codes), 4-6: B (16 groups of
+// four columns x M rows of x, one per plane)
 inline void amx_config(int64_t M) {
   alignas(64) TileConfig c{};
   c.palette = 1;
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < 7; ++t) {
     c.rows[t] = 16;
-    c.colsb[t] = uint16_t(t == 4 || t == 5 ? 64 : M * 4);
+    c.colsb[t] = uint16_t(t == 3 ? 64 : M * 4);
   }
   asm volatile("" : : "r"(&c) : "memory");  // GCC 12 can drop the stores above as dead (seen out of line)
   _tile_loadconfig(&c);
 }
 
-// x (M x K bf16) -> the B tiles: tile kb's row p holds, for each row m of x, the pair of columns 32 kb + p and
-// 32 kb + 16 + p (zero past K), the pairs bf16_codes makes of the weight's columns
-void pack_x_pairs(const uint16_t* x, int64_t M, int64_t K, uint32_t* xt) {
-  for (int64_t kb = 0; kb < (K + 31) / 32; ++kb)
-    for (int64_t p = 0; p < 16; ++p) {
-      const int64_t k = 32 * kb + p;
-      for (int64_t m = 0; m < M; ++m) {
-        const uint32_t lo = k < K ? x[m * K + k] : 0u, hi = k + 16 < K ? x[m * K + k + 16] : 0u;
-        xt[(kb * 16 + p) * M + m] = lo | (hi << 16);
+// x (M x K bf16) -> the B tiles of its three planes (above): plane P's tile kb, row p holds for each row m of x the
+// bytes of columns 64 kb + 4 p .. + 3 (zero past K); step[m] the row's step (0 for a row of zeros).  False where x
+// holds an Inf or NaN (nothing to take as a fixed point).
+bool pack_x24(const uint16_t* x, int64_t M, int64_t K, uint32_t* xt, double* step) {
+  const int64_t nkb = (K + 63) / 64, plane = nkb * 16 * M;
+  std::memset(xt, 0, size_t(X24_PLANES * plane) * 4);
+  auto load = [&](int64_t m, int64_t k) {  // x[m, k .. k + 15] as fp32 (zeros past K)
+    const int64_t left = K - k;
+    const __mmask16 mk = left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, x + m * K + k)), 16));
+  };
+  // bytes 2, 1 and 0 of 16 dwords (the planes h, m, l) into 128-bit lanes 0, 1 and 2
+  alignas(64) int8_t order[64] = {};
+  for (int P = 0; P < X24_PLANES; ++P)
+    for (int d = 0; d < 16; ++d) order[16 * P + d] = int8_t(4 * d + 2 - P);
+  const __m512i pick = _mm512_load_si512(order);
+  alignas(64) float scale[4], scale2[4];  // 2^(23 - e) as two factors: over 2^127 for a row of tiny values
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // four rows at a time: their dwords in a tile row are side by side
+    const int64_t mr = std::min<int64_t>(4, M - m0);
+    for (int64_t i = 0; i < 4; ++i) {
+      scale[i] = scale2[i] = 0.f;
+      if (i >= mr) continue;
+      // the largest |x| from the bf16 bits (whose magnitudes order as integers), 32 a load; >= 0x7F80: Inf or NaN
+      const uint16_t* r = x + (m0 + i) * K;
+      __m512i big = _mm512_setzero_si512();
+      for (int64_t k = 0; k < K; k += 32) {
+        const int64_t left = K - k;
+        const __mmask32 mk = left >= 32 ? __mmask32(0xFFFFFFFFu) : static_cast<__mmask32>((1u << left) - 1);
+        big = _mm512_max_epu16(big, _mm512_and_si512(_mm512_maskz_loadu_epi16(mk, r + k), _mm512_set1_epi16(0x7FFF)));
+      }
+      alignas(64) uint16_t lanes[32];
+      _mm512_store_si512(lanes, big);
+      uint16_t top = 0;
+      for (int l = 0; l < 32; ++l) top = std::max(top, lanes[l]);
+      if (top >= 0x7F80) return false;
+      step[m0 + i] = 0.0;
+      if (top == 0) continue;
+      int e;
+      std::frexp(float(at::BFloat16(top, at::BFloat16::from_bits())), &e);  // the largest in [2^(e-1), 2^e)
+      step[m0 + i] = std::ldexp(1.0, e - 23);
+      scale[i] = std::ldexp(1.f, std::min(23 - e, 100));
+      scale2[i] = std::ldexp(1.f, 23 - e - std::min(23 - e, 100));
+    }
+    const __mmask8 rows = static_cast<__mmask8>((1u << mr) - 1);
+    for (int64_t k = 0; k < K; k += 16) {
+      __m512i pl[4];  // row i: its three planes' 16 bytes in lanes 0-2 (four tile rows' dwords each)
+      for (int64_t i = 0; i < 4; ++i) {  // x * 2^(23 - e) is exact; vcvtps2dq rounds it half to even
+        const __m512 v = _mm512_mul_ps(_mm512_mul_ps(i < mr ? load(m0 + i, k) : _mm512_setzero_ps(),
+                                                     _mm512_set1_ps(scale[i])), _mm512_set1_ps(scale2[i]));
+        pl[i] = _mm512_permutexvar_epi8(pick, _mm512_cvtps_epi32(v));
+      }
+      // the 4 x 4 dwords of each lane transposed: tile row p0 + q gets row m0 + i's dword q
+      const __m512i t0 = _mm512_unpacklo_epi32(pl[0], pl[1]), t1 = _mm512_unpackhi_epi32(pl[0], pl[1]);
+      const __m512i t2 = _mm512_unpacklo_epi32(pl[2], pl[3]), t3 = _mm512_unpackhi_epi32(pl[2], pl[3]);
+      const __m512i tr[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                             _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+      uint32_t* t = xt + (k / 64 * 16 + (k % 64) / 4) * M + m0;
+      for (int q = 0; q < 4; ++q) {
+        _mm_mask_storeu_epi32(t + q * M, rows, _mm512_castsi512_si128(tr[q]));
+        _mm_mask_storeu_epi32(t + plane + q * M, rows, _mm512_extracti32x4_epi32(tr[q], 1));
+        _mm_mask_storeu_epi32(t + 2 * plane + q * M, rows, _mm512_extracti32x4_epi32(tr[q], 2));
       }
     }
-}
-
-// 32 codes from column k of a row, `left` of them before its end (<= 0: none, zeros), as 16 pairs of bf16: pair p
-// holds columns k + p and k + 16 + p.  Exact: |code| <= 128 has at most 8 significant bits, so its fp32 value's
-// top half is its bf16; taking the halves by a shift and a bit select (vpternlogd) instead of vcvtne2ps2bf16 ran
-// 1.3x faster alone (16 rows x 576 codes in L1: 0.97 against 1.28 ns per 32 codes, one core of an AMX Xeon), the
-// whole operator at 8 rows 0.89-1.10x (within that host's noise: the loads of the codes, and the tile loads of
-// the converted block, hold most of its samples)
-inline __m512i bf16_codes(const int8_t* p, int64_t left) {
-  __m128i b0, b1;
-  if (left >= 32) {
-    b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16));
-  } else {
-    const __mmask16 m0 = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0)
-                                                                      : static_cast<__mmask16>((1u << left) - 1);
-    const __mmask16 m1 = left <= 16 ? __mmask16(0) : static_cast<__mmask16>((1u << (left - 16)) - 1);
-    b0 = _mm_maskz_loadu_epi8(m0, p);
-    b1 = _mm_maskz_loadu_epi8(m1, p + 16);
   }
-  const __m512i lo = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b0)));
-  const __m512i hi = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b1)));
-  // (hi & 0xFFFF0000) | (lo >> 16): ternary-logic table 0xE4 is "c ? a : b"
-  return _mm512_ternarylogic_epi32(hi, _mm512_srli_epi32(lo, 16), _mm512_set1_epi32(int32_t(0xFFFF0000u)), 0xE4);
+  return true;
 }
 
-constexpr int64_t AMX_CK = 4;  // blocks of 32 columns a chunk: 16 rows x 128 columns, 4 kB in bf16
-
-// chunk j of code rows 0 .. rows-1 (of 16): AMX_CK blocks of 32 columns from column 32 AMX_CK j, as bf16 rows of
-// 32 AMX_CK (zero past K and below the last row); the same columns of the next block's rows prefetched into L2
-inline void codes_chunk(const int8_t* w, int64_t ld, int64_t K, int64_t rows, int64_t j, uint16_t* dst) {
-  const int64_t k0 = j * AMX_CK * 32;
-  for (int64_t r = 0; r < AMX_CH; ++r) {
-    uint16_t* d = dst + r * AMX_CK * 32;
-    if (r >= rows) { std::memset(d, 0, AMX_CK * 64); continue; }
-    const int8_t* src = w + r * ld;
-    _mm_prefetch(reinterpret_cast<const char*>(src + AMX_CH * ld + k0), _MM_HINT_T1);
-    _mm_prefetch(reinterpret_cast<const char*>(src + AMX_CH * ld + k0 + 64), _MM_HINT_T1);
-    for (int64_t t = 0; t < AMX_CK; ++t) {
-      const int64_t k = k0 + 32 * t;
-      _mm512_store_si512(d + 32 * t, bf16_codes(src + k, K - k));
-    }
-  }
-}
-
-// out (M x N fp32) = x (M x K bf16, M <= AMX_MAX_ROWS) . w (N x K int8 codes, row stride ld)^T.  Per block of 16
-// channels, chunk by chunk of 128 columns: the next chunk's codes are converted while the tiles multiply the
-// chunk before (two 4 kB buffers, in L1 with x's tiles), so the vector units and the tile unit overlap.
-void amx_rows(const uint16_t* x, int64_t M, const int8_t* w, int64_t ld, int64_t K, int64_t N, float* out) {
-  const int64_t nkb = (K + 31) / 32, nch = (nkb + AMX_CK - 1) / AMX_CK;
-  Scratch<uint32_t, 6> xt(nch * AMX_CK * 16 * M);
-  pack_x_pairs(x, M, K, xt.data());
+// out (M x N fp32) = x (M x K bf16, M <= AMX_MAX_ROWS) . w (N x K int8 codes, row stride ld)^T through the integer
+// tiles, the next block's codes prefetched into L2 as each 64 columns go; false (nothing written) where x holds
+// an Inf or NaN
+bool amx_rows(const uint16_t* x, int64_t M, const int8_t* w, int64_t ld, int64_t K, int64_t N, float* out) {
+  const int64_t nkb = (K + 63) / 64, plane = nkb * 16 * M;
+  Scratch<uint32_t, 6> xt(X24_PLANES * plane);
+  Scratch<double, 7> step(M);
+  if (!pack_x24(x, M, K, xt.data(), step.data())) return false;
   const uint32_t* X = xt.data();
   at::parallel_for(0, (N + AMX_CH - 1) / AMX_CH, 1, [&](int64_t b0, int64_t b1) {
     amx_config(M);
-    alignas(64) uint16_t buf[2][AMX_CH * AMX_CK * 32];
-    alignas(64) float c[4][AMX_CH * AMX_MAX_ROWS];
-    constexpr int64_t lda = AMX_CK * 64;
+    alignas(64) int32_t c[X24_PLANES][AMX_CH * AMX_MAX_ROWS];
+    alignas(64) int8_t edge[AMX_CH * 64];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * AMX_CH, rows = std::min(AMX_CH, N - n);
       const int8_t* wb = w + n * ld;
-      _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-      codes_chunk(wb, ld, K, rows, 0, buf[0]);
-      for (int64_t j = 0; j < nch; ++j) {  // four independent sums, one per block of a chunk
-        const uint16_t* A = buf[j & 1];
-        const uint32_t* XB = X + j * AMX_CK * 16 * M;
-        const int64_t nk = std::min(AMX_CK, nkb - j * AMX_CK);
-        _tile_loadd(4, A, lda); _tile_loadd(6, XB, M * 4); _tile_dpbf16ps(0, 4, 6);
-        if (nk > 1) { _tile_loadd(5, A + 32, lda); _tile_loadd(7, XB + 16 * M, M * 4); _tile_dpbf16ps(1, 5, 7); }
-        if (nk > 2) { _tile_loadd(4, A + 64, lda); _tile_loadd(6, XB + 32 * M, M * 4); _tile_dpbf16ps(2, 4, 6); }
-        if (nk > 3) { _tile_loadd(5, A + 96, lda); _tile_loadd(7, XB + 48 * M, M * 4); _tile_dpbf16ps(3, 5, 7); }
-        if (j + 1 < nch) codes_chunk(wb, ld, K, rows, j + 1, buf[(j + 1) & 1]);
+      _tile_zero(0); _tile_zero(1); _tile_zero(2);
+      for (int64_t kb = 0; kb < nkb; ++kb) {
+        const int64_t k = 64 * kb;
+        if (rows == AMX_CH && k + 64 <= K) {
+          for (int64_t r = 0; r < AMX_CH; ++r)
+            _mm_prefetch(reinterpret_cast<const char*>(wb + (AMX_CH + r) * ld + k), _MM_HINT_T1);
+          _tile_loadd(3, wb + k, ld);
+        } else {  // the last block's missing channels, or columns past K: zeros (nothing read past the weight)
+          std::memset(edge, 0, sizeof(edge));
+          for (int64_t r = 0; r < rows; ++r)
+            std::memcpy(edge + 64 * r, wb + r * ld + k, size_t(std::min<int64_t>(64, K - k)));
+          _tile_loadd(3, edge, 64);
+        }
+        const uint32_t* XB = X + kb * 16 * M;
+        _tile_loadd(4, XB, M * 4); _tile_loadd(5, XB + plane, M * 4); _tile_loadd(6, XB + 2 * plane, M * 4);
+        _tile_dpbssd(0, 3, 4); _tile_dpbsud(1, 3, 5); _tile_dpbsud(2, 3, 6);
       }
-      _tile_stored(0, c[0], M * 4); _tile_stored(1, c[1], M * 4);
-      _tile_stored(2, c[2], M * 4); _tile_stored(3, c[3], M * 4);
+      _tile_stored(0, c[0], M * 4); _tile_stored(1, c[1], M * 4); _tile_stored(2, c[2], M * 4);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t m = 0; m < M; ++m) {
           const int64_t i = r * M + m;
-          out[m * N + n + r] = (c[0][i] + c[1][i]) + (c[2][i] + c[3][i]);
+          const double v = double(c[0][i]) * 65536.0 + double(c[1][i]) * 256.0 + double(c[2][i]);
+          out[m * N + n + r] = float(v * step[m]);
         }
     }
     _tile_release();
   });
+  return true;
 }
 #endif
 
@@ -873,11 +894,10 @@ void matmul_rows(const void* x, int64_t M, int64_t K, int64_t xsize, const char*
   if (kind == I8B && M >= AMX_MIN_ROWS && amx_ready()) {
     for (int64_t m0 = 0; m0 < M; m0 += AMX_MAX_ROWS) {
       const int64_t mm = std::min(AMX_MAX_ROWS, M - m0);
-      if (mm >= AMX_MIN_ROWS)
-        amx_rows(reinterpret_cast<const uint16_t*>(xp + m0 * xrow), mm, reinterpret_cast<const int8_t*>(w), ld_bytes,
-                 K, N, out + m0 * N);
-      else
-        ROWS[mm - 1](xp + m0 * xrow, w, ld_bytes, kind, K, N, out + m0 * N);
+      if (mm < AMX_MIN_ROWS || !amx_rows(reinterpret_cast<const uint16_t*>(xp + m0 * xrow), mm,
+                                         reinterpret_cast<const int8_t*>(w), ld_bytes, K, N, out + m0 * N))
+        for (int64_t s = 0; s < mm; s += MAXM)  // an Inf or NaN in x: the dpbf16 path carries it as a product would
+          ROWS[std::min(MAXM, mm - s) - 1](xp + (m0 + s) * xrow, w, ld_bytes, kind, K, N, out + (m0 + s) * N);
     }
     return;
   }

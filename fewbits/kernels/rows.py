@@ -21,9 +21,11 @@ these operators aim at the bandwidth instead:
   fused q/k/v, gate/up, down and head; 2 rows 0.96-1.18x), `bench_rows.py --rows 2,4,8 --ops int8 --baseline`.
   The M x R sums a block of channels ends with are folded to four lanes and added four at a time (``sums``): 8 rows
   1.50-1.89x (int8) and 1.14-1.38x (bf16) over reducing each alone.  On a CPU with AMX (`rows_amx()`), 2-16 rows
-  of a bf16 x go through its tiles instead (the codes converted to bf16 per 16 channels and 128 columns,
-  ``tdpbf16ps``): on a 2-core AMX Xeon 1.26-1.41x the dpbf16 path at 2 rows; at 3-8 rows the first form
-  (whole blocks converted ahead) 1.19-2.39x it and the chunked one 1.21-1.66x that (19-22 GB/s of codes at 8 rows).
+  of a bf16 x go through its integer tiles instead: each row of x a 24-bit fixed point (`act8.fixed24_rows`: every
+  bf16 element within 2^-15 of its row's largest exact, the rest to 2^-22 of it) in three byte planes, the codes
+  read straight into the tiles, ``tdpbssd`` / ``tdpbsud`` summing exactly, one rounding to fp32 (a row holding an
+  Inf or NaN takes the dpbf16 path).  On a 2-core AMX Xeon 1.07-1.15x the bf16-tile path it replaced (the codes
+  converted to bf16 for ``tdpbf16ps``), itself 1.26-2.39x the dpbf16 path at 2-8 rows.
 * `fewbits_rows::fp8_mm(x, codes, scales, e5m2)`: x (M, K) any float dtype, codes (N, K) uint8 FP8 codes (E4M3,
   or E5M2), scales (N,) or (1,) -> (x @ w.T) * scales, the layout of `fewbits.kernels.cpu.Fp8DequantKernel` with
   one scale per channel or tensor.  Each code is widened to fp32 as an fp16 (E5M2 is an fp16's top byte, E4M3's
@@ -86,7 +88,8 @@ def amx_cpu() -> bool:
 DENSE_MAX_ROWS = {torch.bfloat16: 2 if built_isa() == 2 and not amx_cpu() else 8, torch.float16: 8}
 #: rows of a bf16 x up to which int8_mm beats torch's int8 operator: where its AMX path runs (`rows_amx`), 16
 #: (2.7-4.0x torch's at 12 and 16 rows on a 2-core AMX Xeon, SmolLM2's q/k/v, gate/up, down and head); else MAX_ROWS
-INT8_BF16_MAX_ROWS = 16 if built_isa() == 2 and amx_cpu() and "avx512_bf16" in native.cpu_flags().split() else MAX_ROWS
+INT8_BF16_MAX_ROWS = 16 if built_isa() == 2 and amx_cpu() and {"avx512_bf16", "amx_int8"} <= set(
+    native.cpu_flags().split()) else MAX_ROWS
 
 
 def _fake_dense(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -196,7 +196,7 @@ def test_amx_is_used_where_the_cpu_has_it() -> None:
     from fewbits.kernels import cpu_int4
 
     flags = set(native.cpu_flags().split())
-    has = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags and rows.built_isa() == 2
+    has = {"amx_tile", "amx_int8", "avx512_bf16"} <= flags and rows.built_isa() == 2
     amx = torch.ops.fewbits_rows.rows_amx()
     if not has:
         assert amx is False
@@ -226,6 +226,61 @@ def test_int8_many_rows_of_a_bf16_x_are_the_exact_products_summed(impl: str, K: 
         y = ops.int8_mm(x, q, s, None)
         assert y.dtype == torch.bfloat16 and y.shape == (M, N)
         assert ((y.double() - ref).abs() - bound).max() <= 0, (impl, K, M)
+
+
+needs_amx = pytest.mark.skipif(not (rows.available() and torch.ops.fewbits_rows.rows_amx()),
+                               reason="int8_mm has no AMX path on this CPU")
+
+
+@needs_ops
+@needs_amx
+@pytest.mark.parametrize("K", [64, 100, 576, 2051])
+def test_int8_amx_rows_are_the_fixed_point_product_rounded_once(K: int) -> None:
+    """Where the AMX path runs (2-16 rows of a bf16 x), each row of x is a 24-bit fixed point (`act8.fixed24_rows`)
+    and the output is that fixed point's exact dot product with the codes, rounded once to fp32, then scaled and
+    rounded to bf16 as every path ends: bit for bit, for x spread over 2^33 (so that its smallest elements round),
+    N and K not multiples of the tiles' 16 channels and 64 columns, a row of zeros, a row of tiny values (its
+    2^(23 - e) past fp32's range) and 17 rows (16 through the tiles, 1 through the one-row path: not compared)."""
+    from fewbits.kernels.act8 import fixed24_rows
+
+    g = torch.Generator().manual_seed(K)
+    N = 45
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    s = (torch.rand(N, generator=g) * 0.02 + 0.001).to(torch.bfloat16)
+    for M in (2, 5, 8, 16, 17):
+        x = torch.randn(M, K, generator=g) * torch.logspace(-8, 2, K)[torch.randperm(K, generator=g)]
+        x[1] = 0.0
+        if M > 2:
+            x[2] *= 2.0**-110
+        x = x.to(torch.bfloat16)
+        v, step = fixed24_rows(x)
+        exact = (v.double() @ q.double().T) * step[:, None]
+        ref = (exact.float() * s.float()).to(torch.bfloat16)
+        y = torch.ops.fewbits_rows.int8_mm(x, q, s, None)
+        rows_ = slice(0, min(M, 16))
+        assert torch.equal(y[rows_], ref[rows_]), (K, M)
+        assert (y[1] == 0).all()
+        # the smallest elements did round: the fixed point is not x itself
+        assert not torch.equal(v[0].double() * step[0], x[0].double())
+
+
+@needs_ops
+@needs_amx
+def test_int8_amx_rows_carry_a_non_finite_activation() -> None:
+    """A NaN or an Inf in one of 2-16 rows of a bf16 x (no fixed point for it): that row's outputs are not finite,
+    as a plain product's, and the others are still the product (through the vector path)."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (64, 576), dtype=torch.int8, generator=g)
+    q[q == 0] = 1
+    s = torch.rand(64, generator=g) + 0.5
+    w = q.double() * s.double()[:, None]
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(8, 576, generator=g).to(torch.bfloat16)
+        x[3, 301] = bad
+        y = torch.ops.fewbits_rows.int8_mm(x, q, s, None)
+        assert not torch.isfinite(y[3]).any(), bad
+        ok = torch.arange(8) != 3
+        _close(y[ok], (x[ok].double() @ w.T).float(), torch.bfloat16)
 
 
 @needs_ops
