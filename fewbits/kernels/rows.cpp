@@ -1026,7 +1026,14 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   TORCH_CHECK(scales.numel() == N, "int8_mm: ", N, " output channels but ", scales.numel(), " scales");
   const bool has_c = corr.has_value() && corr->defined();
   TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
-  const auto xf = as_float<0>(x);
+#if defined(ROWS_AVX512) && defined(__AVX512BF16__)
+  const bool bf16_rows = path == 0 && M >= 2 && x.scalar_type() == at::kBFloat16;  // dpbf16 or AMX on x as it is
+#else
+  const bool bf16_rows = false;
+#endif
+  // x in fp32 only where a path or the correction's row sums read it: a bf16 x of 8 rows of 1536 columns costs
+  // microseconds a call to convert, ~120 calls a step
+  const auto xf = has_c || !bf16_rows ? as_float<0>(x) : Scratch<float, 0>(0);
   const auto sc = as_float<1>(scales);
   const auto cv = has_c ? as_float<2>(*corr) : Scratch<float, 2>(0);
   const std::vector<float> xs = has_c ? row_sums(xf.data(), M, K) : std::vector<float>();
@@ -1049,7 +1056,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   }
 #endif
 #if defined(ROWS_AVX512) && defined(__AVX512BF16__)
-  if (!done && path == 0 && M >= 2 && x.scalar_type() == at::kBFloat16) {  // bf16 x: dpbf16 on bf16 codes
+  if (!done && bf16_rows) {  // bf16 x: dpbf16 on bf16 codes, or AMX
     const at::Tensor xc = x.contiguous();
     matmul_rows(xc.data_ptr(), M, K, 2, W, q.stride(0), I8B, N, acc.data());
     done = true;
