@@ -850,6 +850,8 @@ bool amx_rows(const uint16_t* x, int64_t M, const int8_t* w, int64_t ld, int64_t
     amx_config(M);
     alignas(64) int32_t c[X24_PLANES][AMX_CH * AMX_MAX_ROWS];
     alignas(64) int8_t edge[AMX_CH * 64];
+    const __m512i down = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32(int32_t(M)));  // channel r's sum at r M + m
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n = b * AMX_CH, rows = std::min(AMX_CH, N - n);
       const int8_t* wb = w + n * ld;
@@ -871,12 +873,25 @@ bool amx_rows(const uint16_t* x, int64_t M, const int8_t* w, int64_t ld, int64_t
         _tile_dpbssd(0, 3, 4); _tile_dpbsud(1, 3, 5); _tile_dpbsud(2, 3, 6);
       }
       _tile_stored(0, c[0], M * 4); _tile_stored(1, c[1], M * 4); _tile_stored(2, c[2], M * 4);
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t i = r * M + m;
-          const double v = double(c[0][i]) * 65536.0 + double(c[1][i]) * 256.0 + double(c[2][i]);
-          out[m * N + n + r] = float(v * step[m]);
+      // per row m of x its 16 channels' sums (a gather down the tiles' column m), 2^16 h + 2^8 m + l exactly in
+      // int64 and fp64, times the row's step, rounded once to fp32: 16 outputs side by side (the scalar loop took
+      // ~7% of an int8 SmolLM2 step at 8 rows)
+      const __mmask16 rm = static_cast<__mmask16>((1u << rows) - 1);
+      for (int64_t m = 0; m < M; ++m) {
+        __m512i g[X24_PLANES];
+        for (int P = 0; P < X24_PLANES; ++P) g[P] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rm, down, c[P] + m, 4);
+        __m256 half[2];
+        for (int h = 0; h < 2; ++h) {
+          auto wide = [&](int P) {
+            return _mm512_cvtepi32_epi64(h ? _mm512_extracti64x4_epi64(g[P], 1) : _mm512_castsi512_si256(g[P]));
+          };
+          const __m512i v = _mm512_add_epi64(_mm512_add_epi64(_mm512_slli_epi64(wide(0), 16), _mm512_slli_epi64(wide(1), 8)),
+                                             wide(2));
+          half[h] = _mm512_cvtpd_ps(_mm512_mul_pd(_mm512_cvtepi64_pd(v), _mm512_set1_pd(step[m])));
         }
+        _mm512_mask_storeu_ps(out + m * N + n, rm,
+                              _mm512_insertf32x8(_mm512_castps256_ps512(half[0]), half[1], 1));
+      }
     }
     _tile_release();
   });
