@@ -21,7 +21,9 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    the "+a8" families of the profile (`fewbits.cost.profile`).  A quantised family's cost
    per linear call is its tiny calls' time less the time the skeleton step (4.) spends in its own 16-bit
    linears (measured by replacing them with zero outputs: ~20 us a call in a step here, against ~4 us in a
-   pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays;
+   pass of tiny 16-bit calls), which a model whose linears run a quantised kernel never pays; and every family's
+   tiny calls' growth from 1 to 8 rows is its cost per call and extra sequence (`probe_calls.call_growth`: the
+   kernels' own work on x, which neither the bytes nor the skeleton's fit charge);
 4. decode steps of a skeleton model (the model's heads, head size and vocabulary, 16-wide linears) per
    KV format, at batch 1 and 8 and contexts of 128, 512 and 2048 tokens, through the same decode loop and cache
    as `fewbits bench`.  One least-squares fit over all formats (see `step_costs`; every cost held >= 0,
@@ -75,7 +77,13 @@ from fewbits.bench.machine import (
     matmul_rates,
     memory_bandwidth,
 )
-from fewbits.bench.probe_calls import linear_efficiencies, skeleton_linear_cost, skeleton_rows_cost, take_off_rows
+from fewbits.bench.probe_calls import (
+    call_growth,
+    linear_efficiencies,
+    skeleton_linear_cost,
+    skeleton_rows_cost,
+    take_off_rows,
+)
 from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve
 from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
 from fewbits.bench.timing import time_interleaved
@@ -446,6 +454,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         spec, passes, bw, rates["bf16"], log, skel_lin, bw_at=lambda n: curve_bandwidth(curve, bw, n))
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
+    # a GPU's host queues the calls while the device streams (host_overlap): their growth is not the step's
+    per_seq = call_growth(passes, len(layer_shapes(spec)) * spec.n_layers, log) if on_cpu else {}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
     head = passes.get("lm_head_bf16", {}).get("bytes", 0)  # every format's step reads the 16-bit head
@@ -468,7 +478,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                    bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, head_compute_efficiency=head_comp,
                    compute_efficiency=comp_eff,
                    kv_compute_measured=True,
-                   linear_call_overhead_s=call_extra, bandwidth_curve=curve if len(curve) > 1 else (),
+                   linear_call_overhead_s=call_extra, linear_call_per_seq_s=per_seq,
+                   bandwidth_curve=curve if len(curve) > 1 else (),
                    **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,
                    low_precision_compute="int8" in peak or "fp8" in peak, host_overlap=not on_cpu, device=dev,

@@ -75,6 +75,30 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     return bw_eff, _clamp(h["bytes"] / h1 / beta(h)), comp_eff, call_extra, head_comp
 
 
+def call_growth(passes: dict[str, dict[str, Any]], calls_per_step: int, log: Any = print) -> dict[str, float]:
+    """Seconds per linear call and sequence beyond the first, per family: how much a pass's tiny calls (each
+    kernel's own fixed work, no bytes to speak of) grow from 1 to 8 rows of x, / (`calls_per_step` x 7), >= 0.
+    `calls_per_step` is the cost model's count (`WeightTerms.linear_calls`: every projection a call), which the
+    step model multiplies this by, so that the whole growth is charged where a pass fused q/k/v and gate/up into
+    fewer calls.  Nothing else charges it: a pass's bytes are its time less its tiny calls' at the same rows, and
+    the skeleton's steps lose their linears' work beyond a one-row call (`take_off_rows`).  On a 2-core AMX Xeon
+    a SmolLM2 step's int8 tiny calls grew 1.46 -> 2.12 ms (packing x into the tiles, their drain), bf16's
+    1.66 -> 1.87.  A format timed at one row only gets nothing."""
+    from fewbits.bench.gemv import split_a8
+
+    growth: dict[str, float] = {}
+    for f, r in passes.items():
+        if f == "lm_head_bf16" or "rows1" not in r or "rows8" not in r:
+            continue
+        weights, a8 = split_a8(f)
+        fam = format_family(parse_format(weights), "int8" if a8 else "auto")
+        g = max(r["rows8"]["t_calls_s"] - r["rows1"]["t_calls_s"], 0.0) / (calls_per_step * 7)
+        growth.setdefault(fam, g)
+    if growth:
+        log("  calls' own work per extra row: " + ", ".join(f"{k} {v * 1e9:.0f} ns" for k, v in growth.items()))
+    return growth
+
+
 class _ZeroLinear(torch.nn.Module):
     """Stands in for a linear layer at no cost: the same zero output every call."""
 

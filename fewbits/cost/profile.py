@@ -33,6 +33,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "overhead_s": 0.0003,                   # fixed time per step (launches, sampling, scheduling)
       "overhead_per_seq_s": 0.0,              # added per sequence of the batch beyond the first
       "linear_call_overhead_s": {"int4": 2e-6},  # extra time per linear call of a weight family (vs float)
+      "linear_call_per_seq_s": {"int8": 6e-7},  # more per linear call and sequence beyond the first (the
+                                              #   kernel's own fixed work growing with the rows: packing x,
+                                              #   the tiles' drain), every family its own, "float" included
       "kv_layer_overhead_s": {"int8": 5e-5},  # extra time per layer and step of a KV family (vs float)
       "kv_quantized_overhead_s": {"int4": 2e-4},  # more per layer while the cache holds quantised tokens
       "kv_window_bandwidth_efficiency": {"int4": 0.3},  # the 16-bit window of a KIVI cache (copied each step)
@@ -164,6 +167,7 @@ class Profile:
     overhead_s: float = 0.0
     overhead_per_seq_s: float = 0.0
     linear_call_overhead_s: dict[str, float] = field(default_factory=dict)
+    linear_call_per_seq_s: dict[str, float] = field(default_factory=dict)
     kv_layer_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_quantized_overhead_s: dict[str, float] = field(default_factory=dict)
     kv_window_bandwidth_efficiency: dict[str, float] = field(default_factory=dict)
@@ -199,7 +203,8 @@ class Profile:
             if k not in FAMILIES or not 0 < v <= 1:
                 raise ProfileError(f"profile {self.name!r}: kv_window_bandwidth_efficiency[{k!r}] = {v}: a family of "
                                    f"{FAMILIES} and a value in (0, 1]")
-        for table in ("linear_call_overhead_s", "kv_layer_overhead_s", "kv_quantized_overhead_s"):
+        for table in ("linear_call_overhead_s", "linear_call_per_seq_s", "kv_layer_overhead_s",
+                      "kv_quantized_overhead_s"):
             for k, v in getattr(self, table).items():
                 if k not in MEASURED_FAMILIES:
                     raise ProfileError(f"profile {self.name!r}: {table} has unknown family {k!r}; one of "
@@ -256,6 +261,11 @@ class Profile:
         """Extra seconds per call of a linear layer whose weights are in `family` (0 when not measured)."""
         return _lookup(self.linear_call_overhead_s, family, 0.0)
 
+    def call_per_seq(self, family: str) -> float:
+        """Seconds more per call of a linear layer in `family` for each sequence of the batch beyond the first (0
+        when not measured)."""
+        return _lookup(self.linear_call_per_seq_s, family, 0.0)
+
     def kv_overhead(self, family: str) -> float:
         """Extra seconds per layer and step of a KV cache in `family` (0 when not measured)."""
         return _lookup(self.kv_layer_overhead_s, family, 0.0)
@@ -277,6 +287,7 @@ class Profile:
                 "compute_efficiency": dict(self.compute_efficiency), "overhead_s": self.overhead_s,
                 "overhead_per_seq_s": self.overhead_per_seq_s,
                 "linear_call_overhead_s": dict(self.linear_call_overhead_s),
+                "linear_call_per_seq_s": dict(self.linear_call_per_seq_s),
                 "kv_layer_overhead_s": dict(self.kv_layer_overhead_s),
                 "kv_quantized_overhead_s": dict(self.kv_quantized_overhead_s),
                 "kv_window_bandwidth_efficiency": dict(self.kv_window_bandwidth_efficiency),
@@ -309,7 +320,7 @@ class Profile:
         for t in ("bandwidth_efficiency", "kv_bandwidth_efficiency", "compute_efficiency"):
             if t in vals:
                 vals[t] = {**getattr(base, t), **{str(k): float(v) for k, v in vals[t].items()}}
-        for t in ("linear_call_overhead_s", "kv_layer_overhead_s", "kv_quantized_overhead_s",
+        for t in ("linear_call_overhead_s", "linear_call_per_seq_s", "kv_layer_overhead_s", "kv_quantized_overhead_s",
                   "kv_window_bandwidth_efficiency"):
             if t in vals:
                 vals[t] = {str(k): float(v) for k, v in vals[t].items()}

@@ -80,6 +80,7 @@ class WeightTerms:
     head_call_s: float = 0.0  # extra fixed time of that head's call (its family's call overhead)
     head_flops: float = 0.0  # 2 x the 16-bit LM head's weights (of linear_flops), where it has its own roofline
     eta_ch: float = 0.0  # that head's compute efficiency (`Profile.head_compute_efficiency`; 0: none of its own)
+    call_per_seq_s: float = 0.0  # more per linear call and sequence beyond the first (`Profile.call_per_seq`)
 
 
 @dataclass(frozen=True)
@@ -206,7 +207,8 @@ def weight_terms(model: ModelSpec, weights: str | Format, device: DeviceSpec, pr
                        expert_linears, profile.call_overhead(fam), head_q / n,
                        profile.bw_eff(format_family(head_own, activations)) if head_own else 1.0,
                        profile.call_overhead(format_family(head_own, activations)) if head_own else 0.0,
-                       head16 / n if profile.head_compute_efficiency else 0.0, profile.head_compute_efficiency)
+                       head16 / n if profile.head_compute_efficiency else 0.0, profile.head_compute_efficiency,
+                       profile.call_per_seq(fam))
 
 
 def resolve_kv(kv: str | Format | KVFormat) -> Format | KVFormat:
@@ -323,7 +325,8 @@ def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b
     """Fixed costs of a step whose cache holds `tokens` tokens per sequence."""
     calls = w.linear_calls + model.n_layers * touched * w.expert_linears
     holds_quantized = quantized_tokens(tokens, np.asarray(kv.residual), np.asarray(kv.block)) > 0
-    t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1) + calls * w.call_overhead_s + w.head_call_s
+    t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1)
+         + calls * (w.call_overhead_s + w.call_per_seq_s * (b - 1)) + w.head_call_s
          + model.n_layers * (kv.layer_overhead_s + np.where(holds_quantized, kv.quantized_overhead_s, 0.0))
          + refill_time(model, profile, layer_bytes))
     return np.maximum(t, 0.0)

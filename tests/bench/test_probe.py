@@ -64,7 +64,8 @@ def _canned(monkeypatch):
                 out[f] = {"kernels": ["k_a8" if f == "int4-g64+a8" else "k"], "bytes": nbytes,
                           **({"pool_bytes": 32 << 20} if f.startswith("int4-g64") else {}),
                           "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1, "flops": 1e6},
-                          "rows8": {"t_s": t8 + tc, "t_calls_s": tc, "t_bytes_s": t8, "flops": 8e6}}
+                          "rows8": {"t_s": t8 + tc, "t_calls_s": tc + (1.4e-4 if f == "int8" else 0.0),
+                                    "t_bytes_s": t8, "flops": 8e6}}
         out["lm_head_bf16"] = {"bytes": 1e6, "rows1": {"t_s": 1e-3}, "rows8": {"t_s": 2e-3}}
         return out
 
@@ -153,7 +154,12 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert r.overhead_s == pytest.approx(0.02 + 0.9e-4 + 2 * 5e-4 + refill)
     r8 = plan(TINY, batch=8, context=128, weights="int8", kv="int8-g16", profile=loaded,
               table_weights=None, table_kv=None)
-    assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3 + 2 * 2e-5 * 7 * 129 * 2 * 2 * 16 * 2 / (1 << 21))
+    # batch 8: the fit's 1 ms per extra sequence, the refill of 7 more sequences' keys and values, and the int8
+    # calls' own work per extra row: their tiny calls grew 0.14 ms from 1 to 8 rows, over 14 calls x 7 rows
+    assert loaded.call_per_seq("int8") == pytest.approx(1.4e-4 / (14 * 7)) and loaded.call_per_seq("float") == 0
+    assert compiled.call_per_seq("int8") == loaded.call_per_seq("int8")
+    assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3 + 2 * 2e-5 * 7 * 129 * 2 * 2 * 16 * 2 / (1 << 21)
+                                          + 1.4e-4)
 
 
 def test_bench_row_formatting():
@@ -667,3 +673,20 @@ def test_sixteen_bit_peaks_are_at_least_fp32_on_a_cpu_only():
     fast = {"fp32": 60e9, "bf16": 900e9, "fp16": 50e9}
     assert sixteen_bit_peaks(fast, "cpu") == {"fp32": 60e9, "bf16": 900e9, "fp16": 60e9}
     assert sixteen_bit_peaks(slow, "cuda") == slow
+
+
+def test_call_growth_per_extra_row_and_family():
+    """A pass's tiny calls growing from 1 to 8 rows (the kernels' own fixed work: packing x, the tiles' drain) is
+    charged per call and extra sequence, per family; shrinking (noise) is none; the head and a pass timed at one
+    row only give nothing."""
+    from fewbits.bench.probe_calls import call_growth
+
+    def p(c1, c8):  # a fused pass: 8 calls where the model counts 14
+        return {"kernels": ["k"], "bytes": 1e6, "calls": 8, "rows1": {"t_calls_s": c1}, "rows8": {"t_calls_s": c8}}
+
+    passes = {"bf16": p(1e-4, 1.7e-4), "int8": p(2e-4, 4.8e-4), "fp8-e4m3": p(3e-4, 2e-4),
+              "int4-g64": {"kernels": ["k"], "bytes": 1e6, "rows1": {"t_calls_s": 1e-4}},
+              "lm_head_bf16": {"bytes": 1e6, "rows1": {"t_s": 1e-4}, "rows8": {"t_s": 3e-4}}}
+    g = call_growth(passes, 14, log=lambda _: None)
+    # over the model's 14 calls, so that 14 calls x 7 extra rows give back the whole growth
+    assert g == {"float": pytest.approx(0.7e-4 / (14 * 7)), "int8": pytest.approx(2.8e-4 / (14 * 7)), "fp8": 0.0}
