@@ -1031,7 +1031,8 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
 
 // x (M, K) float, q (N, K) int8, scales (N,) float, corr (N,) float or None -> (x q^T) * scales [+ sum(x) corr]
 // path: 0 the fastest built (one row of x in int16 blocks where in_features is a multiple of 32 on the AVX2 and
-// AVX-512 builds; 2+ rows of a bf16 x through dpbf16 with AVX512-BF16), 1 x in fp32
+// AVX-512 builds; 2+ rows of a bf16 x through dpbf16 with AVX512-BF16, 2-16 of them through AMX's integer tiles as
+// a 24-bit fixed point per row where the CPU has them), 1 x in fp32
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& corr, int64_t path) {
   check_w(x, q, "int8_mm");
