@@ -11,8 +11,9 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    (in bf16 as fewbits keeps it, timed apart), once per sample over one copy of the model's weights as the
    step re-reads them (`gemv_passes`), through the kernel dispatcher (on the compiled path as its step calls
    them: q/k/v and gate/up fused where `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in)
-   inputs, as the model passes them; the fastest of samples that each cover a whole step's linears), and the
-   same calls on a tiny shape.  Bandwidth efficiency of a family = bytes / (time - time of the tiny calls) /
+   inputs, as the model passes them; the fastest of samples that each cover a whole step's linears, over
+   `PASS_SWEEPS` sweeps minutes apart, before and after the skeleton's steps of 4.), and the same calls on a
+   tiny shape.  Bandwidth efficiency of a family = bytes / (time - time of the tiny calls) /
    beta at the pass's working set (the 16-bit LM head every format keeps at its own: head bytes / head time /
    beta); where 8 rows take longer than 1 row
    the pass is compute-limited, and compute efficiency = FLOPs / (time x peak).  On a CPU the integer formats
@@ -79,6 +80,7 @@ from fewbits.bench.machine import (
 )
 from fewbits.bench.probe_calls import (
     call_growth,
+    fastest_of_sweeps,
     linear_efficiencies,
     skeleton_linear_cost,
     skeleton_rows_cost,
@@ -107,6 +109,9 @@ KV_CONTEXTS = (128, 512, 2048)
 #: graphs of the model's depth per size, at fewer)
 REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
 COMPILED_REFILL_SIZES = (1.0, 2.0, 4.0)
+#: sweeps of the GEMV passes (3.), one before the skeleton's steps (4.) and the rest after them, minutes apart: each
+#: pass keeps its fastest sweep (`probe_calls.fastest_of_sweeps`), as a step keeps its fastest sample
+PASS_SWEEPS = 2
 
 
 def sixteen_bit_peaks(rates: dict[str, float], device: str | torch.device) -> dict[str, float]:
@@ -430,10 +435,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     formats = tuple(dict.fromkeys(("bf16", *weight_specs)))
     if on_cpu:  # and the integer formats' kernels that round the activations to int8 (`fewbits bench --activations q8`)
         formats += tuple(f + A8 for f in formats if parse_format(f).kind == "int")
-    passes = gemv_passes(spec, formats, min_bytes, device=device, fused=compiled)
-    for f in [f for f in passes if f.endswith(A8)]:
-        if passes[f]["kernels"] == passes[f.removesuffix(A8)]["kernels"]:
-            del passes[f]  # no such kernel on this CPU: the weight-only figures stand
+    sweeps = [gemv_passes(spec, formats, min_bytes, device=device, fused=compiled)]
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     t_phase = time.perf_counter()
     if compiled:
@@ -445,6 +447,15 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
     kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths, log=log)
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
+    for _ in range(PASS_SWEEPS - 1):
+        log("GEMV passes again (each keeps its fastest sweep) ...")
+        t_phase = time.perf_counter()
+        sweeps.append(gemv_passes(spec, formats, min_bytes, device=device, fused=compiled))
+        log(f"  ({time.perf_counter() - t_phase:.0f} s)")
+    passes = fastest_of_sweeps(sweeps, on_gpu=not on_cpu)
+    for f in [f for f in passes if f.endswith(A8)]:
+        if passes[f]["kernels"] == passes[f.removesuffix(A8)]["kernels"]:
+            del passes[f]  # no such kernel on this CPU: the weight-only figures stand
     # in a compiled step a quantised matmul is one call of its operator from the generated code, as the
     # skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge (nor to measure)
     skel_lin = None if compiled else skeleton_linear_cost(spec, device=device)
@@ -472,7 +483,9 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__, "device": str(device),
                 "threads": torch.get_num_threads(), "decode_path": "compiled" if compiled else "eager",
                 "bandwidth": bw, "matmul_flops": measured_rates,
-                "gemv_passes": passes, "step_costs": kv, "skeleton_linears_s": skel_lin,
+                "gemv_passes": passes, "gemv_sweeps_t_s": [{f: {k: v["t_s"] for k, v in r.items() if k.startswith("rows")}
+                                                            for f, r in sw.items()} for sw in sweeps],
+                "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, head_compute_efficiency=head_comp,

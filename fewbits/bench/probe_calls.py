@@ -75,6 +75,36 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     return bw_eff, _clamp(h["bytes"] / h1 / beta(h)), comp_eff, call_extra, head_comp
 
 
+def fastest_of_sweeps(sweeps: list[dict[str, dict[str, Any]]], on_gpu: bool = False) -> dict[str, dict[str, Any]]:
+    """Several sweeps of `gemv_passes` (the same formats) as one: per format and rows, the fastest of the sweeps'
+    passes, tiny calls and heads, each on its own (other processes only ever add time), and the bytes' share
+    taken again from those (`t_s - t_calls_s` on a CPU; on a GPU the whole pass, as `gemv_passes` gives it).
+
+    One sweep samples each format within a second or two: on a shared host a slow moment there stayed in the
+    profile (SmolLM2's 16-bit pass at 1 row: 10.05 ms of bytes in one probe, 7.85 in the one before it and
+    8.4-8.7 in five sweeps run alone after it), and every prediction of that family moved with it (+22%)."""
+    if not sweeps:
+        raise ValueError("fastest_of_sweeps needs at least one sweep of GEMV passes")
+    first = sweeps[0]
+    for other in sweeps[1:]:
+        if set(other) != set(first):
+            raise ValueError(f"GEMV sweeps over different formats: {sorted(first)} against {sorted(other)}")
+    out: dict[str, dict[str, Any]] = {}
+    for f, r in first.items():
+        merged = dict(r)
+        for key in [k for k in r if k.startswith("rows")]:
+            runs = [s[f][key] for s in sweeps]
+            row = dict(runs[0])
+            for t in ("t_s", "t_calls_s", "t_head_s"):
+                if t in row:
+                    row[t] = min(x[t] for x in runs)
+            if "t_bytes_s" in row:
+                row["t_bytes_s"] = row["t_s"] if on_gpu else max(row["t_s"] - row["t_calls_s"], 1e-9)
+            merged[key] = row
+        out[f] = merged
+    return out
+
+
 def call_growth(passes: dict[str, dict[str, Any]], calls_per_step: int, log: Any = print) -> dict[str, float]:
     """Seconds per linear call and sequence beyond the first, per family: how much a pass's tiny calls (each
     kernel's own fixed work, no bytes to speak of) grow from 1 to 8 rows of x, / (`calls_per_step` x 7), >= 0.

@@ -64,7 +64,8 @@ def _canned(monkeypatch):
                 out[f] = {"kernels": ["k_a8" if f == "int4-g64+a8" else "k"], "bytes": nbytes,
                           **({"pool_bytes": 32 << 20} if f.startswith("int4-g64") else {}),
                           "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1, "flops": 1e6},
-                          "rows8": {"t_s": t8 + tc, "t_calls_s": tc + (1.4e-4 if f == "int8" else 0.0),
+                          "rows8": {"t_s": t8 + tc + (1.4e-4 if f == "int8" else 0.0),
+                                    "t_calls_s": tc + (1.4e-4 if f == "int8" else 0.0),
                                     "t_bytes_s": t8, "flops": 8e6}}
         out["lm_head_bf16"] = {"bytes": 1e6, "rows1": {"t_s": 1e-3}, "rows8": {"t_s": 2e-3}}
         return out
@@ -690,3 +691,57 @@ def test_call_growth_per_extra_row_and_family():
     g = call_growth(passes, 14, log=lambda _: None)
     # over the model's 14 calls, so that 14 calls x 7 extra rows give back the whole growth
     assert g == {"float": pytest.approx(0.7e-4 / (14 * 7)), "int8": pytest.approx(2.8e-4 / (14 * 7)), "fp8": 0.0}
+
+
+def test_fastest_of_sweeps_keeps_each_timing_at_its_fastest_and_takes_the_bytes_again():
+    """Passes, tiny calls and heads each keep their fastest sweep; the bytes' share is that pass less those calls
+    (a GPU's is the whole pass); sweeps over other formats, or none, are refused."""
+    from fewbits.bench.probe_calls import fastest_of_sweeps
+
+    def sweep(t1, c1, h1, t8):
+        return {"bf16": {"kernels": ["k"], "bytes": 1e6, "calls": 8,
+                         "rows1": {"t_s": t1, "t_calls_s": c1, "t_bytes_s": t1 - c1, "t_head_s": h1, "flops": 1e6},
+                         "rows8": {"t_s": t8, "t_calls_s": 1e-4, "t_bytes_s": t8 - 1e-4, "t_head_s": h1,
+                                   "flops": 8e6}},
+                "lm_head_bf16": {"bytes": 1e5, "rows1": {"t_s": h1}, "rows8": {"t_s": 2 * h1}}}
+
+    slow, quick = sweep(1.2e-3, 1e-4, 3e-4, 2e-3), sweep(1.0e-3, 2e-4, 4e-4, 2.5e-3)
+    got = fastest_of_sweeps([slow, quick])
+    r1 = got["bf16"]["rows1"]
+    assert (r1["t_s"], r1["t_calls_s"], r1["t_head_s"]) == (1.0e-3, 1e-4, 3e-4)
+    assert r1["t_bytes_s"] == pytest.approx(0.9e-3) and r1["flops"] == 1e6
+    assert got["bf16"]["rows8"]["t_s"] == 2e-3 and got["bf16"]["calls"] == 8
+    assert got["lm_head_bf16"]["rows1"]["t_s"] == 3e-4 and got["lm_head_bf16"]["rows8"]["t_s"] == 6e-4
+    # the sweeps themselves are left as measured
+    assert slow["bf16"]["rows1"]["t_s"] == 1.2e-3 and quick["bf16"]["rows1"]["t_calls_s"] == 2e-4
+    assert fastest_of_sweeps([slow, quick], on_gpu=True)["bf16"]["rows1"]["t_bytes_s"] == 1.0e-3
+    assert fastest_of_sweeps([slow]) == slow
+    with pytest.raises(ValueError, match="different formats"):
+        fastest_of_sweeps([slow, {"int8": quick["bf16"], "lm_head_bf16": quick["lm_head_bf16"]}])
+    with pytest.raises(ValueError, match="at least one sweep"):
+        fastest_of_sweeps([])
+
+
+def test_probe_sweeps_the_gemv_passes_and_keeps_the_fastest(monkeypatch):
+    """The profile's efficiencies come from each pass's fastest sweep: a slow first sweep of the 16-bit linears
+    (a busy moment of the host) does not set the 16-bit family's rate."""
+    from fewbits.bench import probe
+
+    bw = _canned(monkeypatch)
+    canned = probe.gemv_passes
+    calls = []
+
+    def passes(*a, **k):
+        out = canned(*a, **k)
+        calls.append(len(calls))
+        if len(calls) == 1:  # the first sweep found the 16-bit pass 1.5x slower
+            r = out["bf16"]["rows1"]
+            r["t_s"], r["t_bytes_s"] = r["t_s"] + 1e-3, r["t_bytes_s"] + 1e-3
+        return out
+
+    monkeypatch.setattr(probe, "gemv_passes", passes)
+    prof = build_profile(TINY, weight_specs=("int8",), kv_specs=("bf16",), log=lambda _: None)
+    assert len(calls) == probe.PASS_SWEEPS >= 2
+    assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
+    sweeps = prof.measured["gemv_sweeps_t_s"]
+    assert len(sweeps) == probe.PASS_SWEEPS and sweeps[0]["bf16"]["rows1"] == pytest.approx(3.1e-3)
