@@ -483,8 +483,9 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__, "device": str(device),
                 "threads": torch.get_num_threads(), "decode_path": "compiled" if compiled else "eager",
                 "bandwidth": bw, "matmul_flops": measured_rates,
-                "gemv_passes": passes, "gemv_sweeps_t_s": [{f: {k: v["t_s"] for k, v in r.items() if k.startswith("rows")}
-                                                            for f, r in sw.items()} for sw in sweeps],
+                "gemv_passes": passes,
+                "gemv_sweeps_t_s": [{f: {k: v["t_s"] for k, v in r.items() if k.startswith("rows")}
+                                     for f, r in sw.items()} for sw in sweeps],
                 "step_costs": kv, "skeleton_linears_s": skel_lin,
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
