@@ -67,6 +67,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     ys: list[float] = []
     weights: list[float] = []
     stream: list[tuple[float, int]] = []  # (x, L) of each row: a layer's 16-bit keys and values, the depth
+    batch_of: list[int] = []  # each row's batch
     points: dict[str, list[tuple[int, ...]]] = {s: [] for s in kv_specs}
     if measured is not None:
         measured = {(k[0], k[1], k[2], k[3] if len(k) > 3 else spec.n_layers): t for k, t in measured.items()}
@@ -93,6 +94,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
         row["_fmt"] = kv_specs.index(s)
         rows.append(row)
         stream.append((x, depth))
+        batch_of.append(int(b))
         ys.append(t)
         weights.append(1.0 / measured[key] if measured is not None else 1.0)
         points[s].append((b, c, q + w, t, depth))  # batch, prompt, bytes, seconds, depth
@@ -116,21 +118,49 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
     else:
         known = [r["E"] for r in rows]
 
-    def fit(cols: list[str], known_e: float = 0.0) -> dict[str, float]:
+    # the cache's time per byte at each batch, x the largest batch's (`Profile.kv_batch_factor`): fitted on the
+    # 16-bit cache, its byte column split by batch, where it ran at several batches with several sizes at each
+    sizes: dict[int, set[float]] = {}
+    for r, b in zip(rows, batch_of, strict=True):
+        if "s16" in r:
+            sizes.setdefault(b, set()).add(r["s16"])
+    per_batch = len(sizes) > 1 and all(len(v) > 1 for v in sizes.values())
+    factor = dict.fromkeys(sizes, 1.0)
+
+    def fit(cols: list[str], known_e: float = 0.0, split: bool = False) -> dict[str, float]:
+        """`split`: the 16-bit byte column one per batch ("s16@b"); else every byte column x its batch's factor."""
         wt = np.array(weights, dtype=np.float64)
-        x = np.array([[r.get(n, 0.0) for n in cols] for r in rows], dtype=np.float64) * wt[:, None]
+
+        def value(r: dict[str, float], n: str, b: int) -> float:
+            if split and n.startswith("s16@"):
+                return r.get("s16", 0.0) if int(n[4:]) == b else 0.0
+            v = r.get(n, 0.0)
+            return v * factor.get(b, 1.0) if n == "s16" or n[:2] in ("s:", "w:") else v
+
+        x = np.array([[value(r, n, b) for n in cols] for r, b in zip(rows, batch_of, strict=True)],
+                     dtype=np.float64) * wt[:, None]
         y = np.array([t - known_e * k for t, k in zip(ys, known, strict=True)], dtype=np.float64) * wt
         return bounded_lstsq(x, y, cols, signed=() if by_layer else SIGNED)
 
+    def split_cols(cols: list[str]) -> list[str]:
+        return [c for n in cols for c in ([f"s16@{b}" for b in sorted(sizes)] if n == "s16" else [n])]
+
     no_e = [n for n in names if n != "E"]
+    refill: float | None
     if refill_curve:
-        refill = refill_s if refill_s is not None else 0.0
-        sol = fit(no_e, 1.0)
+        refill, cols, known_e = (refill_s if refill_s is not None else 0.0), no_e, 1.0
     elif refill_s is not None or "E" not in names:
         refill = refill_s if "E" in names and refill_s is not None else 0.0
-        sol = fit(no_e, refill)
-    else:
-        sol = fit(names)  # (E >= 0: a refill the points do not show is 0, as if fitted without it)
+        cols, known_e = no_e, refill
+    else:  # (E >= 0: a refill the points do not show is 0, as if fitted without it)
+        refill, cols, known_e = None, names, 0.0
+    if per_batch:  # first the 16-bit cache's rate per batch, then every cache's rate at the largest batch
+        first = fit(split_cols(cols), known_e, split=True)
+        top = first[f"s16@{max(sizes)}"]
+        if top > 0:
+            factor = {b: first[f"s16@{b}"] / top if first[f"s16@{b}"] > 0 else 1.0 for b in sizes}
+    sol = fit(cols, known_e)
+    if refill is None:
         refill = sol.get("E", 0.0)
     out: dict[str, dict[str, Any]] = {}
     s16 = sol.get("s16", 0.0) * 1e-9
@@ -144,6 +174,7 @@ def fit_step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], fastest: dict[tup
                   "window_s_per_byte": sol[f"w:{s}"] * 1e-9 if f"w:{s}" in sol else s16,
                   "quantized_s": n * sol.get(f"o:{s}", 0.0), "refill_s": refill, "refill_bytes": x_cache,
                   "refill_curve": [list(p) for p in refill_curve or []],
+                  "batch_factor": [[b, factor[b]] for b in sorted(factor)] if per_batch else [],
                   "points": points[s]}
     return out
 
@@ -184,6 +215,10 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
         log(f"  {s:>9}: {r['fixed_s'] * 1e3:6.2f} ms fixed, {r['per_seq_s'] * 1e3:+.2f} ms per extra sequence, "
             f"{r['s_per_byte'] * 1e12:.3f} ms per GB of cache (eta {kv_eff[fam]:.3f}){extra}")
     kv_eff.setdefault("float", 1.0)
+    batch_factor = tuple((float(b), float(f)) for b, f in base.get("batch_factor", []))
+    if batch_factor:
+        log("  the cache's time per byte by batch (x the largest's, which the rates above are): " + ", ".join(
+            f"batch {b:.0f} {f:.2f}x" for b, f in batch_factor))
     refill, refill_bytes = max(base.get("refill_s", 0.0), 0.0), float(base.get("refill_bytes", 0))
     curve = tuple((float(b), float(e)) for b, e in base.get("refill_curve", []))
     if curve:
@@ -194,5 +229,5 @@ def step_profile_fields(spec: ModelSpec, kv: dict[str, dict[str, Any]], bw: floa
             f"operations {refill * 1e6:.1f} us to refill (x {spec.n_layers} layers)")
     return {"overhead_s": overhead, "overhead_per_seq_s": per_seq, "kv_bandwidth_efficiency": kv_eff,
             "kv_layer_overhead_s": kv_extra, "kv_quantized_overhead_s": kv_dequant,
-            "kv_window_bandwidth_efficiency": kv_window, "cache_refill_s": refill,
+            "kv_window_bandwidth_efficiency": kv_window, "kv_batch_factor": batch_factor, "cache_refill_s": refill,
             "cache_refill_bytes": refill_bytes if refill > 0 else 0.0, "cache_refill_curve": curve}

@@ -39,6 +39,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "kv_layer_overhead_s": {"int8": 5e-5},  # extra time per layer and step of a KV family (vs float)
       "kv_quantized_overhead_s": {"int4": 2e-4},  # more per layer while the cache holds quantised tokens
       "kv_window_bandwidth_efficiency": {"int4": 0.3},  # the 16-bit window of a KIVI cache (copied each step)
+      "kv_batch_factor": [[1, 1.5], [8, 1.0]],  # measured [batch, x]: the cache's time per byte at a batch, x its
+                                              #   efficiency's (which is the largest batch's); between the
+                                              #   batches interpolated in log batch, flat outside them
       "cache_refill_s": 1e-4,                 # per layer: small operations re-fetching what the layer's
       "cache_refill_bytes": 2097152,          #   stream evicted, x min(1, layer bytes / cache_refill_bytes)
       "cache_refill_curve": [[1048576, 1.1e-4], [4194304, 2.7e-4]],  # measured [layer bytes, seconds per
@@ -177,6 +180,7 @@ class Profile:
     cache_refill_bytes: float = 0.0
     cache_refill_curve: tuple[tuple[float, float], ...] = ()
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
+    kv_batch_factor: tuple[tuple[float, float], ...] = ()
     memory_headroom: float = 0.0
     weight_bytes: str = "exact"
     quantize_lm_head: bool = False
@@ -230,6 +234,11 @@ class Profile:
                 or any(b[0] <= a[0] for a, b in zip(bc, bc[1:], strict=False)):
             raise ProfileError(f"profile {self.name!r}: bandwidth_curve must be [bytes, bytes/s] pairs, finite, "
                                f"> 0, bytes increasing; got {list(bc)}")
+        kb = self.kv_batch_factor
+        if any(len(pt) != 2 or not all(math.isfinite(v) and v > 0 for v in pt) for pt in kb) \
+                or any(b[0] <= a[0] for a, b in zip(kb, kb[1:], strict=False)) or any(pt[0] < 1 for pt in kb):
+            raise ProfileError(f"profile {self.name!r}: kv_batch_factor must be [batch, factor] pairs, finite, > 0, "
+                               f"batches >= 1 and increasing; got {list(kb)}")
         if self.overhead_per_seq_s < 0:
             raise ProfileError(f"profile {self.name!r}: overhead_per_seq_s must be >= 0")
         if self.overhead_s < 0 or not 0 <= self.memory_headroom < 1:
@@ -253,6 +262,16 @@ class Profile:
 
     def kv_eff(self, family: str) -> float:
         return _lookup(self.kv_bandwidth_efficiency, family, self.kv_bandwidth_efficiency["float"])
+
+    def kv_batch_scale(self, batch: float | Any) -> float | Any:
+        """How many times its efficiency's time a cache takes per byte at `batch` sequences (array or scalar):
+        `kv_batch_factor` interpolated in log batch, flat outside its batches; 1 without it."""
+        import numpy as np
+
+        b = np.log(np.maximum(np.asarray(batch, dtype=float), 1.0))
+        pts = self.kv_batch_factor
+        f = np.interp(b, np.log([p[0] for p in pts]), [p[1] for p in pts]) if pts else np.ones(np.shape(b))
+        return float(f) if np.ndim(batch) == 0 else f
 
     def compute_eff(self, family: str) -> float:
         return _lookup(self.compute_efficiency, family, self.compute_efficiency["float"])
@@ -296,6 +315,7 @@ class Profile:
                 "cache_refill_s": self.cache_refill_s, "cache_refill_bytes": self.cache_refill_bytes,
                 "cache_refill_curve": [list(pt) for pt in self.cache_refill_curve],
                 "bandwidth_curve": [list(pt) for pt in self.bandwidth_curve],
+                "kv_batch_factor": [list(pt) for pt in self.kv_batch_factor],
                 "memory_headroom": self.memory_headroom, "weight_bytes": self.weight_bytes,
                 "quantize_lm_head": self.quantize_lm_head, "quantize_embeddings": self.quantize_embeddings,
                 "count_norms_and_biases": self.count_norms_and_biases,
@@ -324,12 +344,13 @@ class Profile:
                   "kv_window_bandwidth_efficiency"):
             if t in vals:
                 vals[t] = {str(k): float(v) for k, v in vals[t].items()}
-        for t, unit in (("cache_refill_curve", "seconds"), ("bandwidth_curve", "bytes/s")):
+        for t, pair in (("cache_refill_curve", "bytes, seconds"), ("bandwidth_curve", "bytes, bytes/s"),
+                        ("kv_batch_factor", "batch, factor")):
             if t in vals:
                 try:
                     vals[t] = tuple((float(a), float(b)) for a, b in vals[t])
                 except (TypeError, ValueError):
-                    raise ProfileError(f"{source}: {t} must be a list of [bytes, {unit}] pairs, "
+                    raise ProfileError(f"{source}: {t} must be a list of [{pair}] pairs, "
                                        f"got {vals[t]!r}") from None
         if vals.get("device") is not None:
             vals["device"] = DeviceSpec.from_dict(vals["device"])

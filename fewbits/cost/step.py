@@ -33,6 +33,9 @@ A decode step's attention takes its bytes alone, without the FLOP roofline, wher
 timed on decode steps of the attention itself (`Profile.kv_compute_measured`, `fewbits probe`): its maths is then
 in eta_kv already (a decode step does the same FLOPs per cached byte at any batch and context, so the two cannot
 be told apart, nor need to be), and the linears' compute efficiency eta_c16 is no measure of the attention's.
+Those steps also find a small batch reading its cache slower per byte than a large one (SmolLM2, 2 threads, 128
+to 2048 tokens: at batch 1 1.4-1.7x batch 8's time per byte, in the 6- and 2-layer skeletons and in the model's
+own steps alike), so B_kv / (beta eta_kv) is x `Profile.kv_batch_scale(b)`, eta_kv being the largest batch's.
 
 Everything is numpy and broadcasts: b and context may be arrays, and so may the per-format terms
 (`WeightTerms`/`KVTerms` fields), which is what `fewbits.cost.sweep` uses.
@@ -334,14 +337,15 @@ def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b
 
 def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, weight_q: np.ndarray,
             dense: np.ndarray, kv_q: np.ndarray, kv_w: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray,
-            att_timed: bool = False) -> dict[str, np.ndarray]:
+            att_timed: bool = False, kv_scale: np.ndarray | float = 1.0) -> dict[str, np.ndarray]:
     """The two rooflines of a step (linear layers, attention) and their sum.  The cache's quantised
     bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's.  All
     of them at `Profile.bandwidth_at` the step's working set (all it reads: faster than memory where it fits
     the last-level cache; `device.bandwidth` without a measured curve).  `att_timed`: those efficiencies
-    are the attention's own timed rates (compute included), so its time is its bytes' alone."""
+    are the attention's own timed rates (compute included), so its time is its bytes' alone.  `kv_scale`: x the
+    cache's time per byte at the step's batch (`Profile.kv_batch_scale`)."""
     beta = profile.bandwidth_at(device, weight_q + dense + w.head_q + kv_q + kv_w)
-    t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / beta
+    t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / beta * kv_scale
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
     t_att = t_mem_kv if att_timed else np.maximum(t_mem_kv, t_comp_kv)
     # compute-bound: the phases limited by compute take most of the step
@@ -380,7 +384,7 @@ def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerm
     lin_flops = b * w.linear_flops
     att_flops = model.attention_flops_per_pair * (c + b) / devices
     ph = _phases(device, profile, w, kv, weight_q, w.dense_f + emb, read_q + write_q, read_w + write_w,
-                 lin_flops, att_flops, att_timed=profile.kv_compute_measured)
+                 lin_flops, att_flops, att_timed=profile.kv_compute_measured, kv_scale=profile.kv_batch_scale(b))
     t_comm = 2 * model.n_layers * _allreduce(device, devices, b * model.hidden_size * ACT_BYTES)
     layer_bytes = weight_q / model.n_layers + attention_layer_bytes(model, c + b, devices)
     t0 = _overhead(model, profile, w, kv, b, touched, layer_bytes, ctx + 1)

@@ -12,6 +12,7 @@ import torch
 from fewbits.bench.decode import BenchRow, format_row, summary
 from fewbits.bench.gemv import build_set, effective_spec
 from fewbits.bench.probe import build_profile, layer_shapes, sixteen_bit_peaks
+from fewbits.bench.stepfit import step_profile_fields
 from fewbits.cost.plan import plan
 from fewbits.cost.profile import DEFAULT, load_profile, save_profile
 from fewbits.kernels import choose_kernel
@@ -595,10 +596,13 @@ def test_a_decoder_that_cannot_be_built_leaves_the_steps_unevicted(monkeypatch):
     assert res["bf16"]["cache_evicted"] is False and res["bf16"]["fixed_s"] > 0
 
 
-def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_depth(monkeypatch):
+@pytest.mark.parametrize("slow1", [1.0, 1.5])
+def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_depth(monkeypatch, slow1):
     """Compiled steps of 1- and 3-layer skeletons of a 12-layer model: the fixed time per step and per layer,
     per extra sequence and per layer, each cache's extra per layer and per byte are recovered and given for
-    12 layers; and only the graphs the fit needs are run (fewer for caches without a window)."""
+    12 layers; and only the graphs the fit needs are run (fewer for caches without a window).  Where every
+    cache's bytes cost `slow1` x more at batch 1 than at batch 8, that is the batch factor, and the rates are
+    batch 8's."""
     import fewbits.decode.generate
     from fewbits.bench.probe import step_costs
     from fewbits.cost.profile import DEFAULT
@@ -619,12 +623,13 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
         kb = kv_step_bytes(kv_terms(spec, kvf.full_spec, DEFAULT), b, c + n // 2)
         q, w = float(kb["read_q"] + kb["write_q"]), float(kb["read_w"] + kb["write_w"])
         t = 1e-3 + 2e-4 * depth + (1e-4 + 3e-5 * depth) * (b - 1)
+        per_byte = slow1 if b == 1 else 1.0
         if kvf.is_quantized:
             extra = {"int8": 4e-5, kivi: 6e-5}[kvf.spec]
-            t += extra * depth + {"int8": 2e-9, kivi: 4e-9}[kvf.spec] * q + 3e-9 * w
+            t += extra * depth + per_byte * ({"int8": 2e-9, kivi: 4e-9}[kvf.spec] * q + 3e-9 * w)
             t += 5e-5 * depth * (kvf.residual > 0 and kvf.quantized_tokens(c + n - 1) > 0)
         else:
-            t += 1e-9 * (q + w)
+            t += per_byte * 1e-9 * (q + w)
         return GenerationResult(ids[:, :1], c, 0.0, [t + 1e-4, t])
 
     monkeypatch.setattr(fewbits.decode.generate, "generate_static", fake_static)
@@ -639,6 +644,9 @@ def test_step_costs_on_shallow_skeletons_scale_the_fixed_costs_to_the_models_dep
     assert res[kivi]["s_per_byte"] == pytest.approx(4e-9, rel=1e-6)
     assert res[kivi]["window_s_per_byte"] == pytest.approx(3e-9, rel=1e-6)
     assert res[kivi]["quantized_s"] == pytest.approx(5e-5 * 12, rel=1e-6)
+    assert res["bf16"]["batch_factor"] == [[1, pytest.approx(slow1, rel=1e-6)], [8, 1.0]]
+    fields = step_profile_fields(DEEP, res, 1e9, log=lambda _: None)
+    assert fields["kv_batch_factor"] == ((1.0, pytest.approx(slow1, rel=1e-6)), (8.0, 1.0))
     graphs = set(ran)
     assert {(s, d) for s, _, _, d in graphs} == {("bf16", 1), ("bf16", 3), ("int8", 3), (kivi, 3)}
     assert {(b, c) for s, b, c, d in graphs if s == "int8"} == {(1, 96), (8, 96)}  # no window: 2 graphs

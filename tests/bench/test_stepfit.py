@@ -101,14 +101,15 @@ TIMED = {("bf16", 1, 128, 6): 0.0002818, ("bf16", 1, 512, 6): 0.0003301, ("bf16"
 def test_points_weighted_by_their_timed_steps_keep_the_fixed_cost_of_the_short_ones():
     """Unweighted, the 3.6 ms batch-8 step decides the fit and the 16-bit cache's fixed cost comes out at 0.01 ms
     (the batch-1 steps it must explain take 0.1-0.4 ms); each point weighed by 1 / its timed step (a shared host's
-    noise is a share of the time), 0.14 ms, the per-byte cost within 6% of the unweighted one.  The weights are
-    relative: all timed steps twice as long give the same fit."""
+    noise is a share of the time), 0.14 ms, the per-byte cost (batch 8's: batch 1's is 1.09-1.21x it here) within
+    8% of the unweighted one.  The weights are relative: all timed steps twice as long give the same fit."""
     spec = get_preset("smollm2-135m")
     plain = fit_step_costs(spec, ("bf16", "int8"), STEPS, 8, 0, refill_s=0.0)
     weighted = fit_step_costs(spec, ("bf16", "int8"), STEPS, 8, 0, refill_s=0.0, measured=TIMED)
     assert plain["bf16"]["fixed_s"] < 0.02e-3
     assert weighted["bf16"]["fixed_s"] > 0.1e-3
-    assert weighted["bf16"]["s_per_byte"] == pytest.approx(plain["bf16"]["s_per_byte"], rel=0.06)
+    assert weighted["bf16"]["s_per_byte"] == pytest.approx(plain["bf16"]["s_per_byte"], rel=0.08)
+    assert 1.0 < weighted["bf16"]["batch_factor"][0][1] < plain["bf16"]["batch_factor"][0][1] < 1.3
     doubled = fit_step_costs(spec, ("bf16", "int8"), STEPS, 8, 0, refill_s=0.0,
                              measured={k: 2 * t for k, t in TIMED.items()})
     for s in ("bf16", "int8"):
