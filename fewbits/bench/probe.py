@@ -12,7 +12,7 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    step re-reads them (`gemv_passes`), through the kernel dispatcher (on the compiled path as its step calls
    them: q/k/v and gate/up fused where `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in)
    inputs, as the model passes them; the fastest of samples that each cover a whole step's linears, over
-   `PASS_SWEEPS` sweeps minutes apart, before and after the skeleton's steps of 4.), and the same calls on a
+   `PASS_SWEEPS` sweeps, before and after the skeleton's steps of 4.), and the same calls on a
    tiny shape.  Bandwidth efficiency of a family = bytes / (time - time of the tiny calls) /
    beta at the pass's working set (the 16-bit LM head every format keeps at its own: head bytes / head time /
    beta); where 8 rows take longer than 1 row
@@ -109,8 +109,9 @@ KV_CONTEXTS = (128, 512, 2048)
 #: graphs of the model's depth per size, at fewer)
 REFILL_SIZES = (0.5, 1.0, 2.0, 4.0, 8.0)
 COMPILED_REFILL_SIZES = (1.0, 2.0, 4.0)
-#: sweeps of the GEMV passes (3.), one before the skeleton's steps (4.) and the rest after them, minutes apart: each
-#: pass keeps its fastest sweep (`probe_calls.fastest_of_sweeps`), as a step keeps its fastest sample
+#: sweeps of the GEMV passes (3.), one before the skeleton's steps (4.) and the rest after them (tens of seconds
+#: apart where the skeletons' graphs are on disk, minutes where they compile): each pass keeps its fastest sweep
+#: (`probe_calls.fastest_of_sweeps`), as a step keeps its fastest sample
 PASS_SWEEPS = 2
 
 
