@@ -51,7 +51,13 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
    why a batch-1 step seems to pay more per cached byte than a batch-8 one: a small batch's cache
    evicts a growing part of the L2 cache the small operations run from, a large batch's all of it.  The
    compiled path measures its own, far smaller refill (`fewbits.bench.refill.CompiledRefill`: a 16-bit
-   matmul of x bytes before each layer's norm, inside compiled skeletons at the model's depth).
+   matmul of x bytes before each layer's norm, inside compiled skeletons at the model's depth);
+6. (compiled path, CPU) the step's work between its matmuls at the model's widths (norms, residual adds, the
+   MLP's gate product: `fewbits.bench.probe_calls.width_cost`), which the 16-wide skeleton does on 16-wide
+   rows: two models of the model's depth whose every linear is an opaque stand-in that costs almost nothing,
+   one at the model's widths and one at the skeleton's; their steps' difference, per layer and width element
+   at batch 1 and per sequence beyond (SmolLM2: 0.11-0.21 ms a step at batch 1, 0.81-0.94 at batch 8, where
+   the steps of its int4 and int8 models take 4-12 ms).
 
 On a CUDA device (``device="cuda"``) the same measurements run there, each sample ending with a device
 synchronisation: the bandwidth over a buffer many times the GPU's L2 cache, the GEMMs at 8192 (and FP8
@@ -85,6 +91,7 @@ from fewbits.bench.probe_calls import (
     skeleton_linear_cost,
     skeleton_rows_cost,
     take_off_rows,
+    width_cost,
 )
 from fewbits.bench.refill import CompiledRefill, refill_cost, refill_curve
 from fewbits.bench.stepfit import fit_step_costs, step_profile_fields
@@ -245,6 +252,11 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
     return results
 
 
+def skeleton_widths(spec: ModelSpec) -> tuple[int, int]:
+    """(hidden, intermediate) of `skeleton_model`: ~16, a multiple of the head count (as transformers wants)."""
+    return spec.n_heads * -(-16 // spec.n_heads), 16
+
+
 def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
     """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but ~16-wide hidden
     states (a multiple of the head count) and MLPs: a decode step of it costs what the weight bytes do not
@@ -252,8 +264,8 @@ def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch
     sampling over the vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    width = spec.n_heads * -(-16 // spec.n_heads)  # transformers wants a multiple of the head count
-    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=width, intermediate_size=16,
+    width, inter = skeleton_widths(spec)
+    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=width, intermediate_size=inter,
                       num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
                       num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
                       max_position_embeddings=max(4096, spec.max_position_embeddings), tie_word_embeddings=True)
@@ -401,6 +413,16 @@ def step_costs(spec: ModelSpec, kv_specs: tuple[str, ...], contexts: tuple[int, 
     return fit
 
 
+def width_fields(width: dict[int, float]) -> dict[str, float]:
+    """`Profile.width_overhead_s` and `width_overhead_per_seq_s` from `width_cost`'s {batch: seconds per layer
+    and width element}: the smallest batch's, and the growth per sequence to the largest (>= 0); none measured: 0."""
+    if not width:
+        return {"width_overhead_s": 0.0, "width_overhead_per_seq_s": 0.0}
+    lo, hi = min(width), max(width)
+    per_seq = max(width[hi] - width[lo], 0.0) / (hi - lo) if hi > lo else 0.0
+    return {"width_overhead_s": max(width[lo] - per_seq * (lo - 1), 0.0), "width_overhead_per_seq_s": per_seq}
+
+
 def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tuple[str, ...] = WEIGHT_SPECS,
                   kv_specs: tuple[str, ...] = KV_SPECS, min_bytes: int | None = None,
                   log: Any = print, bandwidth_bytes: int | None = None, matmul_n: int | None = None,
@@ -448,6 +470,14 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         log(f"decode steps of a {spec.n_layers}-layer skeleton (16-wide linears) per KV format ...")
     kv = step_costs(spec, kv_specs, kv_contexts, device=device, compiled=compiled, depths=depths, log=log)
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
+    width: dict[int, float] = {}
+    if compiled and on_cpu:  # the work between the matmuls at the model's widths, which the 16-wide skeleton misses
+        t_phase = time.perf_counter()
+        log(f"the step's work besides its matmuls at {spec.name}'s widths against the skeleton's ...")
+        width = width_cost(spec, device=device)
+        per_step = spec.n_layers * (spec.hidden_size + spec.intermediate_size)
+        log("  " + ", ".join(f"batch {b}: {v * per_step * 1e3:.2f} ms a step" for b, v in width.items())
+            + f" ({time.perf_counter() - t_phase:.0f} s)")
     for _ in range(PASS_SWEEPS - 1):
         log("GEMV passes again (each keeps its fastest sweep) ...")
         t_phase = time.perf_counter()
@@ -488,12 +518,14 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                 "gemv_sweeps_t_s": [{f: {k: v["t_s"] for k, v in r.items() if k.startswith("rows")}
                                      for f, r in sw.items()} for sw in sweeps],
                 "step_costs": kv, "skeleton_linears_s": skel_lin,
+                "width_cost_s": {str(b): v for b, v in width.items()},
                 "probe_seconds": time.perf_counter() - t_start}
     return Profile(name=name, description=f"measured on this machine by fewbits probe ({spec.name} shapes)",
                    bandwidth_efficiency=bw_eff, head_bandwidth_efficiency=head_eff, head_compute_efficiency=head_comp,
                    compute_efficiency=comp_eff,
                    kv_compute_measured=True,
                    linear_call_overhead_s=call_extra, linear_call_per_seq_s=per_seq,
+                   **width_fields(width),
                    bandwidth_curve=curve if len(curve) > 1 else (),
                    **fields, memory_headroom=DEFAULT.memory_headroom, weight_bytes="exact",
                    quantize_lm_head=False, quantize_embeddings=False, count_norms_and_biases=True,

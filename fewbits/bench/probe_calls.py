@@ -2,10 +2,12 @@
 (`linear_efficiencies`), and the time the skeleton step spends in its own 16-bit linears: per call at batch 1
 (`skeleton_linear_cost`), which the per-call cost of a quantised family is measured against, and their work
 beyond a call's cost at each batch (`skeleton_rows_cost`), which is taken off the skeleton's steps
-(`take_off_rows`)."""
+(`take_off_rows`); and what the step's own work between its matmuls (norms, residuals, the MLP's gate) costs at
+the model's widths beyond the 16-wide skeleton's (`width_cost`)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -216,3 +218,100 @@ def take_off_rows(fastest: dict[tuple[Any, ...], float], rows: dict[int, dict[st
     """Skeleton step times {(kv, batch, context, depth): s} less their own linears' work at that batch
     (`skeleton_rows_cost`): the head once, a layer's linears `depth` times."""
     return {k: t - rows[k[1]]["head"] - k[3] * rows[k[1]]["layer"] for k, t in fastest.items()}
+
+
+@torch.library.custom_op("fewbits_probe::stand_in", mutates_args=())
+def stand_in(x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """A linear layer's output shape at almost no cost: zeros, x's first columns copied in (so that every later
+    operation depends on it). Opaque to the compiler, as the real matmul operators are, so the step's other work
+    is compiled into the same kernels around it."""
+    y = x.new_zeros(*x.shape[:-1], out_features)
+    n = min(x.shape[-1], out_features)
+    y[..., :n] = x[..., :n]
+    return y
+
+
+@stand_in.register_fake
+def _stand_in_fake(x: torch.Tensor, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+class StandInLinear(torch.nn.Module):
+    """A linear layer of `out_features` outputs that holds no weight (`stand_in`)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fewbits_probe.stand_in(x, self.out_features)
+
+
+def stand_in_model(spec: ModelSpec, hidden: int, intermediate: int, depth: int,
+                   device: str | torch.device = "cpu") -> torch.nn.Module:
+    """A Llama model with `spec`'s heads, KV heads, head size and vocabulary, `depth` layers, hidden states of
+    `hidden` and MLPs of `intermediate`, every linear layer (the LM head too) a `StandInLinear`: its decode step is
+    the step's work besides the matmuls at those widths.  Built without allocating the matmuls' weights (a
+    Llama-3-8B's widths take ~1 GB, its embedding, not 16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=depth, num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
+                      head_dim=spec.head_dim, max_position_embeddings=max(4096, spec.max_position_embeddings),
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    for parent in list(model.modules()):
+        for name, mod in list(parent.named_children()):
+            if isinstance(mod, torch.nn.Linear):
+                setattr(parent, name, StandInLinear(mod.in_features, mod.out_features))
+    model = model.to(dtype=torch.bfloat16).to_empty(device=device)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Embedding):
+                m.weight.normal_(0.0, 0.02)
+            elif hasattr(m, "variance_epsilon"):  # the RMS norms
+                m.weight.fill_(1.0)
+    rotary = model.model.rotary_emb
+    model.model.rotary_emb = type(rotary)(cfg).to(device=device, dtype=torch.bfloat16)  # its buffers, computed
+    return model.eval()
+
+
+def width_cost(spec: ModelSpec, batches: tuple[int, ...] = (1, 8), depth: int | None = None, context: int = 128,
+               steps: int = 16, rounds: int = 8, device: str | torch.device = "cpu") -> dict[int, float]:
+    """{batch: seconds per layer and per element of width}: what a decode step's work besides its matmuls (the
+    norms, residual adds, the MLP's activation and gate product, rotary, the embedding's row) costs at the
+    model's widths (`spec.hidden_size + spec.intermediate_size` a row) beyond the 16-wide skeleton's, which the
+    probe's fit starts from: compiled steps of two `stand_in_model`s of `depth` layers (default: the model's), one
+    at the model's widths, one at the skeleton's (`fewbits.bench.probe.skeleton_model`), the same attention in
+    both, in `rounds` alternating rounds; the median over the rounds of the difference of their fastest steps, /
+    depth / the difference of their widths (>= 0).
+
+    Measured because the skeleton's 16-wide steps miss it and it grows with the batch: SmolLM2 (576 + 1536), 30
+    layers, 128 tokens, on a 2-core AVX-512 host: 0.11-0.21 ms a step at batch 1, 0.81-0.94 ms at batch 8, where
+    the steps of its int4 and int8 models take 4-12 ms.  At the model's depth, not the skeleton's 6 layers: there
+    the difference is a fifth as large against the same noise (6 layers x 5: 0.16-0.39 and 0.38-1.12 ms).  Both
+    models' stand-ins write their outputs (zeros), which the GEMV passes count as well: a few kB a layer, ~1% of
+    the difference at batch 8."""
+    from fewbits.bench.probe import skeleton_widths
+    from fewbits.decode.generate import generate_static
+
+    widths = {"model": (spec.hidden_size, spec.intermediate_size), "skeleton": skeleton_widths(spec)}
+    extra = sum(widths["model"]) - sum(widths["skeleton"])
+    if extra <= 0:
+        return dict.fromkeys(batches, 0.0)
+    depth = depth or spec.n_layers
+    models = {k: stand_in_model(spec, h, i, depth, device) for k, (h, i) in widths.items()}
+    g = torch.Generator().manual_seed(4)
+    out: dict[int, float] = {}
+    for b in batches:
+        ids = torch.randint(0, spec.vocab_size, (b, context), generator=g).to(device)
+        for m in models.values():  # compiled (or loaded) once, before the timed rounds
+            generate_static(m, ids, 2, kv="bf16")
+        diffs = []
+        for _ in range(rounds):
+            best = {k: min(generate_static(m, ids, steps + 1, kv="bf16").decode_step_s) for k, m in models.items()}
+            diffs.append(best["model"] - best["skeleton"])
+        out[b] = max(statistics.median(diffs), 0.0) / depth / extra
+    return out

@@ -32,6 +32,9 @@ JSON schema (``"schema": "fewbits.profile"``, ``"version": 1``), every key but `
       "compute_efficiency": {"float": 0.65, ...},                    # by the family of the weights
       "overhead_s": 0.0003,                   # fixed time per step (launches, sampling, scheduling)
       "overhead_per_seq_s": 0.0,              # added per sequence of the batch beyond the first
+      "width_overhead_s": 2e-12,              # per layer and element of a row's width (hidden + intermediate):
+      "width_overhead_per_seq_s": 1e-12,      #   the work between the matmuls (norms, residuals, the MLP's gate)
+                                              #   at batch 1, and added per sequence beyond the first
       "linear_call_overhead_s": {"int4": 2e-6},  # extra time per linear call of a weight family (vs float)
       "linear_call_per_seq_s": {"int8": 6e-7},  # more per linear call and sequence beyond the first (the
                                               #   kernel's own fixed work growing with the rows: packing x,
@@ -169,6 +172,8 @@ class Profile:
     compute_efficiency: dict[str, float] = field(default_factory=dict)
     overhead_s: float = 0.0
     overhead_per_seq_s: float = 0.0
+    width_overhead_s: float = 0.0
+    width_overhead_per_seq_s: float = 0.0
     linear_call_overhead_s: dict[str, float] = field(default_factory=dict)
     linear_call_per_seq_s: dict[str, float] = field(default_factory=dict)
     kv_layer_overhead_s: dict[str, float] = field(default_factory=dict)
@@ -241,6 +246,10 @@ class Profile:
                                f"batches >= 1 and increasing; got {list(kb)}")
         if self.overhead_per_seq_s < 0:
             raise ProfileError(f"profile {self.name!r}: overhead_per_seq_s must be >= 0")
+        for k in ("width_overhead_s", "width_overhead_per_seq_s"):
+            v = getattr(self, k)
+            if not (math.isfinite(v) and v >= 0):
+                raise ProfileError(f"profile {self.name!r}: {k} must be finite and >= 0, got {v}")
         if self.overhead_s < 0 or not 0 <= self.memory_headroom < 1:
             raise ProfileError(f"profile {self.name!r}: overhead_s must be >= 0 and memory_headroom in [0, 1)")
         if self.weight_bytes not in ("exact", "ideal"):
@@ -305,6 +314,7 @@ class Profile:
                 "kv_compute_measured": self.kv_compute_measured,
                 "compute_efficiency": dict(self.compute_efficiency), "overhead_s": self.overhead_s,
                 "overhead_per_seq_s": self.overhead_per_seq_s,
+                "width_overhead_s": self.width_overhead_s, "width_overhead_per_seq_s": self.width_overhead_per_seq_s,
                 "linear_call_overhead_s": dict(self.linear_call_overhead_s),
                 "linear_call_per_seq_s": dict(self.linear_call_per_seq_s),
                 "kv_layer_overhead_s": dict(self.kv_layer_overhead_s),

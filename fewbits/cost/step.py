@@ -24,8 +24,10 @@ The linears' and the attention's rooflines are summed, not merged into one,
 because the kernels of a step run one after another: a batch whose linears are compute-bound still
 streams its KV cache afterwards.  t_0 is `Profile.step_overhead`: a fixed time, a part per sequence
 of the batch, and (measured hosts) the extra cost per call of the weight format's kernels and per
-layer of the KV format, and the refill of the core cache each layer's stream (weights and 16-bit
-keys/values, x bytes) evicts: L E min(1, x / X), or L E(x) from a measured curve (`refill_time`).
+layer of the KV format, the work between the matmuls at the model's widths (norms, residuals, the MLP's
+gate: L (hidden + intermediate) (w_0 + w_1 (b - 1)), `Profile.width_overhead_s`), and the refill of the core
+cache each layer's stream (weights and 16-bit keys/values, x bytes) evicts: L E min(1, x / X), or L E(x) from
+a measured curve (`refill_time`).
 Mixture-of-experts layers read the experts the batch touches: E (1 - (1 - k/E)^b) per layer in
 expectation under uniform routing.
 
@@ -325,10 +327,13 @@ def attention_layer_bytes(model: ModelSpec, tokens: np.ndarray, devices: int = 1
 
 def _overhead(model: ModelSpec, profile: Profile, w: WeightTerms, kv: KVTerms, b: np.ndarray,
               touched: np.ndarray, layer_bytes: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Fixed costs of a step whose cache holds `tokens` tokens per sequence."""
+    """Fixed costs of a step whose cache holds `tokens` tokens per sequence, and the work between its matmuls at
+    the model's widths (`Profile.width_overhead_s`: per layer and element of hidden + intermediate width)."""
     calls = w.linear_calls + model.n_layers * touched * w.expert_linears
     holds_quantized = quantized_tokens(tokens, np.asarray(kv.residual), np.asarray(kv.block)) > 0
+    width = model.n_layers * (model.hidden_size + model.intermediate_size)
     t = (profile.overhead_s + profile.overhead_per_seq_s * (b - 1)
+         + width * (profile.width_overhead_s + profile.width_overhead_per_seq_s * (b - 1))
          + calls * (w.call_overhead_s + w.call_per_seq_s * (b - 1)) + w.head_call_s
          + model.n_layers * (kv.layer_overhead_s + np.where(holds_quantized, kv.quantized_overhead_s, 0.0))
          + refill_time(model, profile, layer_bytes))

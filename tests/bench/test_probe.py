@@ -74,6 +74,9 @@ def _canned(monkeypatch):
     monkeypatch.setattr(probe, "gemv_passes", passes)
     # the skeleton step spends 0.15 ms in its own 16-bit linears
     monkeypatch.setattr(probe, "skeleton_linear_cost", lambda spec, device="cpu": saw("skeleton", device, 1.5e-4))
+    # the work between the matmuls at the model's widths: 2e-12 s per layer and width element at batch 1, 9e-12 at 8
+    monkeypatch.setattr(probe, "width_cost", lambda spec, device="cpu": saw("width", device,
+                                                                          {1: 2e-12, 8: 9e-12}))
     # fitted skeleton steps: 20 ms fixed, 1 ms per extra sequence; the int8 cache adds 0.5 ms per layer
     monkeypatch.setattr(probe, "step_costs", lambda spec, kvs, ctx, device="cpu", compiled=True, **_: saw(
         "steps", device, {
@@ -134,7 +137,19 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert prof.measured["skeleton_linears_s"] == 1.5e-4
     assert prof.device is not None and prof.device.peak_flops["int8"] == 1e12 and prof.low_precision_compute
     # every measurement ran on the device asked for (the CPU by default), and the profile says which
-    assert _canned.devices == dict.fromkeys(("bandwidth", "curve", "matmul", "gemv", "steps", "skeleton"), "cpu")
+    assert _canned.devices == dict.fromkeys(("bandwidth", "curve", "matmul", "gemv", "steps", "skeleton", "width"),
+                                            "cpu")
+    # the compiled path's profile has the work between the matmuls at the model's widths (1e-12 more per extra
+    # sequence); the eager one does not measure it (its skeleton's steps are the model's own path)
+    assert (compiled.width_overhead_s, compiled.width_overhead_per_seq_s) == pytest.approx((2e-12, 1e-12))
+    assert compiled.measured["width_cost_s"] == {"1": 2e-12, "8": 9e-12}
+    assert (prof.width_overhead_s, prof.width_overhead_per_seq_s) == (0.0, 0.0)
+    kw = dict(context=128, weights="int8", kv="bf16", table_weights=None, table_kv=None)
+    without = dataclasses.replace(compiled, width_overhead_s=0.0, width_overhead_per_seq_s=0.0)
+    for b in (1, 8):
+        added = plan(TINY, batch=b, profile=compiled, **kw).overhead_s \
+            - plan(TINY, batch=b, profile=without, **kw).overhead_s
+        assert added == pytest.approx(2 * (64 + 128) * (2e-12 + 1e-12 * (b - 1)))
     assert prof.measured["device"] == "cpu"
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
     assert layer_shapes(TINY) == layer
