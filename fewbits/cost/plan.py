@@ -83,7 +83,8 @@ class PlanResult:
     notes: tuple[str, ...] = ()
     table: tuple[TableRow, ...] = ()
     lm_head: str | None = None  # the LM head's own format where it is quantised apart (`plan(lm_head=...)`)
-    bandwidth: float = 0.0  # bytes/s the step reads at (`Profile.bandwidth_at` its working set)
+    bandwidth: float = 0.0  # bytes/s the step reads its cache at (`Profile.bandwidth_at` its whole working set)
+    weights_bandwidth: float = 0.0  # bytes/s it reads its weights at (the bandwidth at their own working set)
     memory_bandwidth: float = 0.0  # the device's own (memory's) bytes/s
 
     def to_dict(self) -> dict[str, Any]:
@@ -172,7 +173,7 @@ def plan(model: str | Path | ModelSpec, device: str | DeviceSpec | None = None, 
         weights_fit=w.stored <= _f(mem["usable"]), max_batch=int(mem["max_batch"]),
         max_context=int(mem["max_context"]), crossover_tokens=_f(st["weight_bytes"]) / k.per_token,
         kv_bits_per_value=k.bits, notes=tuple(notes), table=tuple(rows), lm_head=lm_head,
-        bandwidth=_f(st["bandwidth"]), memory_bandwidth=dev.bandwidth)
+        bandwidth=_f(st["bandwidth"]), weights_bandwidth=_f(st["weights_bandwidth"]), memory_bandwidth=dev.bandwidth)
 
 
 def pick_device(device: str | DeviceSpec | None, prof: Profile) -> DeviceSpec:
@@ -241,8 +242,9 @@ def format_breakdown(r: PlanResult) -> str:
              f"  KV read / written {_gb(r.kv_read_bytes)} / {_gb(r.kv_write_bytes)}",
              f"  FLOPs             {r.flops / 1e12:.3f} TFLOP on {r.precision} units",
              f"  memory time       {_ms(r.t_memory_s)}" + (
-                 f"   (read at {r.bandwidth / 1e9:.1f} GB/s: the step's working set in the last-level cache; "
-                 f"memory {r.memory_bandwidth / 1e9:.1f} GB/s)" if r.bandwidth > r.memory_bandwidth * 1.001 else ""),
+                 f"   (weights read at {r.weights_bandwidth / 1e9:.1f} GB/s, the cache at {r.bandwidth / 1e9:.1f}: "
+                 f"their working sets in the last-level cache; memory {r.memory_bandwidth / 1e9:.1f} GB/s)"
+                 if max(r.bandwidth, r.weights_bandwidth) > r.memory_bandwidth * 1.001 else ""),
              f"  compute time      {_ms(r.t_compute_s)}",
              f"  linear layers     {_ms(r.t_linear_s)}   (the larger of their memory and compute times)",
              f"  attention         {_ms(r.t_attention_s)}",

@@ -344,12 +344,18 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
             dense: np.ndarray, kv_q: np.ndarray, kv_w: np.ndarray, lin_flops: np.ndarray, att_flops: np.ndarray,
             att_timed: bool = False, kv_scale: np.ndarray | float = 1.0) -> dict[str, np.ndarray]:
     """The two rooflines of a step (linear layers, attention) and their sum.  The cache's quantised
-    bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's.  All
-    of them at `Profile.bandwidth_at` the step's working set (all it reads: faster than memory where it fits
-    the last-level cache; `device.bandwidth` without a measured curve).  `att_timed`: those efficiencies
+    bytes (kv_q) stream at the format's efficiency, its 16-bit window (kv_w) at the 16-bit cache's, at
+    `Profile.bandwidth_at` the step's whole working set (all it reads: faster than memory where it fits the
+    last-level cache; `device.bandwidth` without a measured curve); the weights at the bandwidth of their own
+    working set, the cache's stream not counted against them.  Measured so: charging the weights at the whole
+    step's rate made a large cache slow the linears too (SmolLM2 int4-g64, 2048 tokens: its 113 MB of weights
+    from 47 to 34 GB/s at batch 1, to 29 at batch 8, +1.7-1.8 ms a step), where the bench's steps grew by the
+    cache's time alone; over seven probe/bench pairs (86 rows, with `width_overhead_s`), 66 rows within 10%
+    against 57.  `att_timed`: those efficiencies
     are the attention's own timed rates (compute included), so its time is its bytes' alone.  `kv_scale`: x the
     cache's time per byte at the step's batch (`Profile.kv_batch_scale`)."""
     beta = profile.bandwidth_at(device, weight_q + dense + w.head_q + kv_q + kv_w)
+    beta_w = profile.bandwidth_at(device, weight_q + dense + w.head_q)
     t_mem_kv = (kv_q / kv.eta + kv_w / kv.window_eta) / beta * kv_scale
     t_comp_kv = att_flops / _attention_peak(device, profile, w)
     t_att = t_mem_kv if att_timed else np.maximum(t_mem_kv, t_comp_kv)
@@ -358,8 +364,8 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
     # where the 16-bit head has its own compute efficiency (eta_ch > 0), its roofline apart from the other
     # linears'; else one roofline over all (terms broadcast, so both are computed and one chosen per element)
     own = np.logical_and(np.asarray(w.eta_ch) > 0, np.asarray(w.head_flops) > 0)
-    t_mem_q, t_mem_f = (weight_q / w.eta_w + w.head_q / w.eta_h) / beta, dense / w.eta_f / beta
-    t_mem_w = np.where(own, t_mem_q + t_mem_f, (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / beta)
+    t_mem_q, t_mem_f = (weight_q / w.eta_w + w.head_q / w.eta_h) / beta_w, dense / w.eta_f / beta_w
+    t_mem_w = np.where(own, t_mem_q + t_mem_f, (weight_q / w.eta_w + dense / w.eta_f + w.head_q / w.eta_h) / beta_w)
     head_flops = np.where(own, lin_flops * (w.head_flops / np.maximum(w.linear_flops, 1.0)), 0.0)
     t_comp_q = (lin_flops - head_flops) / (w.peak * w.eta_c)
     t_comp_f = head_flops / (device.peak_flops.get("bf16", w.peak) * np.where(own, w.eta_ch, 1.0))
@@ -370,7 +376,8 @@ def _phases(device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms, w
     lin_compute = np.where(own, split, np.where(t_comp_w > t_mem_w, t_lin, 0.0))
     in_compute = lin_compute + np.where(att_compute, t_att, 0.0)
     return {"t_memory": t_mem_w + t_mem_kv, "t_compute": t_comp_w + t_comp_kv, "t_linear": t_lin,
-            "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att), "bandwidth": beta}
+            "t_attention": t_att, "compute_bound": in_compute > 0.5 * (t_lin + t_att), "bandwidth": beta,
+            "weights_bandwidth": beta_w}
 
 
 def decode(model: ModelSpec, device: DeviceSpec, profile: Profile, w: WeightTerms, kv: KVTerms,

@@ -1,5 +1,6 @@
 """The measured bandwidth over working sets of several sizes: interpolated by hand-checked figures, validated,
-round-tripped, and read by the step model for the weights alone."""
+round-tripped, and read by the step model: the weights at their own working set's rate, the cache at the whole
+step's."""
 
 from __future__ import annotations
 
@@ -51,8 +52,28 @@ def test_weights_and_cache_stream_at_the_rate_of_the_steps_working_set() -> None
     assert b.t_attention_s == pytest.approx(a.t_attention_s / 2, rel=1e-9) and a.t_attention_s > 0
     small = replace(DEFAULT, name="small", bandwidth_curve=((1e6, 2 * dev.bandwidth),))  # ~110 MB: beyond it
     assert plan(smol, profile=small, **kw).t_linear_s == pytest.approx(a.t_linear_s, rel=1e-12)
-    # the report says the rate it read at, where it is the cache's
+    # the report says the rates it read at, where they are the last-level cache's
     from fewbits.cost.plan import format_breakdown
 
     assert b.bandwidth == pytest.approx(2 * dev.bandwidth) and a.bandwidth == b.memory_bandwidth == dev.bandwidth
-    assert "read at 6700.0 GB/s" in format_breakdown(b) and "read at" not in format_breakdown(a)
+    assert b.weights_bandwidth == pytest.approx(2 * dev.bandwidth) and a.weights_bandwidth == dev.bandwidth
+    assert "weights read at 6700.0 GB/s, the cache at 6700.0" in format_breakdown(b)
+    assert "read at" not in format_breakdown(a)
+
+
+def test_the_weights_read_at_their_own_working_sets_rate_the_cache_at_the_whole_steps() -> None:
+    """SmolLM2 int4-g64 (~113 MB of weights with its 16-bit head) with a curve that reads up to 200 MB at twice
+    memory's rate: at 128 tokens (a few MB of cache) weights and cache both fit; at 2048 tokens, batch 8 (~380
+    MB of cache) the cache comes from memory and the weights still at their own working set's rate (measured:
+    the bench's steps grew by the cache's time alone)."""
+    smol = get_preset("smollm2-135m")
+    dev = get_device("h100-sxm")
+    prof = replace(DEFAULT, name="l3", bandwidth_curve=((200e6, 2 * dev.bandwidth),))
+    kw = dict(device=dev, weights="int4-g64", table_weights=None, table_kv=None, profile=prof)
+    short, long = plan(smol, batch=8, context=128, **kw), plan(smol, batch=8, context=2048, **kw)
+    assert short.weights_bandwidth == long.weights_bandwidth == pytest.approx(2 * dev.bandwidth)
+    assert short.bandwidth == pytest.approx(2 * dev.bandwidth) and long.bandwidth == dev.bandwidth
+    assert long.t_linear_s == pytest.approx(short.t_linear_s, rel=1e-12)
+    memory = plan(smol, batch=8, context=2048, **{**kw, "profile": DEFAULT})
+    assert long.t_attention_s == pytest.approx(memory.t_attention_s, rel=1e-12)
+    assert long.t_linear_s == pytest.approx(memory.t_linear_s / 2, rel=1e-9)
