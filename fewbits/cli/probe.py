@@ -24,8 +24,9 @@ def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float | 
               eager: bool) -> None:
     """Measure memory bandwidth (also over working sets the last-level cache may hold), matmul rates, GEMV per
     format at decode shapes (on a CPU also on the kernels that round the activations to int8, for `fewbits
-    bench --activations q8`), KV-cache reads, the per-step overhead and the core-cache refill; write them as a
-    profile that `fewbits plan --profile FILE` and `fewbits bench` load.  The per-step costs are those of the
+    bench --activations q8`), KV-cache reads, the per-step overhead, the core-cache refill and (compiled, on a
+    CPU) the step's work between its matmuls at the model's widths; write them as a profile that `fewbits plan
+    --profile FILE` and `fewbits bench` load.  The per-step costs are those of the
     compiled decode step `fewbits bench` runs (unless --eager)."""
     import torch
 
