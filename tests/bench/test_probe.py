@@ -139,9 +139,10 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     # every measurement ran on the device asked for (the CPU by default), and the profile says which
     assert _canned.devices == dict.fromkeys(("bandwidth", "curve", "matmul", "gemv", "steps", "skeleton", "width"),
                                             "cpu")
-    # the compiled path's profile has the work between the matmuls at the model's widths (1e-12 more per extra
-    # sequence); the eager one does not measure it (its skeleton's steps are the model's own path)
-    assert (compiled.width_overhead_s, compiled.width_overhead_per_seq_s) == pytest.approx((2e-12, 1e-12))
+    # the compiled path's profile has the work between the matmuls at the model's widths, one rate per row of the
+    # batch ((2e-12 + 8 x 9e-12) / 65); the eager one does not measure it (its skeleton's steps are the model's own)
+    rate = 74e-12 / 65
+    assert (compiled.width_overhead_s, compiled.width_overhead_per_seq_s) == pytest.approx((rate, rate))
     assert compiled.measured["width_cost_s"] == {"1": 2e-12, "8": 9e-12}
     assert (prof.width_overhead_s, prof.width_overhead_per_seq_s) == (0.0, 0.0)
     kw = dict(context=128, weights="int8", kv="bf16", table_weights=None, table_kv=None)
@@ -149,7 +150,7 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     for b in (1, 8):
         added = plan(TINY, batch=b, profile=compiled, **kw).overhead_s \
             - plan(TINY, batch=b, profile=without, **kw).overhead_s
-        assert added == pytest.approx(2 * (64 + 128) * (2e-12 + 1e-12 * (b - 1)))
+        assert added == pytest.approx(2 * (64 + 128) * rate * b)
     assert prof.measured["device"] == "cpu"
     layer = ((64, 64), (32, 64), (32, 64), (64, 64), (128, 64), (128, 64), (64, 128))
     assert layer_shapes(TINY) == layer

@@ -83,11 +83,12 @@ def test_a_model_no_wider_than_the_skeleton_costs_nothing_more():
     assert width_cost(narrow, batches=(1, 8)) == {1: 0.0, 8: 0.0}
 
 
-def test_width_fields_take_batch_1_and_the_growth_per_sequence():
-    assert width_fields({1: 2e-12, 8: 9e-12}) == {"width_overhead_s": pytest.approx(2e-12),
-                                                  "width_overhead_per_seq_s": pytest.approx(1e-12)}
-    # a larger batch measured cheaper (noise): no growth, never negative
-    assert width_fields({1: 3e-12, 8: 2e-12}) == {"width_overhead_s": 3e-12, "width_overhead_per_seq_s": 0.0}
-    assert width_fields({2: 3e-12, 4: 5e-12}) == {"width_overhead_s": pytest.approx(2e-12),
-                                                  "width_overhead_per_seq_s": pytest.approx(1e-12)}
+def test_width_fields_are_one_rate_per_row_through_the_origin():
+    # 2e-12 at batch 1, 9e-12 at batch 8: least squares through the origin, (1 x 2 + 8 x 9) / (1 + 64) per row
+    rate = (2e-12 + 8 * 9e-12) / 65
+    assert width_fields({1: 2e-12, 8: 9e-12}) == {"width_overhead_s": pytest.approx(rate),
+                                                  "width_overhead_per_seq_s": pytest.approx(rate)}
+    exact = width_fields({1: 1e-12, 8: 8e-12})  # proportional to the rows: that rate exactly
+    assert exact == {"width_overhead_s": pytest.approx(1e-12), "width_overhead_per_seq_s": pytest.approx(1e-12)}
+    assert width_fields({1: 0.0, 8: 0.0}) == {"width_overhead_s": 0.0, "width_overhead_per_seq_s": 0.0}
     assert width_fields({}) == {"width_overhead_s": 0.0, "width_overhead_per_seq_s": 0.0}
