@@ -79,26 +79,34 @@ def why_not_huge(huge: bool = True) -> str | None:
 
 def tensors_of(roots: Iterable[object]) -> list[torch.Tensor]:
     """Every tensor reachable from `roots`: modules' parameters, buffers and submodules, and the attributes of
-    fewbits' own objects (kernels, fused projections, caches) and of lists, tuples and dicts among them."""
+    fewbits' own objects (kernels, fused projections, caches) and of lists, tuples and dicts among them; in the
+    order a depth-first walk first meets them, children in their own order (a module's parameters and
+    submodules as registered, a list's items in turn).  `place` lays them out in that order, which for a model is
+    the order a decode step reads its layers' weights (each layer's attention, then its MLP, layer after layer),
+    so that the step streams its weights upward in memory: the probe's GEMV passes laid out the other way round
+    (the walk had taken the last child first) ran 2-6% slower (SmolLM2's step sets, bf16 / int8 / int4-g64, 1 and 8
+    rows of x)."""
     seen: set[int] = set()
     found: dict[int, torch.Tensor] = {}
-    stack = list(roots)
+    stack = list(reversed(list(roots)))
     while stack:
         o = stack.pop()
         if id(o) in seen:
             continue
         seen.add(id(o))
+        children: list[object] = []
         if isinstance(o, torch.Tensor):
             found[id(o)] = o
         elif isinstance(o, torch.nn.Module):
-            stack += [*o._parameters.values(), *o._buffers.values(), *o._modules.values()]
-            stack += [v for k, v in vars(o).items() if not k.startswith("_")]
+            children = [*o._parameters.values(), *o._buffers.values(), *o._modules.values()]
+            children += [v for k, v in vars(o).items() if not k.startswith("_")]
         elif isinstance(o, (list, tuple)):
-            stack += list(o)
+            children = list(o)
         elif isinstance(o, dict):
-            stack += list(o.values())
+            children = list(o.values())
         elif type(o).__module__.startswith("fewbits.") and hasattr(o, "__dict__"):
-            stack += list(vars(o).values())
+            children = list(vars(o).values())
+        stack += reversed(children)  # the first child is taken next
     return list(found.values())
 
 

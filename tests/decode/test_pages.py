@@ -150,3 +150,28 @@ def test_the_cpu_decoder_places_its_weights_and_cache_and_decodes_the_same(monke
     plain = StaticDecoder(twin, "bf16", 1, 1024, compile=False)
     assert plain.placement.nbytes == 0
     assert tokens(placed) == tokens(plain)
+
+
+def test_the_walk_meets_tensors_in_their_own_order():
+    """First child first: a module's parameters and submodules as registered, a list's items in turn, the roots
+    in turn (the order `place` lays them out in)."""
+    a, b, c = (torch.nn.Linear(4, 4) for _ in range(3))
+    seq = torch.nn.Sequential(a, b)
+    extra = [torch.zeros(3), torch.ones(3)]
+    got = tensors_of([seq, c, extra])
+    want = [a.weight, a.bias, b.weight, b.bias, c.weight, c.bias, *extra]
+    assert [id(t) for t in got] == [id(t) for t in want]
+
+
+@needs_madvise
+def test_place_lays_a_models_layers_out_in_the_order_a_step_reads_them():
+    """A decode step reads layer 0's weights, then layer 1's, ...: in the arena they lie at rising addresses (the
+    probe's passes laid out the other way round ran 2-6% slower)."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.ModuleDict({"attn": torch.nn.Linear(256, 256, bias=False),
+                                                      "mlp": torch.nn.Linear(256, 1024, bias=False)})
+                                 for _ in range(6))
+    placement = place([layers], huge=False)
+    assert placement.nbytes > 0, placement.why_not
+    reads = [m.weight.data_ptr() for layer in layers for m in (layer["attn"], layer["mlp"])]
+    assert reads == sorted(reads) and len(set(reads)) == len(reads)
