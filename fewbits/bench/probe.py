@@ -55,9 +55,9 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 6. (compiled path, CPU) the step's work between its matmuls at the model's widths (norms, residual adds, the
    MLP's gate product: `fewbits.bench.probe_calls.width_cost`), which the 16-wide skeleton does on 16-wide
    rows: two models of the model's depth whose every linear is an opaque stand-in that costs almost nothing,
-   one at the model's widths and one at the skeleton's; their steps' difference, per layer and width element
-   at batch 1 and per sequence beyond (SmolLM2: 0.11-0.21 ms a step at batch 1, 0.81-0.94 at batch 8, where
-   the steps of its int4 and int8 models take 4-12 ms).
+   one at the model's widths and one at the skeleton's; their steps' difference per layer, width element and
+   row of the batch (`width_fields`; SmolLM2: 0.79-0.94 ms a step at batch 8, where the steps of its int4 and
+   int8 models take 8-12 ms).
 
 On a CUDA device (``device="cuda"``) the same measurements run there, each sample ending with a device
 synchronisation: the bandwidth over a buffer many times the GPU's L2 cache, the GEMMs at 8192 (and FP8
