@@ -243,7 +243,7 @@ def format_breakdown(r: PlanResult) -> str:
              f"  FLOPs             {r.flops / 1e12:.3f} TFLOP on {r.precision} units",
              f"  memory time       {_ms(r.t_memory_s)}" + (
                  f"   (weights read at {r.weights_bandwidth / 1e9:.1f} GB/s, the cache at {r.bandwidth / 1e9:.1f}: "
-                 f"their working sets in the last-level cache; memory {r.memory_bandwidth / 1e9:.1f} GB/s)"
+                 f"the bandwidth at each one's working set; memory {r.memory_bandwidth / 1e9:.1f} GB/s)"
                  if max(r.bandwidth, r.weights_bandwidth) > r.memory_bandwidth * 1.001 else ""),
              f"  compute time      {_ms(r.t_compute_s)}",
              f"  linear layers     {_ms(r.t_linear_s)}   (the larger of their memory and compute times)",
