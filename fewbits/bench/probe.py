@@ -257,18 +257,25 @@ def skeleton_widths(spec: ModelSpec) -> tuple[int, int]:
     return spec.n_heads * -(-16 // spec.n_heads), 16
 
 
+def llama_config(spec: ModelSpec, hidden: int, intermediate: int, depth: int, tie: bool) -> Any:
+    """A transformers `LlamaConfig` with `spec`'s heads, KV heads, head size and vocabulary and the given widths,
+    depth and head tying (the probe's stand-in models of a decode step)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                       num_hidden_layers=depth, num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
+                       head_dim=spec.head_dim, max_position_embeddings=max(4096, spec.max_position_embeddings),
+                       tie_word_embeddings=tie)
+
+
 def skeleton_model(spec: ModelSpec, device: str | torch.device = "cpu") -> torch.nn.Module:
     """A Llama model with `spec`'s depth, heads, KV heads, head size and vocabulary but ~16-wide hidden
     states (a multiple of the head count) and MLPs: a decode step of it costs what the weight bytes do not
     (framework dispatch, norms, rotary, attention over the cache, the cache's own writes and reads,
     sampling over the vocabulary)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    width, inter = skeleton_widths(spec)
-    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=width, intermediate_size=inter,
-                      num_hidden_layers=spec.n_layers, num_attention_heads=spec.n_heads,
-                      num_key_value_heads=spec.n_kv_heads, head_dim=spec.head_dim,
-                      max_position_embeddings=max(4096, spec.max_position_embeddings), tie_word_embeddings=True)
+    cfg = llama_config(spec, *skeleton_widths(spec), spec.n_layers, tie=True)
     with torch.random.fork_rng(devices=[]):  # seeded without touching the caller's global generator
         torch.manual_seed(0)
         return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()

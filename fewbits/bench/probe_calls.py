@@ -253,12 +253,11 @@ def stand_in_model(spec: ModelSpec, hidden: int, intermediate: int, depth: int,
     `hidden` and MLPs of `intermediate`, every linear layer (the LM head too) a `StandInLinear`: its decode step is
     the step's work besides the matmuls at those widths.  Built without allocating the matmuls' weights (a
     Llama-3-8B's widths take ~1 GB, its embedding, not 16)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=spec.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=depth, num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_kv_heads,
-                      head_dim=spec.head_dim, max_position_embeddings=max(4096, spec.max_position_embeddings),
-                      tie_word_embeddings=False)
+    from fewbits.bench.probe import llama_config
+
+    cfg = llama_config(spec, hidden, intermediate, depth, tie=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     for parent in list(model.modules()):
