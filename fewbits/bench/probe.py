@@ -10,7 +10,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model, then the LM head
    (in bf16 as fewbits keeps it, timed apart), once per sample over one copy of the model's weights as the
    step re-reads them (`gemv_passes`), through the kernel dispatcher (on the compiled path as its step calls
-   them: q/k/v and gate/up fused where `fewbits.decode.fuse` fuses them), at 1 and at 8 rows ((rows, 1, in)
+   them: q/k/v and gate/up fused where `fewbits.decode.fuse` fuses them, each sample's calls made from one
+   compiled graph, `gemv.compiled_calls`), at 1 and at 8 rows ((rows, 1, in)
    inputs, as the model passes them; the fastest of samples that each cover a whole step's linears, over
    `PASS_SWEEPS` sweeps, before and after the skeleton's steps of 4.), and the same calls on a
    tiny shape.  Bandwidth efficiency of a family = bytes / (time - time of the tiny calls) /
@@ -164,8 +165,8 @@ def named_layer_shapes(spec: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ..
 
 
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None = None, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 30, device: str | torch.device = "cpu", fused: bool = False
-                ) -> dict[str, dict[str, Any]]:
+                rounds: int = 30, device: str | torch.device = "cpu", fused: bool = False,
+                graphs: dict[tuple, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's calls) at 1 and 8 rows,
     with the per-call cost (the same number of calls on a tiny shape) measured separately.
 
@@ -187,13 +188,19 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
     `fused`: the calls of the compiled decode step (`gemv.build_step_set`): each layer built as the quantised
     model holds it, through the dispatcher, with q/k/v and gate/up fused into one matmul each where
     `fewbits.decode.fuse` fuses them (one 960 x 576 matmul reads its bytes at another rate than three
-    separate ones); else every linear on its own (`gemv.build_set`, the eager path's calls)."""
+    separate ones); else every linear on its own (`gemv.build_set`, the eager path's calls).  `fused` on a CPU:
+    each sample's calls (the step's linears, the head, the tiny calls) are made from one compiled graph, as the
+    compiled step makes them (`gemv.compiled_calls`; `graphs`: the compiled graphs, kept by the caller for the
+    next sweep), not from Python, whose interpreter between the calls a pass's tiny calls do not fully take off."""
     from fewbits.bench.gemv import build_step_set
 
     shapes = layer_shapes(spec)
     results: dict[str, dict[str, Any]] = {}
     sync = synchronizer(device)
     on_gpu = torch.device(device).type != "cpu"
+    compiled = {} if graphs is None else graphs
+    if not fused or on_gpu:
+        compiled = None  # Python calls: the eager step's own way; a GPU's host queues them while the device streams
 
     def build(f: str, pool: int) -> Any:
         return build_step_set(f, named_layer_shapes(spec), pool, device=device) if fused else \
@@ -211,8 +218,9 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
             pages.place([body, head_set])
         calls = body.shapes  # one layer's calls: fused groups count once
         per_step = len(calls) * spec.n_layers
-        # the same calls on a tiny shape, made the same way (the step's Python path when `fused`: ~11 us a call
-        # here against ~6 us for the bare kernels, whose difference had been counted as bytes)
+        # the same calls on a tiny shape, made the same way (from one compiled graph where the step's are; from
+        # Python through the step's path on a GPU: ~11 us a call here against ~6 us for the bare kernels, whose
+        # difference had been counted as bytes)
         tiny = build_step_set(f, tuple((n, TINY) for n, _ in named_layer_shapes(spec)), 0, device=device) \
             if fused else build_set(f, (TINY,) * len(calls), 0, device=device)
         res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers,
@@ -221,7 +229,7 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
         for m in rows:
             xs = step_inputs(tuple(calls) + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16, device)
             hx = step_inputs((head_shape(spec),), m, device=device)
-            linears, head = body.sampler(xs, per_step), head_set.sampler(hx, 1)
+            linears, head = body.sampler(xs, per_step, compiled), head_set.sampler(hx, 1, compiled)
             parts: dict[str, list[float]] = {"body": [], "head": []}
 
             def step(linears: Any = linears, head: Any = head, parts: dict[str, list[float]] = parts) -> None:
@@ -235,8 +243,8 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
                 parts["head"].append(time.perf_counter() - t1)
 
             # one sample = the linears of one step and the head, or the same linears' calls on tiny shapes
-            t = time_interleaved({"body": step, "tiny": tiny.sampler(xs, per_step)}, min_time=0.0, rounds=rounds,
-                                 sync=sync)
+            t = time_interleaved({"body": step, "tiny": tiny.sampler(xs, per_step, compiled)}, min_time=0.0,
+                                 rounds=rounds, sync=sync)
             t_body, t_head = min(parts["body"]), min(parts["head"])
             t_calls = t["tiny"]
             # the bytes' share of the pass: on a CPU the calls' own cost adds to it; on a GPU the host launches
@@ -466,7 +474,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     formats = tuple(dict.fromkeys(("bf16", *weight_specs)))
     if on_cpu:  # and the integer formats' kernels that round the activations to int8 (`fewbits bench --activations q8`)
         formats += tuple(f + A8 for f in formats if parse_format(f).kind == "int")
-    sweeps = [gemv_passes(spec, formats, min_bytes, device=device, fused=compiled)]
+    graphs: dict[tuple, Any] = {}  # the compiled passes' graphs, for the second sweep
+    sweeps = [gemv_passes(spec, formats, min_bytes, device=device, fused=compiled, graphs=graphs)]
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     t_phase = time.perf_counter()
     if compiled:
@@ -489,7 +498,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     for _ in range(PASS_SWEEPS - 1):
         log("GEMV passes again (each keeps its fastest sweep) ...")
         t_phase = time.perf_counter()
-        sweeps.append(gemv_passes(spec, formats, min_bytes, device=device, fused=compiled))
+        sweeps.append(gemv_passes(spec, formats, min_bytes, device=device, fused=compiled, graphs=graphs))
         log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     passes = fastest_of_sweeps(sweeps, on_gpu=not on_cpu)
     for f in [f for f in passes if f.endswith(A8)]:

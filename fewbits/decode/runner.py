@@ -95,12 +95,16 @@ def why_eager(model: torch.nn.Module, device: torch.device | str = "cpu") -> str
     why = unsupported(model)
     if why is not None:
         return why
-    if torch.device(device).type == "cpu":
-        from torch._inductor import config as icfg
+    return no_compiler() if torch.device(device).type == "cpu" else None
 
-        cxx = icfg.cpp.cxx[-1] if isinstance(icfg.cpp.cxx, tuple) else icfg.cpp.cxx
-        if not any(shutil.which(c) for c in ([cxx] if cxx else []) + ["g++", "clang++", "c++"]):
-            return "no C++ compiler (g++ / clang++) for inductor's CPU code"
+
+def no_compiler() -> str | None:
+    """Why inductor cannot build CPU code here (no C++ compiler), or None."""
+    from torch._inductor import config as icfg
+
+    cxx = icfg.cpp.cxx[-1] if isinstance(icfg.cpp.cxx, tuple) else icfg.cpp.cxx
+    if not any(shutil.which(c) for c in ([cxx] if cxx else []) + ["g++", "clang++", "c++"]):
+        return "no C++ compiler (g++ / clang++) for inductor's CPU code"
     return None
 
 
@@ -120,7 +124,8 @@ def graph_call(fn: object, args: tuple) -> tuple[Callable[..., list], tuple[torc
 
     The tensors are read by running the step's bytecode once with the graph wrapped; the graph is then called
     with them and must give the bytecode's own output, bit for bit, or None is returned (the caller keeps the
-    bytecode): the bytecode around the graph call only picks the graph's first output."""
+    bytecode): the bytecode around the graph call only picks the graph's outputs (a tensor: its first; a list or
+    tuple of tensors, as `fewbits.bench.gemv`'s compiled passes return: its first as many)."""
     art = getattr(fn, "_artifacts", None)
     graph = getattr(art, "compiled_fn", None)
     if graph is None:
@@ -134,15 +139,17 @@ def graph_call(fn: object, args: tuple) -> tuple[Callable[..., list], tuple[torc
     try:
         probe = art.runtime_env.forward_callable(art.backend_id, spy, extra_globals=getattr(fn, "_extra_globals", None))
         out = probe(*args)
-        if len(seen) != 1 or not isinstance(out, torch.Tensor):
+        outs = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, (list, tuple)) else []
+        if len(seen) != 1 or not outs or not all(isinstance(o, torch.Tensor) for o in outs):
             return None
         again = graph(*seen[0])
     except Exception as exc:  # noqa: BLE001 - internals of another torch: keep calling the bytecode
         log.info("fewbits.decode: the step's graph is called through its bytecode (%s)", exc)
         return None
-    if not isinstance(again, (list, tuple)) or not again or not isinstance(again[0], torch.Tensor):
+    if not isinstance(again, (list, tuple)) or len(again) < len(outs):
         return None
-    same = again[0].shape == out.shape and again[0].dtype == out.dtype and torch.equal(again[0], out)
+    same = all(isinstance(a, torch.Tensor) and a.shape == o.shape and a.dtype == o.dtype and torch.equal(a, o)
+               for a, o in zip(again[:len(outs)], outs, strict=True))
     return (graph, seen[0]) if same else None
 
 

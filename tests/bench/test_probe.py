@@ -41,6 +41,7 @@ def _canned(monkeypatch):
 
     bw = 10e9
     seen = _canned.devices = {}  # measurement -> the device it was asked to run on
+    _canned.graphs = []  # what each sweep of the GEMV passes was given to keep its compiled graphs in
 
     def saw(what, device, value):
         seen[what] = str(device)
@@ -53,8 +54,9 @@ def _canned(monkeypatch):
     monkeypatch.setattr(probe, "matmul_rates", lambda n=0, device="cpu": saw(
         "matmul", device, {"fp32": 1e11, "bf16": 5e11, "int8": 1e12}))
 
-    def passes(spec, formats, min_bytes, device="cpu", fused=False):
+    def passes(spec, formats, min_bytes, device="cpu", fused=False, graphs=None):
         saw("gemv", device, None)
+        _canned.graphs.append(graphs)
         out = {}
         # int4-g64+a8: its own kernel (int8 activations), faster; int8+a8: the same kernel as int8 (none here)
         for f, (nbytes, t1, t8, tc) in {"bf16": (8e6, 2e-3, 2e-3, 1e-4), "int8": (4e6, 1e-3, 4e-3, 2.4e-4),
@@ -357,7 +359,8 @@ def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
         ws = real_build(spec, shapes, 0, seed, device)
         real_sampler = ws.sampler
 
-        def sampler(xs, n):
+        def sampler(xs, n, graphs=None):
+            assert graphs is None  # the eager path's calls: from Python
             per_sample.append(n)
             seen_shapes.update(tuple(x.shape) for x in xs.values())
             return real_sampler(xs, n)
@@ -769,3 +772,6 @@ def test_probe_sweeps_the_gemv_passes_and_keeps_the_fastest(monkeypatch):
     assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
     sweeps = prof.measured["gemv_sweeps_t_s"]
     assert len(sweeps) == probe.PASS_SWEEPS and sweeps[0]["bf16"]["rows1"] == pytest.approx(3.1e-3)
+    # every sweep keeps its compiled passes' graphs in one dict: the next sweep's sets call the same graphs
+    assert len(_canned.graphs) == probe.PASS_SWEEPS and all(g is _canned.graphs[0] for g in _canned.graphs)
+    assert isinstance(_canned.graphs[0], dict)
