@@ -113,30 +113,44 @@ def compiled_calls(kernels: list, x_by_in: dict[int, torch.Tensor], graphs: dict
     weights (they evict the interpreter's own data) than around a tiny one, so a pass's time less its tiny calls'
     kept ~0.3-0.9 ms of Python a step as bytes (SmolLM2, 2-core AMX Xeon, 120 calls a step: bf16 / int8 / int4-g64
     at 1 row 8.45 / 3.58 / 2.33 ms from Python, 7.92 / 2.72 / 2.07 compiled, tiny calls 1.27-1.58 ms against
-    0.20-0.38).  `graphs` keeps one compiled graph per kind of calls (their names and shapes, the inputs' shapes
-    and dtypes): a set's copies, and the same format's sets in the next sweep, call it with their own tensors,
-    checked bit for bit against the compiled function's own run on them (else they get a graph of their own)."""
+    0.20-0.38).  `graphs` keeps one compiled graph per kind of calls (`fewbits.decode.precompiled.calls_key`:
+    their names, shapes and classes, their tensors' shapes, strides and dtypes, the inputs'): a set's copies, and
+    the same format's sets in the next sweep, call it with their own tensors, checked bit for bit against the
+    compiled function's own run on them (else they get a graph of their own).  Each is saved on disk as the
+    decode step is (`$FEWBITS_CACHE/inductor/fewbits-passes`), so that the next process skips dynamo's tracing."""
     import torch._inductor.config as icfg
 
-    from fewbits.decode.runner import CPU_OPTIONS, compile_scope, graph_call
+    from fewbits.decode import precompiled
+    from fewbits.decode.runner import CPU_OPTIONS, compile_scope, graph_call, inductor_cache_dir
 
     xs = [x_by_in[k.shape[1]] for k in kernels]
     args = (list(kernels), xs)
-    key = (tuple((getattr(k, "name", type(k).__name__), tuple(k.shape)) for k in kernels),
-           tuple((tuple(x.shape), x.dtype) for x in xs))
+    names = [f"{getattr(k, 'name', type(k).__name__)}{tuple(k.shape)}" for k in kernels]
+    key = precompiled.calls_key(kernels, {"calls": names, "options": CPU_OPTIONS["cpp"],
+                                          "inputs": [(tuple(x.shape), str(x.dtype)) for x in xs]})
+    path = inductor_cache_dir() / "fewbits-passes" / f"{key}.bin"  # saved whole, as the step is: no tracing
     with torch.no_grad(), compile_scope(), icfg.patch(CPU_OPTIONS["cpp"]):
         for fresh in (False, True):
-            fn = graphs.get(key)
-            if fn is None or fresh:
+            fn = None if fresh else graphs.get(key)
+            if fn is None and not fresh:
+                with icfg.patch(precompiled.LOAD_OPTIONS):
+                    fn = precompiled.load(path, globals())
+                if fn is not None:
+                    try:
+                        fn(*args)
+                    except RuntimeError:  # its guards refused these calls: compile afresh
+                        fn = None
+            if fn is None:
                 fn = torch.compile(_calls, fullgraph=True, dynamic=False).aot_compile((args, {}))
+                precompiled.save(fn, path)
                 fn(*args)
-                fn.disable_guard_check()
-                graphs[key] = fn
+            fn.disable_guard_check()
+            graphs[key] = fn
             direct = graph_call(fn, args)
             if direct is not None:
                 graph, flat = direct
                 return lambda: graph(*flat)
-    raise RuntimeError(f"a compiled pass of {len(kernels)} calls ({key[0][0][0]}, ...) cannot be called directly")
+    raise RuntimeError(f"a compiled pass of {len(kernels)} calls ({names[0]}, ...) cannot be called directly")
 
 
 def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:

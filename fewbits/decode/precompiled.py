@@ -25,7 +25,7 @@ import json
 import logging
 import platform
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +41,16 @@ FORMAT = 1  # bump when what is saved changes meaning
 LOAD_OPTIONS: dict[str, object] = {"cpp.vec_isa_ok": True}
 
 
-def _sources(model: torch.nn.Module) -> list[str]:
+def _sources(classes: Iterable[type]) -> list[str]:
     """Source files whose code ends up in the graph: fewbits' decode and kernels (Python and the operators' C++),
-    the model's module classes."""
+    and those of `classes` (the model's module classes)."""
     import fewbits.decode
     import fewbits.kernels
 
     files = set()
     for pkg in (fewbits.decode, fewbits.kernels):
         files.update(str(p) for ext in ("*.py", "*.cpp") for p in Path(pkg.__file__).parent.glob(ext))
-    for cls in {type(m) for m in model.modules()}:
+    for cls in set(classes):
         try:
             files.add(inspect.getsourcefile(cls) or "")
         except TypeError:  # a built-in class
@@ -58,9 +58,8 @@ def _sources(model: torch.nn.Module) -> list[str]:
     return sorted(f for f in files if f)
 
 
-def artifact_key(model: torch.nn.Module, parts: Mapping[str, Any]) -> str:
-    """A hash of everything the compiled step depends on (see the module docstring) plus `parts` (KV format,
-    batch, cache length, options: JSON-serialisable values)."""
+def _hasher(parts: Mapping[str, Any], classes: Iterable[type]) -> tuple[Any, Callable[[object], None]]:
+    """A sha256 fed the versions, the CPU's vector ISA, `parts` and the sources (`_sources`), and its `add`."""
     import transformers
 
     h = hashlib.sha256()
@@ -72,9 +71,41 @@ def artifact_key(model: torch.nn.Module, parts: Mapping[str, Any]) -> str:
     add((FORMAT, torch.__version__, transformers.__version__, sys.version, platform.machine(),
          torch.backends.cpu.get_cpu_capability()))
     add(json.dumps(dict(parts), sort_keys=True, default=str))
-    for f in _sources(model):
+    for f in _sources(classes):
         add(f)
         h.update(Path(f).read_bytes())
+    return h, add
+
+
+def calls_key(calls: list, parts: Mapping[str, Any]) -> str:
+    """A hash, as `artifact_key`'s, for a compiled function over `calls` (`fewbits.bench.gemv`'s step calls or
+    kernels): their classes and those of every module and object they hold, and every tensor they hold's shape,
+    stride and dtype, in the order a walk meets them (`fewbits.decode.pages.tensors_of`)."""
+    from fewbits.decode.pages import tensors_of
+
+    classes: set[type] = set()
+    for c in calls:
+        stack = [c]
+        while stack:
+            o = stack.pop()
+            if type(o) in classes or isinstance(o, torch.Tensor):
+                continue
+            classes.add(type(o))
+            if isinstance(o, torch.nn.Module):
+                stack += list(o.modules())[1:]
+            stack += [v for v in getattr(o, "__dict__", {}).values()
+                      if isinstance(v, torch.nn.Module) or type(v).__module__.startswith("fewbits.")]
+    h, add = _hasher(parts, classes)
+    add(sorted(f"{c.__module__}.{c.__qualname__}" for c in classes))
+    for t in tensors_of(calls):
+        add((tuple(t.shape), t.stride(), str(t.dtype), t.device.type))
+    return h.hexdigest()[:40]
+
+
+def artifact_key(model: torch.nn.Module, parts: Mapping[str, Any]) -> str:
+    """A hash of everything the compiled step depends on (see the module docstring) plus `parts` (KV format,
+    batch, cache length, options: JSON-serialisable values)."""
+    h, add = _hasher(parts, (type(m) for m in model.modules()))
     config = getattr(model, "config", None)
     add(config.to_json_string(use_diff=False) if config is not None else None)
     add(repr(model))  # the module tree, each quantised linear's format included

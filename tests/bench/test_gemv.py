@@ -65,3 +65,33 @@ def test_the_compiled_sampler_cycles_windows_on_their_own_weights_with_one_graph
     again = build_step_set("bf16", LAYER, 0, seed=5)
     compiled_calls(again.kernels, xs, graphs)
     assert len(graphs) == 1  # the same calls: the same graph, called with the new set's tensors
+
+
+def test_a_compiled_pass_is_saved_and_loaded_without_compiling_again(tmp_path, monkeypatch):
+    """The next process (here: a new dict of graphs) loads the saved pass instead of tracing and compiling."""
+    if no_compiler():
+        pytest.skip(no_compiler())
+    monkeypatch.setenv("FEWBITS_CACHE", str(tmp_path))
+    ws = build_step_set("int8", LAYER, 0)
+    xs = {64: torch.randn(1, 1, 64).bfloat16(), 128: torch.randn(1, 1, 128).bfloat16()}
+    want = compiled_calls(ws.kernels, xs, {})()
+    assert len(list((tmp_path / "inductor" / "fewbits-passes").glob("*.bin"))) == 1
+
+    def no_compiling(*a, **k):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch, "compile", no_compiling)
+    got = compiled_calls(ws.kernels, xs, {})()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_calls_key_follows_the_calls_structure_not_their_values():
+    from fewbits.decode.precompiled import calls_key
+
+    a, b = build_step_set("int8", LAYER, 0), build_step_set("int8", LAYER, 0, seed=7)
+    assert calls_key(a.kernels, {}) == calls_key(b.kernels, {})  # other weights, the same calls
+    assert calls_key(a.kernels, {}) != calls_key(a.kernels, {"inputs": 1})
+    assert calls_key(a.kernels, {}) != calls_key(build_step_set("int4-g32", LAYER, 0).kernels, {})
+    wider = (("q_proj", (64, 128)),) + LAYER[1:]
+    assert calls_key(build_step_set("bf16", LAYER, 0).kernels, {}) != \
+        calls_key(build_step_set("bf16", wider, 0).kernels, {})
