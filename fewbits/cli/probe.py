@@ -27,7 +27,8 @@ def probe_cmd(model: str, output: str, name: str, threads: int, min_mb: float | 
     bench --activations q8`), KV-cache reads, the per-step overhead, the core-cache refill and (compiled, on a
     CPU) the step's work between its matmuls at the model's widths; write them as a profile that `fewbits plan
     --profile FILE` and `fewbits bench` load.  The per-step costs are those of the
-    compiled decode step `fewbits bench` runs (unless --eager)."""
+    compiled decode step `fewbits bench` runs (unless --eager); on a CPU its GEMV passes are compiled as the step
+    is (a first probe compiles them, ~2 minutes; later ones load them from $FEWBITS_CACHE)."""
     import torch
 
     from fewbits.bench.probe import build_profile
