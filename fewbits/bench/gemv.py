@@ -47,7 +47,7 @@ class WeightSet:
             k(x_by_in[k.shape[1]])
 
     def sampler(self, x_by_in: dict[int, torch.Tensor], per_sample: int,
-                graphs: dict[tuple, Any] | None = None) -> Callable[[], None]:
+                graphs: dict[str, Any] | None = None) -> Callable[[], None]:
         """A callable that runs the next `per_sample` kernels, cycling through all copies: short samples
         (many of them, so that some fall between other processes' bursts) that still read cold weights.
 
@@ -104,7 +104,7 @@ def _calls(kernels: list, xs: list[torch.Tensor]) -> list[torch.Tensor]:
     return outs
 
 
-def compiled_calls(kernels: list, x_by_in: dict[int, torch.Tensor], graphs: dict[tuple, Any]) -> Callable[[], object]:
+def compiled_calls(kernels: list, x_by_in: dict[int, torch.Tensor], graphs: dict[str, Any]) -> Callable[[], object]:
     """`kernels`' calls (each on `x_by_in[its in-features]`) as one graph compiled as the CPU decode step is
     (inductor, its C++ wrapper: `fewbits.decode.runner.CPU_OPTIONS`) and called directly with its tensors
     (`runner.graph_call`): no Python between the calls.

@@ -166,7 +166,7 @@ def named_layer_shapes(spec: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ..
 
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None = None, rows: tuple[int, ...] = (1, 8),
                 rounds: int = 30, device: str | torch.device = "cpu", fused: bool = False,
-                graphs: dict[tuple, Any] | None = None) -> dict[str, dict[str, Any]]:
+                graphs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's calls) at 1 and 8 rows,
     with the per-call cost (the same number of calls on a tiny shape) measured separately.
 
@@ -474,7 +474,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     formats = tuple(dict.fromkeys(("bf16", *weight_specs)))
     if on_cpu:  # and the integer formats' kernels that round the activations to int8 (`fewbits bench --activations q8`)
         formats += tuple(f + A8 for f in formats if parse_format(f).kind == "int")
-    graphs: dict[tuple, Any] = {}  # the compiled passes' graphs, for the second sweep
+    graphs: dict[str, Any] = {}  # the compiled passes' graphs, for the second sweep
     sweeps = [gemv_passes(spec, formats, min_bytes, device=device, fused=compiled, graphs=graphs)]
     log(f"  ({time.perf_counter() - t_phase:.0f} s)")
     t_phase = time.perf_counter()

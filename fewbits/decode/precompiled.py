@@ -84,17 +84,18 @@ def calls_key(calls: list, parts: Mapping[str, Any]) -> str:
     from fewbits.decode.pages import tensors_of
 
     classes: set[type] = set()
-    for c in calls:
-        stack = [c]
-        while stack:
-            o = stack.pop()
-            if type(o) in classes or isinstance(o, torch.Tensor):
-                continue
-            classes.add(type(o))
-            if isinstance(o, torch.nn.Module):
-                stack += list(o.modules())[1:]
-            stack += [v for v in getattr(o, "__dict__", {}).values()
-                      if isinstance(v, torch.nn.Module) or type(v).__module__.startswith("fewbits.")]
+    seen: set[int] = set()
+    stack = list(calls)
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, torch.Tensor):
+            continue
+        seen.add(id(o))
+        classes.add(type(o))
+        if isinstance(o, torch.nn.Module):
+            stack += list(o.modules())[1:]
+        stack += [v for v in getattr(o, "__dict__", {}).values()
+                  if isinstance(v, torch.nn.Module) or type(v).__module__.startswith("fewbits.")]
     h, add = _hasher(parts, classes)
     add(sorted(f"{c.__module__}.{c.__qualname__}" for c in classes))
     for t in tensors_of(calls):
