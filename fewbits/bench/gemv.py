@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,27 +131,37 @@ def compiled_calls(kernels: list, x_by_in: dict[int, torch.Tensor], graphs: dict
                                           "inputs": [(tuple(x.shape), str(x.dtype)) for x in xs]})
     path = inductor_cache_dir() / "fewbits-passes" / f"{key}.bin"  # saved whole, as the step is: no tracing
     with torch.no_grad(), compile_scope(), icfg.patch(CPU_OPTIONS["cpp"]):
-        for fresh in (False, True):
-            fn = None if fresh else graphs.get(key)
-            if fn is None and not fresh:
-                with icfg.patch(precompiled.LOAD_OPTIONS):
-                    fn = precompiled.load(path, globals())
-                if fn is not None:
-                    try:
-                        fn(*args)
-                    except RuntimeError:  # its guards refused these calls: compile afresh
-                        fn = None
-            if fn is None:
-                fn = torch.compile(_calls, fullgraph=True, dynamic=False).aot_compile((args, {}))
-                precompiled.save(fn, path)
-                fn(*args)
+        fn = graphs.get(key) or _saved(path, args)
+        direct = None if fn is None else graph_call(fn, args)
+        if direct is None:  # none yet, or one that these calls' tensors do not fit: a graph of their own
+            fn = torch.compile(_calls, fullgraph=True, dynamic=False).aot_compile((args, {}))
+            precompiled.save(fn, path)
+            fn(*args)
             fn.disable_guard_check()
-            graphs[key] = fn
             direct = graph_call(fn, args)
-            if direct is not None:
-                graph, flat = direct
-                return lambda: graph(*flat)
+    if direct is not None:
+        graphs[key] = fn
+        graph, flat = direct
+        return lambda: graph(*flat)
     raise RuntimeError(f"a compiled pass of {len(kernels)} calls ({names[0]}, ...) cannot be called directly")
+
+
+def _saved(path: Path, args: tuple) -> Any:
+    """The compiled pass saved at `path` (`compiled_calls`), once its guards took `args`; else None."""
+    import torch._inductor.config as icfg
+
+    from fewbits.decode import precompiled
+
+    with icfg.patch(precompiled.LOAD_OPTIONS):
+        fn = precompiled.load(path, globals())
+    if fn is None:
+        return None
+    try:
+        fn(*args)
+    except RuntimeError:  # its guards refused these calls: compile afresh
+        return None
+    fn.disable_guard_check()
+    return fn
 
 
 def _weight(shape: tuple[int, int], seed: int) -> torch.Tensor:
