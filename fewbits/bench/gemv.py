@@ -262,6 +262,8 @@ def _independent(m: torch.nn.Module) -> torch.nn.Module:
         return copy.deepcopy(m)
     c = copy.copy(m)  # the stored codes stay shared: only the kernel reads weights in a call
     c.kernel = copy.deepcopy(m.kernel)
+    if m.codes_holder is m.kernel:  # a layer whose kernel holds its codes holds its own: every copy as the first
+        c.codes_holder = c.kernel
     return c
 
 

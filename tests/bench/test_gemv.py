@@ -38,19 +38,20 @@ def test_a_compiled_pass_computes_the_python_calls_outputs(spec, tmp_path, monke
         assert g.shape == w.shape and torch.equal(g, w)
 
 
-def test_the_compiled_sampler_cycles_windows_on_their_own_weights_with_one_graph(tmp_path, monkeypatch):
+@pytest.mark.parametrize("spec", ["bf16", "int4-g32"])
+def test_the_compiled_sampler_cycles_windows_on_their_own_weights_with_one_graph(spec, tmp_path, monkeypatch):
     """Two copies of a layer, one layer's calls a sample: two windows, one graph; each window's outputs are its
     own copy's (the copies' weights differ after one is changed), and a new set of the same calls reuses it."""
     if no_compiler():
         pytest.skip(no_compiler())
     monkeypatch.setenv("FEWBITS_CACHE", str(tmp_path))
-    ws = build_step_set("bf16", LAYER, 1)
-    ws = build_step_set("bf16", LAYER, 2 * ws.nbytes)
+    ws = build_step_set(spec, LAYER, 1)
+    ws = build_step_set(spec, LAYER, 2 * ws.nbytes)
     assert ws.copies == 2
     per = len(ws.shapes)
     with torch.no_grad():
         for t in tensors_of(ws.kernels[per:]):  # the second copy's weights, changed: its window must see them
-            t.mul_(-3.0)
+            t.mul_(-3.0) if t.is_floating_point() else t.bitwise_not_()  # codes: every nibble flipped
     xs = {64: torch.randn(1, 1, 64).bfloat16(), 128: torch.randn(1, 1, 128).bfloat16()}
     graphs: dict = {}
     sample = ws.sampler(xs, per, graphs)
@@ -62,7 +63,7 @@ def test_the_compiled_sampler_cycles_windows_on_their_own_weights_with_one_graph
             assert torch.equal(g, w)
     assert not torch.equal(first[3], second[3])  # o_proj's output: the two copies' weights differ
     sample(), sample()  # the sampler's windows in turn, no error
-    again = build_step_set("bf16", LAYER, 0, seed=5)
+    again = build_step_set(spec, LAYER, 0, seed=5)
     compiled_calls(again.kernels, xs, graphs)
     assert len(graphs) == 1  # the same calls: the same graph, called with the new set's tensors
 
@@ -95,3 +96,18 @@ def test_calls_key_follows_the_calls_structure_not_their_values():
     wider = (("q_proj", (64, 128)),) + LAYER[1:]
     assert calls_key(build_step_set("bf16", LAYER, 0).kernels, {}) != \
         calls_key(build_step_set("bf16", wider, 0).kernels, {})
+
+
+@pytest.mark.parametrize("spec", ["bf16", "int8", "int4-g32", "int4-g64"])
+def test_every_copy_of_a_set_keys_as_the_first(spec):
+    """A set's later copies are built as its first is (a quantised layer's kernel holding its own codes), so that
+    the windows of a cycle over them key alike and share one compiled graph."""
+    from fewbits.decode.precompiled import calls_key
+
+    ws = build_step_set(spec, LAYER, 1)
+    ws = build_step_set(spec, LAYER, 3 * ws.nbytes)
+    per = len(ws.shapes)
+    keys = {calls_key(ws.kernels[i * per:(i + 1) * per], {}) for i in range(ws.copies)}
+    assert ws.copies == 3 and len(keys) == 1
+    pairs = {calls_key(ws.kernels[i * per:(i + 2) * per], {}) for i in range(ws.copies - 1)}
+    assert len(pairs) == 1  # windows of two copies too
