@@ -505,8 +505,13 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         if passes[f]["kernels"] == passes[f.removesuffix(A8)]["kernels"]:
             del passes[f]  # no such kernel on this CPU: the weight-only figures stand
     # in a compiled step a quantised matmul is one call of its operator from the generated code, as the
-    # skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge (nor to measure)
-    skel_lin = None if compiled else skeleton_linear_cost(spec, device=device)
+    # skeleton's 16-bit matmul it replaces is: no Python wrapper per call left to charge (nor to measure).  On an
+    # eager CPU step the skeleton's own 16-bit calls stand for the model's, and a family's extra per call is its
+    # tiny calls' time over the 16-bit tiny calls', side by side in one loop: set against the skeleton's 16-bit
+    # calls timed inside its steps instead (`skeleton_linear_cost`), the tight loop's quantised calls had come out
+    # ~19 us a call cheaper than a 16-bit one and the eager int8 / int4-g64 SmolLM2 steps 8-35% slower than
+    # predicted (a 2-core Emerald Rapids Xeon).  A GPU's eager probe keeps it (not measured again there)
+    skel_lin = None if compiled or on_cpu else skeleton_linear_cost(spec, device=device)
     if skel_lin is not None:
         log(f"  the skeleton's own linears: {skel_lin * 1e3:.2f} ms a step")
     bw_eff, head_eff, comp_eff, call_extra, head_comp = linear_efficiencies(

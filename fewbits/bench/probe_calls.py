@@ -33,11 +33,11 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     measured 2.8). The 16-bit linears ("float") and the LM head every format keeps in 16 bits each stream at their
     own measured rate (here ~6.7 against ~8.4 GB/s: charging a quantised model's head at the rate of the 16-bit
     linears over-counted it ~1.3 ms per step); together they give the 16-bit model's time exactly as one blended
-    efficiency did. The extra cost per call of a quantised family is its tiny calls' time less what the skeleton
-    step (which every prediction starts from) spends in its own 16-bit linears: `skeleton_linears_s` where measured
-    (`skeleton_linear_cost`, ~4 ms a step here, ~20 us a call: a quantised model makes none of those calls), else
-    the 16-bit tiny calls' time (0.8 ms here). `bw_at(bytes)`: the bandwidth at a pass's working set (its
-    `pool_bytes`, see `gemv_passes`), which its efficiency is relative to; else `bw`."""
+    efficiency did. The extra cost per call of a quantised family is its tiny calls' time less the 16-bit tiny
+    calls' (both timed in the same loop; the skeleton step every prediction starts from pays a 16-bit call per
+    linear), or less `skeleton_linears_s` where given (`skeleton_linear_cost`: what the skeleton's steps spend in
+    their own 16-bit linears, ~4 ms a step, ~20 us a call; a GPU's eager probe). `bw_at(bytes)`: the bandwidth at
+    a pass's working set (its `pool_bytes`, see `gemv_passes`), which its efficiency is relative to; else `bw`."""
     from fewbits.bench.gemv import split_a8
     from fewbits.bench.probe import head_shape, layer_shapes
     from fewbits.bench.stepfit import _clamp
