@@ -1,6 +1,7 @@
 """The probe's figures for linear layers: efficiencies and per-call costs from the GEMV passes
 (`linear_efficiencies`), and the time the skeleton step spends in its own 16-bit linears: per call at batch 1
-(`skeleton_linear_cost`), which the per-call cost of a quantised family is measured against, and their work
+(`skeleton_linear_cost`, which a GPU's eager probe measures a quantised family's per-call cost against; a CPU's
+sets it against the 16-bit tiny calls timed beside it), and their work
 beyond a call's cost at each batch (`skeleton_rows_cost`), which is taken off the skeleton's steps
 (`take_off_rows`); and what the step's own work between its matmuls (norms, residuals, the MLP's gate) costs at
 the model's widths beyond the 16-wide skeleton's (`width_cost`)."""
