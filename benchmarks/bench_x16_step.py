@@ -1,11 +1,12 @@
-"""The compiled batch-1 decode step with `q4_mm`'s one-row int16 activations (AVX2, `cpu_int4.int16_blocks`) beside
-the same step on its fp32 path (``Q4Kernel.path = 4``): both compiled in one process (each its own cache folder),
-rounds alternating; each round's median step of `--steps`, the median over rounds.
+"""The compiled batch-1 decode step with `q4_mm`'s one-row int16 activations (`cpu_int4.int16_blocks`: vpmaddwd on
+AVX2, vpdpwssd with AVX512-VNNI) beside the same step with x as it is (``Q4Kernel.path = 4``: AVX2's fp32 path,
+AVX-512's vdpbf16ps): both compiled in one process (each its own cache folder), rounds alternating; each round's
+median step of `--steps`, the median over rounds.
 
     PYTHONPATH=. python benchmarks/bench_x16_step.py [--model smollm2-135m] [--weights int4-g64] [--lm-head same]
         [--rounds 8] [--steps 64] [--threads 2]
 
-On a CPU with AVX-512 both arms run the same AVX-512 path (the int16 path is AVX2's).
+On an AVX-512 CPU without VNNI both arms run vdpbf16ps.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     head = {"same": args.weights, "none": None}.get(args.lm_head, args.lm_head)
     decs = {}
-    for arm, path in (("int16 x", 0), ("fp32 x", 4)):
+    for arm, path in (("int16 x", 0), ("exact x", 4)):
         Q4Kernel.path = path  # read by each kernel at its call: the compiled graph keeps the value it traced
         try:
             model, kernels = load_quantized(args.model, args.weights, lm_head=head)
@@ -61,7 +62,7 @@ def main() -> None:
           f"{args.rounds} rounds")
     for arm, m in med.items():
         print(f"  {arm:>8}: median step {m * 1e3:6.2f} ms (fastest round {min(times[arm]) * 1e3:6.2f}), "
-              f"{med['fp32 x'] / m:.3f}x the fp32 path")
+              f"{med['exact x'] / m:.3f}x the exact-x path")
 
 
 if __name__ == "__main__":

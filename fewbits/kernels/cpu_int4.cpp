@@ -18,6 +18,11 @@
 #else
 #define FB_AVX2 0
 #endif
+#if FB_FAST && defined(__AVX512VNNI__)
+#define FB_X16_512 1  // one row of x in int16 through vpdpwssd
+#else
+#define FB_X16_512 0
+#endif
 #if FB_FAST && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FB_AMX 1
 #include <ATen/cpu/Utils.h>
@@ -590,15 +595,16 @@ void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt
 }
 #endif
 
-#if FB_AVX2
-// ---------------------------------------------------------------- AVX2, x in int16 (path 0 where group % 32 == 0)
+#if FB_AVX2 || FB_X16_512
+// ---------------------------------------------------------------- x in int16 (path 0 at one row, group % 32 == 0)
 // x per row and block of 32 columns as int16 times a power of two (fb_x16_block, fewbits.kernels.act8: exact for
 // every bf16 element within 2^-7 of the block's largest, the rest rounded to a step of 2^-14 of it).  The codes
 // then meet x through vpmaddwd: a lane's two 16-bit words hold columns 2 j and 2 j + 1
 // of its row in nibble j, so (lane >> 4 j) & 0x000F000F are the int16 pair that multiplies the broadcast pair
 // (q_2j, q_2j+1), summed exactly in int32 (a block: <= 32 * 15 * 2^15); one convert and FMA by d per block.
-// Per 128 weights of a row: 36 instructions against the fp32 path's 58 (AND, convert, FMA per 8).  One row only
-// (X16_MAX_ROWS).
+// On AVX2 (vpmaddwd), per 128 weights of a row: 36 instructions against the fp32 path's 58 (AND, convert, FMA
+// per 8).  With AVX512-VNNI (vpdpwssd) the same pairs meet x 16 output rows at a time (block_x16_512).  One row
+// only (X16_MAX_ROWS).
 @X16_BLOCK@
 struct X16 {
   const int16_t* q;    // (M, K)
@@ -626,6 +632,7 @@ bool quantize_x16(const uint16_t* x, int64_t M, int64_t K, int64_t group, int16_
   return true;
 }
 
+#if FB_AVX2
 // one row m of x (int16, X16) times block b's 16 output rows; both chunk halves share x's broadcasts
 void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
   const __m256i low4 = _mm256_set1_epi32(0x000F000F);
@@ -673,6 +680,58 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
 }
 #endif
 
+#if FB_X16_512
+// one row m of x (int16, X16) times block b's 16 output rows, one chunk a register.  Nibble j of a lane's two
+// words is masked in place (lane & (0x000F000F << 4 j): the codes times 16^j; nibble 3, which would reach the
+// words' sign bits, shifted down by 12 instead) and meets the broadcast pair (q_2j, q_2j+1) through vpdpwssd, in
+// eight int32 chains (nibble j of even and odd chunks: four would leave vpdpwssd's latency exposed).  Per block
+// of 32 columns a chain pair holds 4 products of pairs, <= 4 * 2 * (15 * 16^2) * 2^15 < 2^30 for nibble 2: exact;
+// nibble j's sum is then shifted right by 4 j (exact: a multiple of 16^j), the four added, converted and scaled
+// by the block's d.  Against block_fast (vdpbf16ps, which issues at about half vpdpwssd's rate on the AVX-512
+// Xeon measured, and a table lookup per 32 codes): 1.2-1.7x at one row with the weights in cache, 1.29x the
+// compiled SmolLM2 int4-g64 step (benchmarks/bench_x16_step.py); with the weights streamed from memory the same.
+void block_x16_512(const Args& a, const X16& q, int64_t b, int64_t m) {
+  const __m512i low4 = _mm512_set1_epi32(0x000F000F);
+  const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
+  const int64_t nb = a.K / 32, bpg = a.group / 32;
+  const float off = float(1 << (a.bits - 1));
+  const int16_t* xr = q.q + m * a.K;
+  __m512 y = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512 f = _mm512_setzero_ps();
+    for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
+      __m512i acc[8];
+      for (int n = 0; n < 8; ++n) acc[n] = _mm512_setzero_si512();
+      const uint16_t* cx = cb + xb * 4 * 32;
+      for (int p = 0; p < 4; ++p)
+        _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + p) * 32), _MM_HINT_T0);
+#pragma GCC unroll 4
+      for (int cc = 0; cc < 4; ++cc) {
+        const __m512i wd = _mm512_loadu_si512(cx + cc * 32);
+        const int16_t* xp = xr + xb * 32 + cc * KC;
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m512i w = j == 3 ? _mm512_srli_epi16(wd, 12) : _mm512_and_si512(wd, _mm512_slli_epi32(low4, 4 * j));
+          int32_t pair;
+          std::memcpy(&pair, xp + 2 * j, 4);
+          acc[4 * (cc & 1) + j] = _mm512_dpwssd_epi32(acc[4 * (cc & 1) + j], w, _mm512_set1_epi32(pair));
+        }
+      }
+      const __m512i s4 = _mm512_add_epi32(
+          _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[4]), _mm512_srai_epi32(_mm512_add_epi32(acc[1], acc[5]), 4)),
+          _mm512_add_epi32(_mm512_srai_epi32(_mm512_add_epi32(acc[2], acc[6]), 8), _mm512_add_epi32(acc[3], acc[7])));
+      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s4), _mm512_set1_ps(q.d[m * nb + xb]), f);
+    }
+    const int64_t ti = (b * a.G + g) * R;  // s * (sum c x - (2^(bits-1) + zero) * sum x)
+    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
+    const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.gsum[m * a.G + g]), f);
+    y = _mm512_fmadd_ps(sum, load16(a.scales, a.half, ti), y);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y));
+}
+#endif
+#endif
+
 Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros, int64_t group,
                int64_t bits) {
   TORCH_CHECK(codes.dim() == 3 && codes.size(2) == 32 && codes.scalar_type() == at::kShort && codes.is_contiguous(),
@@ -699,20 +758,21 @@ Args make_args(const at::Tensor& codes, const at::Tensor& scales, const at::Tens
 }  // namespace
 
 // 0: portable loops only, 1: the AVX512-BF16 path, 2: and the AMX one (usable in this process); +4: the
-// int8-activation path is built (AVX512-VNNI, or AVX2's vpmaddubsw); 8: the AVX2 + FMA path (no AVX-512)
+// int8-activation path is built (AVX512-VNNI, or AVX2's vpmaddubsw); 8: the AVX2 + FMA path (no AVX-512); +16:
+// one row of x in int16 through vpdpwssd (AVX512-VNNI)
 int64_t q4_isa() {
-  int64_t isa = FB_FAST + 8 * FB_AVX2;
+  int64_t isa = FB_FAST;
 #if FB_AMX
   if (amx_ready()) isa = 2;
 #endif
-  return isa + 4 * FB_A8;
+  return isa + 4 * FB_A8 + 8 * FB_AVX2 + 16 * FB_X16_512;
 }
 
 // (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
-// AMX_MIN_ROWS rows on where the group is a multiple of 32; on AVX2, one row of x in int16, X16, where the group is
-// a multiple of 32), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8 (blocks of 32 columns) through vpdpbusd
-// (AVX2: vpmaddubsw) at every row count where the group is a multiple of 32 (else path 0), 4 as 0 but on AVX2
-// always the fp32 path (x exact).
+// AMX_MIN_ROWS rows on where the group is a multiple of 32; one row of x in int16, X16, where the group is a
+// multiple of 32, on AVX2 and with AVX512-VNNI), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8 (blocks of 32
+// columns) through vpdpbusd (AVX2: vpmaddubsw) at every row count where the group is a multiple of 32 (else path
+// 0), 4 as 0 but x exact at one row too (AVX2: the fp32 path; AVX-512: vdpbf16ps).
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
   const int64_t portable = path == 1;
@@ -728,9 +788,10 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   bool avx2 = FB_AVX2 && !portable && !a8;
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-#if FB_AVX2
-  // path 0: x in int16 (X16) up to X16_MAX_ROWS rows where the group is a multiple of 32; path 4: the fp32 path
-  bool x16 = avx2 && path == 0 && M <= X16_MAX_ROWS && a.group % 32 == 0;
+#if FB_AVX2 || FB_X16_512
+  // path 0: x in int16 (X16) up to X16_MAX_ROWS rows where the group is a multiple of 32; path 4: x exact (on AVX2
+  // the fp32 path, with AVX-512 vdpbf16ps)
+  bool x16 = (avx2 || (fast && FB_X16_512)) && path == 0 && M <= X16_MAX_ROWS && a.group % 32 == 0;
   std::vector<int16_t> x16q;
   std::vector<float> x16d, x16s;
   if (x16) {
@@ -783,10 +844,16 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
 #if FB_FAST
     const __m512i tab = code_table(a.bits);
 #endif
-#if FB_AVX2
+#if FB_AVX2 || FB_X16_512
     if (x16) {
       for (int64_t b = lo; b < hi; ++b)
-        for (int64_t m = 0; m < M; ++m) block_x16(a, xq16, b, m);
+        for (int64_t m = 0; m < M; ++m) {
+#if FB_X16_512
+          block_x16_512(a, xq16, b, m);
+#else
+          block_x16(a, xq16, b, m);
+#endif
+        }
       return;
     }
 #endif

@@ -19,9 +19,9 @@ else fp32).  Blocks concatenate along the rows: fused projections are the parts'
 Numerics.  With w = s (c - o) (the numeric core's codes: o = 2^(b-1) for symmetric codes, else the zero
 point), a group's contribution to y_n is  s * (sum_k (c_k - 2^(b-1)) x_k - (o - 2^(b-1)) * sum_k x_k):  the
 centred codes are exact in bf16, the products and sums are fp32, and the zero term uses the per-call group
-sums of x (only asymmetric formats).  Activations stay bf16 (no activation quantisation; the AVX2 path's one
-row holds them in int16, exact to 2^-7 of each 32 columns' largest, see below) and the output is bf16, the class
-of numerics of torch's operator.
+sums of x (only asymmetric formats).  Activations stay bf16 (no activation quantisation; one row of x, on AVX2
+and with AVX512-VNNI, is held in int16, exact to 2^-7 of each 32 columns' largest, see below) and the output is
+bf16, the class of numerics of torch's operator.
 
 Fast path (``__AVX512BF16__``): one 512-bit load is a chunk; the word shifted right by 4 j and looked up in a
 32-entry table (``vpermw``; the table repeats its 16 entries so the fifth index bit is ignored) gives 16 rows'
@@ -31,7 +31,15 @@ x reuse each decoded register; more rows are cut into tiles of 8 over the same b
 groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
 AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once:
 128 columns are decoded ahead (the codes prefetched) while the tiles multiply the 128 before into four C tiles,
-and each group's sums are scaled as above where a chunk ends it.
+and each group's sums are scaled as above where a chunk ends it.  One row of x with AVX512-VNNI (a batch-1
+decode step; groups of multiples of 32 columns) takes x as int16 blocks, as the AVX2 path below does: nibble j
+of each word masked in place (the codes times 16^j) meets x's int16 pairs through ``vpdpwssd`` in eight exact
+int32 chains, each chain's block sum shifted back by 4 j, converted and scaled once per block of 32 columns.  On
+a 2-core Emerald Rapids Xeon ``vdpbf16ps`` issued at about half ``vpdpwssd``'s rate, and the table lookups
+competed with it: the int16 path ran 1.2-1.7x the ``vdpbf16ps`` path with the weights in cache (SmolLM2 and
+Gemma-3 shapes, `bench_cpu_int4.py --rows 1 --kernels q4 --min-mb 2 --sample-mb 1 --baseline`), the same from
+memory (both wait on it), and the compiled SmolLM2 int4-g64 step 1.29x (`benchmarks/bench_x16_step.py`, 10
+rounds).
 
 AVX2 path (``__AVX2__`` + FMA + F16C, no AVX-512): two 256-bit loads are a chunk (8 output rows each); a
 32-bit lane holds one row's 8 codes, nibble t in bits 4t..4t+3.  Masking nibble t in place and converting
@@ -171,8 +179,8 @@ class Q4Kernel:
     """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations: `fewbits_q4::q4_mm`."""
 
     name = "cpu_q4"
-    # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX, 4 as 0 but on AVX2 the
-    # fp32 path at one row too (x exact; tests, benchmarks)
+    # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX, 4 as 0 but x exact at
+    # one row too (AVX2: the fp32 path, AVX-512: vdpbf16ps; tests, benchmarks)
     path = 0
 
     @staticmethod

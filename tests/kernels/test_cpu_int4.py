@@ -4,9 +4,10 @@ The operator multiplies the exact centred codes by bf16 activations in fp32 and 
 so against an fp32 product of the same dequantised weight each output is within a bf16 rounding (2^-8
 relative) plus fp32 accumulation-order error (bounded here by 1e-4 x sum_k |x_k w_k|): a wrong code, scale,
 zero point or layout is off by orders of magnitude more.  Every path is checked: the fastest built (AMX from 2
-rows, where the CPU has it), vdpbf16ps alone, the AVX2 path (its uncentred codes: the centring term is
-subtracted per group; one row of x in int16, `cpu_int4.int16_blocks`, whose rounding of the elements below 2^-7 of
-their block's largest stays far inside that bound; and its fp32 path at one row too) and the portable loops.
+rows, where the CPU has it; at one row with AVX512-VNNI x in int16, below), vdpbf16ps alone, the AVX2 path (its
+uncentred codes: the centring term is subtracted per group; one row of x in int16, `cpu_int4.int16_blocks`, whose
+rounding of the elements below 2^-7 of their block's largest stays far inside that bound; and its fp32 path at one
+row too) and the portable loops.
 """
 
 from __future__ import annotations
@@ -171,13 +172,20 @@ def test_compiled_graph_keeps_one_operator_node() -> None:
     assert sum("fewbits_q4.q4_mm" in t for t in targets) == 1, targets
 
 
+@pytest.mark.parametrize("build", ["avx2", "avx512"])
 @pytest.mark.parametrize("spec", ["int4-g32", "int4-g64-asym", "int4", "int3-g64", "int2-g32", "int4-g128-asym-zfp16"])
-def test_one_row_on_avx2_is_the_int16_blocks_times_the_weight(spec: str) -> None:
-    """The AVX2 path at one row of x (group a multiple of 32) multiplies `int16_blocks`' values, not x: to fp32
-    summation (1e-6 x sum |x w|) and one bf16 rounding, against an x whose blocks span 2^12 in magnitude (the
-    small elements rounded, so one activation's code off by a step, or a pair's columns swapped, exceeds it)."""
+def test_one_row_in_int16_is_the_int16_blocks_times_the_weight(spec: str, build: str) -> None:
+    """One row of x (group a multiple of 32) on the AVX2 path (vpmaddwd) and with AVX512-VNNI (vpdpwssd)
+    multiplies `int16_blocks`' values, not x: to fp32 summation (1e-6 x sum |x w|) and one bf16 rounding, against
+    an x whose blocks span 2^12 in magnitude (the small elements rounded, so one activation's code off by a step,
+    or a pair's columns swapped, exceeds it)."""
     qt, g = _case(spec, 64, 256, seed=len(spec))
-    kern = _kernel(qt, "avx2")
+    if build == "avx512":
+        if not int(torch.ops.fewbits_q4.q4_isa()) & 16:
+            pytest.skip("the main build has no AVX512-VNNI one-row path here")
+        kern = _kernel(qt, "fastest")
+    else:
+        kern = _kernel(qt, "avx2")
     w = qt.dequantize(torch.float32).double()
     x = (torch.randn(1, 256, generator=g) * torch.logspace(-3, 1, 256)[torch.randperm(256, generator=g)])
     x = x.to(torch.bfloat16)
@@ -192,9 +200,10 @@ def test_one_row_on_avx2_is_the_int16_blocks_times_the_weight(spec: str) -> None
 
 def test_a_non_finite_activation_reaches_every_output() -> None:
     """A row of x holding a NaN or an Inf gives no finite output on any path (NaN, or +-Inf where the code is
-    off centre), as a plain product does: the AVX2 one-row path hands such a row to its fp32 path."""
+    off centre), as a plain product does: the one-row int16 paths hand such a row to the path that takes x as it
+    is (AVX2: fp32; AVX-512: vdpbf16ps)."""
     qt, g = _case("int4-g32", 48, 256)
-    for path in ("fastest", "portable", "avx2"):
+    for path in ("fastest", "portable", "dpbf16", "avx2"):
         kern = _kernel(qt, path)
         for bad in (float("nan"), float("inf")):
             x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
