@@ -38,13 +38,21 @@ constexpr int64_t PREFETCH_CHUNKS = 32;
 // and the AMX path, also 8 kB ahead into L2: the compiled SmolLM2 int4-g64 step at batch 8 (128 tokens) ran 1.03-1.05x
 // faster with it (64 to 512 chunks alike, alternating in one process); the one-row path gained nothing from it
 constexpr int64_t AMX_L2_PREFETCH_CHUNKS = 128;
-// rows of x from which the AMX path runs (one row: vdpbf16ps, which decodes less per call).  At 2 rows the AMX path
-// (block_amx, decoding ahead) ran 1.0-1.16x vdpbf16ps on SmolLM2's layers and 1.08-1.4x on Gemma-3's, from memory
-// on a 2-core AMX Xeon (bench_cpu_int4.py --rows 2 --spec int4-g64,int4-g32 --baseline, 3 rows ~1.0x as a control)
-constexpr int64_t AMX_MIN_ROWS = 2;
+// rows of x from which the AMX path runs (fewer: x in int16 with AVX512-VNNI, else vdpbf16ps).  At 2 rows the AMX
+// path (block_amx, decoding ahead) ran 1.0-1.16x vdpbf16ps on SmolLM2's layers and 1.08-1.4x on Gemma-3's, from
+// memory on a 2-core AMX Xeon (bench_cpu_int4.py --rows 2 --spec int4-g64,int4-g32 --baseline, 3 rows ~1.0x as a
+// control).  Against block_x16_512 on an Emerald Rapids Xeon (bench_cpu_int4.py --spec int4-g64[,int4-g32]
+// --baseline): at 2 rows the int16 path ran 1.16-1.55x AMX with the weights in cache (--min-mb 2 --sample-mb 1),
+// 0.93-1.26x from memory (--min-mb 128); at 3 rows 1.07-1.43x and 0.90-1.10x; at 4 rows 0.89-1.07x and 0.85-0.96x;
+// at 8 rows 0.59-0.67x in cache
+constexpr int64_t AMX_MIN_ROWS = 3;
 // rows of x up to which the AVX2 path takes x in int16 (X16); from 2 rows the fp32 path's AND and convert per 8
 // weights are shared by the rows and X16 gained nothing (2-3 rows 0.99-1.00x, 4 rows 0.88-0.92x; one row 1.11-1.26x)
 constexpr int64_t X16_MAX_ROWS = 1;
+// and with AVX512-VNNI where AMX does not run (block_x16_512): on the Emerald Rapids Xeon against vdpbf16ps
+// (block_fast, path 2), weights in cache, SmolLM2's q/k/v, gate/up and down: 1.46-1.98x at 2 rows, 1.60-1.92x at
+// 3, 1.52-1.89x at 4, 1.59-2.27x at 8; more rows: vdpbf16ps in tiles of 8
+constexpr int64_t X16_512_MAX_ROWS = 8;
 
 struct Args {
   const uint16_t* codes;  // (NB, K/8, 32)
@@ -690,44 +698,68 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
 // by the block's d.  Against block_fast (vdpbf16ps, which issues at about half vpdpwssd's rate on the AVX-512
 // Xeon measured, and a table lookup per 32 codes): 1.2-1.7x at one row with the weights in cache, 1.29x the
 // compiled SmolLM2 int4-g64 step (benchmarks/bench_x16_step.py); with the weights streamed from memory the same.
-void block_x16_512(const Args& a, const X16& q, int64_t b, int64_t m) {
+template <int T>
+void block_x16_512(const Args& a, const X16& q, int64_t b, int64_t m0) {
+  constexpr int NA = T == 1 ? 8 : 4;  // chains per row: at one row nibble j of even and odd chunks apart
   const __m512i low4 = _mm512_set1_epi32(0x000F000F);
   const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
   const int64_t nb = a.K / 32, bpg = a.group / 32;
   const float off = float(1 << (a.bits - 1));
-  const int16_t* xr = q.q + m * a.K;
-  __m512 y = _mm512_setzero_ps();
+  const int16_t* xr[T];
+  for (int t = 0; t < T; ++t) xr[t] = q.q + (m0 + t) * a.K;
+  __m512 y[T];
+  for (int t = 0; t < T; ++t) y[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512 f = _mm512_setzero_ps();
+    __m512 f[T];
+    for (int t = 0; t < T; ++t) f[t] = _mm512_setzero_ps();
     for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
-      __m512i acc[8];
-      for (int n = 0; n < 8; ++n) acc[n] = _mm512_setzero_si512();
+      __m512i acc[T][NA];
+      for (int t = 0; t < T; ++t)
+        for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_si512();
       const uint16_t* cx = cb + xb * 4 * 32;
       for (int p = 0; p < 4; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + p) * 32), _MM_HINT_T0);
 #pragma GCC unroll 4
       for (int cc = 0; cc < 4; ++cc) {
         const __m512i wd = _mm512_loadu_si512(cx + cc * 32);
-        const int16_t* xp = xr + xb * 32 + cc * KC;
+        const int64_t col = xb * 32 + cc * KC;
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           const __m512i w = j == 3 ? _mm512_srli_epi16(wd, 12) : _mm512_and_si512(wd, _mm512_slli_epi32(low4, 4 * j));
-          int32_t pair;
-          std::memcpy(&pair, xp + 2 * j, 4);
-          acc[4 * (cc & 1) + j] = _mm512_dpwssd_epi32(acc[4 * (cc & 1) + j], w, _mm512_set1_epi32(pair));
+          const int n = NA == 8 ? 4 * (cc & 1) + j : j;
+#pragma GCC unroll 8
+          for (int t = 0; t < T; ++t) {
+            int32_t pair;
+            std::memcpy(&pair, xr[t] + col + 2 * j, 4);
+            acc[t][n] = _mm512_dpwssd_epi32(acc[t][n], w, _mm512_set1_epi32(pair));
+          }
         }
       }
-      const __m512i s4 = _mm512_add_epi32(
-          _mm512_add_epi32(_mm512_add_epi32(acc[0], acc[4]), _mm512_srai_epi32(_mm512_add_epi32(acc[1], acc[5]), 4)),
-          _mm512_add_epi32(_mm512_srai_epi32(_mm512_add_epi32(acc[2], acc[6]), 8), _mm512_add_epi32(acc[3], acc[7])));
-      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s4), _mm512_set1_ps(q.d[m * nb + xb]), f);
+      for (int t = 0; t < T; ++t) {
+        __m512i s[4];
+        for (int j = 0; j < 4; ++j) s[j] = NA == 8 ? _mm512_add_epi32(acc[t][j], acc[t][NA - 4 + j]) : acc[t][j];
+        const __m512i s4 = _mm512_add_epi32(_mm512_add_epi32(s[0], _mm512_srai_epi32(s[1], 4)),
+                                            _mm512_add_epi32(_mm512_srai_epi32(s[2], 8), s[3]));
+        f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s4), _mm512_set1_ps(q.d[(m0 + t) * nb + xb]), f[t]);
+      }
     }
     const int64_t ti = (b * a.G + g) * R;  // s * (sum c x - (2^(bits-1) + zero) * sum x)
     const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
-    const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.gsum[m * a.G + g]), f);
-    y = _mm512_fmadd_ps(sum, load16(a.scales, a.half, ti), y);
+    const __m512 sc = load16(a.scales, a.half, ti);
+    for (int t = 0; t < T; ++t)
+      y[t] = _mm512_fmadd_ps(_mm512_fnmadd_ps(o, _mm512_set1_ps(q.gsum[(m0 + t) * a.G + g]), f[t]), sc, y[t]);
   }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + m * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y));
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
+void block_x16_512_rows(const Args& a, const X16& q, int64_t b, int64_t m0, int64_t mt) {
+  switch (mt) {
+    case 1: block_x16_512<1>(a, q, b, m0); break;
+    case 2: block_x16_512<2>(a, q, b, m0); break;
+    case 3: block_x16_512<3>(a, q, b, m0); break;
+    default: block_x16_512<4>(a, q, b, m0); break;
+  }
 }
 #endif
 #endif
@@ -788,10 +820,17 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   bool avx2 = FB_AVX2 && !portable && !a8;
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+#if FB_AMX
+  const bool amx_here = fast && path == 0 && a.group % 32 == 0 && amx_ready();
+#else
+  const bool amx_here = false;
+#endif
 #if FB_AVX2 || FB_X16_512
-  // path 0: x in int16 (X16) up to X16_MAX_ROWS rows where the group is a multiple of 32; path 4: x exact (on AVX2
-  // the fp32 path, with AVX-512 vdpbf16ps)
-  bool x16 = (avx2 || (fast && FB_X16_512)) && path == 0 && M <= X16_MAX_ROWS && a.group % 32 == 0;
+  // path 0: x in int16 (X16) where the group is a multiple of 32, up to X16_MAX_ROWS rows on AVX2, with AVX512-VNNI
+  // below AMX_MIN_ROWS where AMX runs, else up to X16_512_MAX_ROWS; path 4: x exact (on AVX2 the fp32 path, with
+  // AVX-512 vdpbf16ps)
+  const int64_t x16_rows = avx2 ? X16_MAX_ROWS : (amx_here ? AMX_MIN_ROWS - 1 : X16_512_MAX_ROWS);
+  bool x16 = (avx2 || (fast && FB_X16_512)) && path == 0 && M <= x16_rows && a.group % 32 == 0;
   std::vector<int16_t> x16q;
   std::vector<float> x16d, x16s;
   if (x16) {
@@ -815,11 +854,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
       }
     a.xsum = xs.data();
   }
-#if FB_AMX
-  const bool amx = fast && path == 0 && M >= AMX_MIN_ROWS && a.group % 32 == 0 && amx_ready();
-#else
-  const bool amx = false;
-#endif
+  const bool amx = amx_here && M >= AMX_MIN_ROWS && !x16;
 #if FB_A8
   std::vector<int8_t> xq;
   std::vector<float> xsb, qsum;
@@ -847,13 +882,11 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
 #if FB_AVX2 || FB_X16_512
     if (x16) {
       for (int64_t b = lo; b < hi; ++b)
-        for (int64_t m = 0; m < M; ++m) {
 #if FB_X16_512
-          block_x16_512(a, xq16, b, m);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) block_x16_512_rows(a, xq16, b, m0, std::min<int64_t>(4, M - m0));
 #else
-          block_x16(a, xq16, b, m);
+        for (int64_t m = 0; m < M; ++m) block_x16(a, xq16, b, m);
 #endif
-        }
       return;
     }
 #endif

@@ -27,19 +27,20 @@ Fast path (``__AVX512BF16__``): one 512-bit load is a chunk; the word shifted ri
 32-entry table (``vpermw``; the table repeats its 16 entries so the fifth index bit is ignored) gives 16 rows'
 bf16 pairs (w_{i,k}, w_{i,k+1}) for ``vdpbf16ps`` against the broadcast pair (x_k, x_{k+1}).  Up to 8 rows of
 x reuse each decoded register; more rows are cut into tiles of 8 over the same block (still in L1).  With AMX
-(``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (2) rows on and for
+(``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (3) rows on and for
 groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
 AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once:
 128 columns are decoded ahead (the codes prefetched) while the tiles multiply the 128 before into four C tiles,
-and each group's sums are scaled as above where a chunk ends it.  One row of x with AVX512-VNNI (a batch-1
-decode step; groups of multiples of 32 columns) takes x as int16 blocks, as the AVX2 path below does: nibble j
-of each word masked in place (the codes times 16^j) meets x's int16 pairs through ``vpdpwssd`` in eight exact
-int32 chains, each chain's block sum shifted back by 4 j, converted and scaled once per block of 32 columns.  On
-a 2-core Emerald Rapids Xeon ``vdpbf16ps`` issued at about half ``vpdpwssd``'s rate, and the table lookups
-competed with it: the int16 path ran 1.2-1.7x the ``vdpbf16ps`` path with the weights in cache (SmolLM2 and
-Gemma-3 shapes, `bench_cpu_int4.py --rows 1 --kernels q4 --min-mb 2 --sample-mb 1 --baseline`), the same from
-memory (both wait on it), and the compiled SmolLM2 int4-g64 step 1.29x (`benchmarks/bench_x16_step.py`, 10
-rounds).
+and each group's sums are scaled as above where a chunk ends it.  With AVX512-VNNI, below `AMX_MIN_ROWS` rows
+where AMX runs and up to 8 rows where it does not (a decode step's few rows; groups of multiples of 32 columns),
+x goes as int16 blocks, as the AVX2 path's one row below: nibble j of each word masked in place (the codes times
+16^j) meets x's int16 pairs through ``vpdpwssd`` in exact int32 chains, each chain's block sum shifted back by
+4 j, converted and scaled once per block of 32 columns per row.  On a 2-core Emerald Rapids Xeon ``vdpbf16ps``
+issued at about half ``vpdpwssd``'s rate, and the table lookups competed with it: at one row the int16 path ran
+1.2-1.7x the ``vdpbf16ps`` path with the weights in cache (SmolLM2 and Gemma-3 shapes, `bench_cpu_int4.py
+--rows 1 --kernels q4 --min-mb 2 --sample-mb 1 --baseline`), the same from memory (both wait on it), and the
+compiled SmolLM2 int4-g64 step 1.29x (`benchmarks/bench_x16_step.py`, 10 rounds); at 2-8 rows 1.5-2.3x
+``vdpbf16ps`` in cache, and against AMX see `AMX_MIN_ROWS` in the source.
 
 AVX2 path (``__AVX2__`` + FMA + F16C, no AVX-512): two 256-bit loads are a chunk (8 output rows each); a
 32-bit lane holds one row's 8 codes, nibble t in bits 4t..4t+3.  Masking nibble t in place and converting

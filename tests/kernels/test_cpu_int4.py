@@ -3,8 +3,9 @@
 The operator multiplies the exact centred codes by bf16 activations in fp32 and rounds the output once to bf16,
 so against an fp32 product of the same dequantised weight each output is within a bf16 rounding (2^-8
 relative) plus fp32 accumulation-order error (bounded here by 1e-4 x sum_k |x_k w_k|): a wrong code, scale,
-zero point or layout is off by orders of magnitude more.  Every path is checked: the fastest built (AMX from 2
-rows, where the CPU has it; at one row with AVX512-VNNI x in int16, below), vdpbf16ps alone, the AVX2 path (its
+zero point or layout is off by orders of magnitude more.  Every path is checked: the fastest built (AMX from 3
+rows, where the CPU has it; at fewer rows, or up to 8 without AMX, with AVX512-VNNI x in int16, below), vdpbf16ps
+alone, the AVX2 path (its
 uncentred codes: the centring term is subtracted per group; one row of x in int16, `cpu_int4.int16_blocks`, whose
 rounding of the elements below 2^-7 of their block's largest stays far inside that bound; and its fp32 path at one
 row too) and the portable loops.
