@@ -801,10 +801,11 @@ int64_t q4_isa() {
 }
 
 // (M, K) bf16 x packed (NB*16, K) weight -> (M, NB*16) bf16.  path: 0 the fastest built (AMX from
-// AMX_MIN_ROWS rows on where the group is a multiple of 32; one row of x in int16, X16, where the group is a
-// multiple of 32, on AVX2 and with AVX512-VNNI), 1 the plain loops, 2 vdpbf16ps only, 3 x in int8 (blocks of 32
-// columns) through vpdpbusd (AVX2: vpmaddubsw) at every row count where the group is a multiple of 32 (else path
-// 0), 4 as 0 but x exact at one row too (AVX2: the fp32 path; AVX-512: vdpbf16ps).
+// AMX_MIN_ROWS rows on where the group is a multiple of 32; fewer rows of x in int16, X16, where the group is a
+// multiple of 32: one on AVX2, with AVX512-VNNI up to AMX_MIN_ROWS - 1 or, without AMX, X16_512_MAX_ROWS), 1 the
+// plain loops, 2 vdpbf16ps only, 3 x in int8 (blocks of 32 columns) through vpdpbusd (AVX2: vpmaddubsw) at every
+// row count where the group is a multiple of 32 (else path 0), 4 as 0 but x exact at few rows too (AVX2: the fp32
+// path; AVX-512: vdpbf16ps), 5 as 0 without AMX (what a CPU without it runs; tests).
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
   const int64_t portable = path == 1;
@@ -821,7 +822,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   a.x = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   a.y = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
 #if FB_AMX
-  const bool amx_here = fast && path == 0 && a.group % 32 == 0 && amx_ready();
+  const bool amx_here = fast && path == 0 && a.group % 32 == 0 && amx_ready();  // path 5: as 0 without AMX
 #else
   const bool amx_here = false;
 #endif
@@ -830,7 +831,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   // below AMX_MIN_ROWS where AMX runs, else up to X16_512_MAX_ROWS; path 4: x exact (on AVX2 the fp32 path, with
   // AVX-512 vdpbf16ps)
   const int64_t x16_rows = avx2 ? X16_MAX_ROWS : (amx_here ? AMX_MIN_ROWS - 1 : X16_512_MAX_ROWS);
-  bool x16 = (avx2 || (fast && FB_X16_512)) && path == 0 && M <= x16_rows && a.group % 32 == 0;
+  bool x16 = (avx2 || (fast && FB_X16_512)) && (path == 0 || path == 5) && M <= x16_rows && a.group % 32 == 0;
   std::vector<int16_t> x16q;
   std::vector<float> x16d, x16s;
   if (x16) {

@@ -181,7 +181,7 @@ class Q4Kernel:
 
     name = "cpu_q4"
     # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX, 4 as 0 but x exact at
-    # one row too (AVX2: the fp32 path, AVX-512: vdpbf16ps; tests, benchmarks)
+    # few rows too (AVX2: the fp32 path, AVX-512: vdpbf16ps; tests, benchmarks), 5 as 0 without AMX (tests)
     path = 0
 
     @staticmethod

@@ -29,7 +29,7 @@ SPECS = ["int4-g32", "int4-g64", "int4-g128", "int4", "int4-t", "int4-g32-asym",
          "int3-g32-asym", "int2-g32", "int2-g64-asym", "int4-g128-asym-zfp16", "int3-asym-zbf16", "int4-g64-narrow",
          "int4-g96"]
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 128]
-PATHS = {"fastest": 0, "portable": 1, "dpbf16": 2}
+PATHS = {"fastest": 0, "portable": 1, "dpbf16": 2, "no-amx": 5}
 
 
 def _case(spec: str, n: int, k: int, seed: int = 0) -> tuple:
@@ -175,41 +175,43 @@ def test_compiled_graph_keeps_one_operator_node() -> None:
 
 @pytest.mark.parametrize("build", ["avx2", "avx512"])
 @pytest.mark.parametrize("spec", ["int4-g32", "int4-g64-asym", "int4", "int3-g64", "int2-g32", "int4-g128-asym-zfp16"])
-def test_one_row_in_int16_is_the_int16_blocks_times_the_weight(spec: str, build: str) -> None:
-    """One row of x (group a multiple of 32) on the AVX2 path (vpmaddwd) and with AVX512-VNNI (vpdpwssd)
-    multiplies `int16_blocks`' values, not x: to fp32 summation (1e-6 x sum |x w|) and one bf16 rounding, against
-    an x whose blocks span 2^12 in magnitude (the small elements rounded, so one activation's code off by a step,
-    or a pair's columns swapped, exceeds it)."""
+def test_few_rows_in_int16_are_the_int16_blocks_times_the_weight(spec: str, build: str) -> None:
+    """One row of x (group a multiple of 32) on the AVX2 path (vpmaddwd), and 1 to 8 rows with AVX512-VNNI
+    (vpdpwssd; as a CPU without AMX runs them, path 5), multiply `int16_blocks`' values, not x: to fp32 summation
+    (1e-6 x sum |x w|) and one bf16 rounding, against an x whose blocks span 2^12 in magnitude (the small elements
+    rounded, so one activation's code off by a step, or a pair's columns swapped, exceeds it)."""
     qt, g = _case(spec, 64, 256, seed=len(spec))
     if build == "avx512":
         if not int(torch.ops.fewbits_q4.q4_isa()) & 16:
-            pytest.skip("the main build has no AVX512-VNNI one-row path here")
-        kern = _kernel(qt, "fastest")
+            pytest.skip("the main build has no AVX512-VNNI int16 path here")
+        kern, rows = _kernel(qt, "no-amx"), range(1, 9)
     else:
-        kern = _kernel(qt, "avx2")
+        kern, rows = _kernel(qt, "avx2"), [1]
     w = qt.dequantize(torch.float32).double()
-    x = (torch.randn(1, 256, generator=g) * torch.logspace(-3, 1, 256)[torch.randperm(256, generator=g)])
-    x = x.to(torch.bfloat16)
-    q, d = cpu_int4.int16_blocks(x)
-    xr = (q.double().view(1, 8, 32) * d.double()[..., None]).view(1, 256)
-    assert not torch.equal(xr, x.double()), "the case should round some activations"
-    ref = xr @ w.T
-    bound = 2.0**-8 * ref.abs() + 1e-6 * (xr.abs() @ w.abs().T)
-    y = kern(x).double()
-    assert ((y - ref).abs() - bound).max() <= 0, spec
+    for m in rows:
+        x = torch.randn(m, 256, generator=g) * torch.logspace(-3, 1, 256)[torch.randperm(256, generator=g)]
+        x = x.to(torch.bfloat16)
+        q, d = cpu_int4.int16_blocks(x)
+        xr = (q.double().view(m, 8, 32) * d.double()[..., None]).view(m, 256)
+        assert not torch.equal(xr, x.double()), "the case should round some activations"
+        ref = xr @ w.T
+        bound = 2.0**-8 * ref.abs() + 1e-6 * (xr.abs() @ w.abs().T)
+        y = kern(x).double()
+        assert ((y - ref).abs() - bound).max() <= 0, (spec, m)
 
 
 def test_a_non_finite_activation_reaches_every_output() -> None:
     """A row of x holding a NaN or an Inf gives no finite output on any path (NaN, or +-Inf where the code is
-    off centre), as a plain product does: the one-row int16 paths hand such a row to the path that takes x as it
-    is (AVX2: fp32; AVX-512: vdpbf16ps)."""
+    off centre), as a plain product does: the int16 paths hand such an x to the path that takes x as it is
+    (AVX2: fp32; AVX-512: vdpbf16ps, or AMX)."""
     qt, g = _case("int4-g32", 48, 256)
-    for path in ("fastest", "portable", "dpbf16", "avx2"):
+    for path in ("fastest", "portable", "dpbf16", "no-amx", "avx2"):
         kern = _kernel(qt, path)
         for bad in (float("nan"), float("inf")):
-            x = torch.randn(1, 256, generator=g).to(torch.bfloat16)
-            x[0, 37] = bad
-            assert not torch.isfinite(kern(x)).any(), (path, bad)
+            for m in (1, 2, 5):
+                x = torch.randn(m, 256, generator=g).to(torch.bfloat16)
+                x[m - 1, 37] = bad
+                assert not torch.isfinite(kern(x)[m - 1]).any(), (path, bad, m)
 
 
 needs_a8 = pytest.mark.skipif(not cpu_int4.a8_path(), reason="no int8-activation path (AVX512-VNNI, AVX2) here")
