@@ -644,48 +644,34 @@ inline __m256 x16_block_sum(const int16_t* xq, const float* xd, const int8_t* w,
 #if defined(ROWS_AVX512) && defined(__AVX512VNNI__)
 // With AVX512-VNNI a block of 32 columns is one register: the 32 codes widened to int16 meet x's block through one
 // vpdpwssd (16 exact int32 pair sums), converted and FMAed by the block's step.  Four weight rows side by side
-// (row4_x16: x's block loaded once, four independent chains) ran 1.21-1.39x the 256-bit row-at-a-time loop on
+// (rows_x16_512<4>: x's block loaded once, four independent chains) ran 1.21-1.39x the 256-bit row-at-a-time loop on
 // SmolLM2's layers in cache and 1.00-1.08x over 128 MB of copies, the LM heads 1.06-1.08x (2-core Emerald Rapids
 // Xeon, benchmarks/bench_rows.py --rows 1 --ops int8 --pool 2 / 128 --baseline), the compiled int8 SmolLM2
-// batch-1 step 1.03-1.07x (median of 10 alternating rounds, two runs)
-inline __m512 x16_block_sum512(const int16_t* xq, const float* xd, const int8_t* w, int64_t b, __m512 f) {
-  const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32 * b)));
-  const __m512i s = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w16, _mm512_loadu_si512(xq + 32 * b));
-  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(xd[b]), f);
-}
+// batch-1 step 1.03-1.07x (median of 10 alternating rounds, two runs); the rows left over, one at a time.
 
-inline float row1_x16(const int16_t* xq, const float* xd, int64_t K, const int8_t* w, int64_t ld) {
-  __m512 f0 = _mm512_setzero_ps(), f1 = _mm512_setzero_ps();
-  const int64_t nb = K / 32;
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T1);
-    f0 = x16_block_sum512(xq, xd, w, b, f0);
-    f1 = x16_block_sum512(xq, xd, w, b + 1, f1);
-  }
-  if (b < nb) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T1);
-    f0 = x16_block_sum512(xq, xd, w, b, f0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(f0, f1));
-}
-
-// four weight rows n .. n + 3 side by side: x's block loaded once, four independent chains
-inline void row4_x16(const int16_t* xq, const float* xd, int64_t K, const int8_t* w, int64_t ld, float* out) {
-  __m512 f[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-  const int64_t nb = K / 32;
-  for (int64_t b = 0; b < nb; ++b) {
+// RR weight rows n .. n + RR - 1 side by side (x's block loaded once, one FMA chain a row) into out[0 .. RR - 1]
+template <int RR>
+inline void rows_x16_512(const int16_t* xq, const float* xd, int64_t K, const int8_t* w, int64_t ld, float* out) {
+  __m512 f[RR];
+  for (int r = 0; r < RR; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / 32; ++b) {
     const __m512i xv = _mm512_loadu_si512(xq + 32 * b);
     const __m512 dv = _mm512_set1_ps(xd[b]);
 #pragma GCC unroll 4
-    for (int r = 0; r < 4; ++r) {
+    for (int r = 0; r < RR; ++r) {
       const int8_t* wr = w + r * ld + 32 * b;
       _mm_prefetch(reinterpret_cast<const char*>(wr + PREFETCH_ROWS * ld), _MM_HINT_T1);
       const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wr)));
       f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w16, xv)), dv, f[r]);
     }
   }
-  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(f[r]);
+  for (int r = 0; r < RR; ++r) out[r] = _mm512_reduce_add_ps(f[r]);
+}
+
+inline float row1_x16(const int16_t* xq, const float* xd, int64_t K, const int8_t* w, int64_t ld) {
+  float y;
+  rows_x16_512<1>(xq, xd, K, w, ld, &y);
+  return y;
 }
 #define ROWS_X16_4 1
 #else
@@ -1117,7 +1103,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
         const int64_t n1 = std::min(N, b1 * BLOCK);
 #ifdef ROWS_X16_4
         for (; n + 4 <= n1; n += 4)
-          row4_x16(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + n * ld, ld, out + n);
+          rows_x16_512<4>(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + n * ld, ld, out + n);
 #endif
         for (; n < n1; ++n)
           out[n] = row1_x16(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + n * ld, ld);
