@@ -35,9 +35,13 @@ constexpr int64_t R = 16, KC = 8, MT = 8, AMX_MT = 16;
 // 64-byte chunks ahead of the one read that the one-row paths prefetch (the blocks are contiguous, so this runs
 // into the next block at a block's end)
 constexpr int64_t PREFETCH_CHUNKS = 32;
-// and the AMX path, also 8 kB ahead into L2: the compiled SmolLM2 int4-g64 step at batch 8 (128 tokens) ran 1.03-1.05x
-// faster with it (64 to 512 chunks alike, alternating in one process); the one-row path gained nothing from it
-constexpr int64_t AMX_L2_PREFETCH_CHUNKS = 128;
+// and the AMX and int16 paths, also 8 kB ahead into L2: the compiled SmolLM2 int4-g64 step at batch 8 (128 tokens)
+// ran 1.03-1.05x faster with it (64 to 512 chunks alike, alternating in one process); block_x16_512 at 1-2 rows
+// 1.05-1.29x over 48 MB of weights, 1.03-1.16x over 128 MB, unchanged in cache (Emerald Rapids Xeon,
+// bench_cpu_int4.py --rows 1,2 --kernels q4 --baseline), the compiled SmolLM2 int4-g64 step at batch 1 1.22-1.24x
+// (bench_compiled.py speed --weights int4-g64 --batch 1, four processes in turn: 2.22 / 2.26 ms best against 2.74 /
+// 2.85), at batch 2 unchanged (3.46-3.77 against 3.54-3.70); vdpbf16ps's one row gained nothing from it
+constexpr int64_t L2_PREFETCH_CHUNKS = 128;
 // rows of x from which the AMX path runs (fewer: x in int16 with AVX512-VNNI, else vdpbf16ps).  At 2 rows the AMX
 // path (block_amx, decoding ahead) ran 1.0-1.16x vdpbf16ps on SmolLM2's layers and 1.08-1.4x on Gemma-3's, from
 // memory on a 2-core AMX Xeon (bench_cpu_int4.py --rows 2 --spec int4-g64,int4-g32 --baseline, 3 rows ~1.0x as a
@@ -321,7 +325,7 @@ inline int64_t chunk_blocks(int64_t spg) {
 inline void decode_chunk(const uint16_t* cb, int64_t k0, int64_t k1, __m512i tab, uint16_t* B) {
   for (int64_t c = k0 / KC; c < k1 / KC; ++c) {
     _mm_prefetch(reinterpret_cast<const char*>(cb + (c + PREFETCH_CHUNKS) * 32), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(cb + (c + AMX_L2_PREFETCH_CHUNKS) * 32), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(cb + (c + L2_PREFETCH_CHUNKS) * 32), _MM_HINT_T1);
     const __m512i wd = _mm512_loadu_si512(cb + c * 32);
     uint16_t* d = B + (c - k0 / KC) * 128;
     _mm512_store_si512(d + 0, _mm512_permutexvar_epi16(wd, tab));
@@ -717,8 +721,10 @@ void block_x16_512(const Args& a, const X16& q, int64_t b, int64_t m0) {
       for (int t = 0; t < T; ++t)
         for (int n = 0; n < NA; ++n) acc[t][n] = _mm512_setzero_si512();
       const uint16_t* cx = cb + xb * 4 * 32;
-      for (int p = 0; p < 4; ++p)
+      for (int p = 0; p < 4; ++p) {
         _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + p) * 32), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(cx + (L2_PREFETCH_CHUNKS + p) * 32), _MM_HINT_T1);
+      }
 #pragma GCC unroll 4
       for (int cc = 0; cc < 4; ++cc) {
         const __m512i wd = _mm512_loadu_si512(cx + cc * 32);
