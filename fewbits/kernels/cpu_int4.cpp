@@ -230,6 +230,25 @@ inline __m512 load16(const void* t, bool half, int64_t i) {
   return _mm512_loadu_ps(static_cast<const float*>(t) + i);
 }
 
+// y[t] += s * (f[t] - o * sums[(m0 + t) * G + g]) for group g of block b, rows m0 .. m0 + T - 1: f the sums of the
+// uncentred codes times x, sums x's group sums, o = off (2^(bits-1)) + the zero offsets where the codes have them
+template <int T>
+inline void add_group(const Args& a, int64_t b, int64_t g, float off, const float* sums, int64_t m0, const __m512* f,
+                      __m512* y) {
+  const int64_t ti = (b * a.G + g) * R;
+  const __m512 s = load16(a.scales, a.half, ti);
+  const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
+  for (int t = 0; t < T; ++t)
+    y[t] = _mm512_fmadd_ps(_mm512_fnmadd_ps(o, _mm512_set1_ps(sums[(m0 + t) * a.G + g]), f[t]), s, y[t]);
+}
+
+// rows m0 .. m0 + T - 1 of block b's 16 outputs, rounded to bf16
+template <int T>
+inline void store_rows(const Args& a, int64_t b, int64_t m0, const __m512* y) {
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+}
+
 inline __m512i code_table(int64_t bits) {  // bf16 of (c - 2^(bits-1)) for c = 0..15, twice
   alignas(64) uint16_t t[32];
   for (int c = 0; c < 32; ++c) t[c] = f2bf(float(c & 15) - float(1 << (bits - 1)));
@@ -274,8 +293,7 @@ void block_fast(const Args& a, int64_t b, int64_t m0, __m512i tab) {
       y[t] = _mm512_fmadd_ps(sum, s, y[t]);
     }
   }
-  for (int t = 0; t < T; ++t)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+  store_rows<T>(a, b, m0, y);
 }
 
 void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab) {
@@ -585,16 +603,9 @@ void block_a8(const Args& a, const A8& q, int64_t b, int64_t m0) {
         f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s32), _mm512_set1_ps(q.xs[(m0 + t) * nb + xb]), f[t]);
       }
     }
-    const int64_t ti = (b * a.G + g) * R;
-    const __m512 s = load16(a.scales, a.half, ti);
-    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
-    for (int t = 0; t < T; ++t) {  // s * (sum c xq xs - o * sum xq xs)
-      const __m512 sum = _mm512_fnmadd_ps(o, _mm512_set1_ps(q.qsum[(m0 + t) * a.G + g]), f[t]);
-      y[t] = _mm512_fmadd_ps(sum, s, y[t]);
-    }
+    add_group<T>(a, b, g, off, q.qsum, m0, f, y);  // s * (sum c xq xs - o * sum xq xs)
   }
-  for (int t = 0; t < T; ++t)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+  store_rows<T>(a, b, m0, y);
 }
 
 void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
@@ -749,14 +760,9 @@ void block_x16_512(const Args& a, const X16& q, int64_t b, int64_t m0) {
         f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s4), _mm512_set1_ps(q.d[(m0 + t) * nb + xb]), f[t]);
       }
     }
-    const int64_t ti = (b * a.G + g) * R;  // s * (sum c x - (2^(bits-1) + zero) * sum x)
-    const __m512 o = a.zeros ? _mm512_add_ps(load16(a.zeros, a.half, ti), _mm512_set1_ps(off)) : _mm512_set1_ps(off);
-    const __m512 sc = load16(a.scales, a.half, ti);
-    for (int t = 0; t < T; ++t)
-      y[t] = _mm512_fmadd_ps(_mm512_fnmadd_ps(o, _mm512_set1_ps(q.gsum[(m0 + t) * a.G + g]), f[t]), sc, y[t]);
+    add_group<T>(a, b, g, off, q.gsum, m0, f, y);
   }
-  for (int t = 0; t < T; ++t)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R), (__m256i)_mm512_cvtneps_pbh(y[t]));
+  store_rows<T>(a, b, m0, y);
 }
 
 void block_x16_512_rows(const Args& a, const X16& q, int64_t b, int64_t m0, int64_t mt) {
