@@ -19,7 +19,7 @@
 #define FB_AVX2 0
 #endif
 #if FB_FAST && defined(__AVX512VNNI__)
-#define FB_X16_512 1  // one row of x in int16 through vpdpwssd
+#define FB_X16_512 1  // few rows of x in int16 through vpdpwssd (block_x16_512)
 #else
 #define FB_X16_512 0
 #endif
