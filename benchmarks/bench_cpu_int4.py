@@ -100,8 +100,7 @@ def _baseline_class(path: str) -> type:
     from pathlib import Path
 
     name = "fewbits_q4base"
-    src = cpu_int4.act8.with_blocks(Path(path).read_text()).replace(cpu_int4.NAME, name)
-    if not cpu_int4.available(src, name):
+    if not cpu_int4.build_variant(name, Path(path).read_text()):
         sys.exit(f"{path} did not build: {cpu_int4.native.why(name)}")
     op = getattr(torch.ops, name).q4_mm.default
 

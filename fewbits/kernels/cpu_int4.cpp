@@ -324,16 +324,7 @@ void tile_config(int64_t mt) {
   _tile_loadconfig(&c);
 }
 
-constexpr int64_t AMX_CK = 4;  // blocks of 32 columns a chunk at most: 4 B tiles, 4 kB decoded
-
-// blocks of 32 columns a chunk for a group of spg such blocks: whole groups (1, 2 or 4 of them), or a divisor of
-// the group, so that a group's sums always end with a chunk
-inline int64_t chunk_blocks(int64_t spg) {
-  if (spg <= AMX_CK && AMX_CK % spg == 0) return AMX_CK;
-  for (int64_t d = AMX_CK; d > 1; --d)
-    if (spg % d == 0) return d;
-  return 1;
-}
+constexpr int64_t AMX_CK = 4;  // blocks of 32 columns a chunk: 4 B tiles, 4 kB decoded
 
 // columns k0 .. k1 - 1 of block b's codes (cb) decoded to bf16 B tiles: per 32 columns one tile of 16 pairs, pair
 // row 4 q + j holding columns 2 j, 2 j + 1 of code chunk q for each of the 16 output rows (the word order the
@@ -353,55 +344,87 @@ inline void decode_chunk(const uint16_t* cb, int64_t k0, int64_t k1, __m512i tab
   }
 }
 
+// one 32-column block's product into C tile c (0-3), through A / B tiles 4 / 6 (ab 0) or 5 / 7 (ab 1): the tile
+// intrinsics take their tile numbers as literals (macros), so the switches
+#define FB_TILE_MUL(C, A, B) { _tile_loadd(B, bt, 64); _tile_loadd(A, xk, ldx); _tile_dpbf16ps(C, A, B); break; }
+inline void tile_mul_at(int64_t c, int64_t ab, const uint16_t* bt, const uint16_t* xk, int64_t ldx) {
+  switch (c * 2 + ab) {
+    case 0: FB_TILE_MUL(0, 4, 6)
+    case 1: FB_TILE_MUL(0, 5, 7)
+    case 2: FB_TILE_MUL(1, 4, 6)
+    case 3: FB_TILE_MUL(1, 5, 7)
+    case 4: FB_TILE_MUL(2, 4, 6)
+    case 5: FB_TILE_MUL(2, 5, 7)
+    case 6: FB_TILE_MUL(3, 4, 6)
+    default: FB_TILE_MUL(3, 5, 7)
+  }
+}
+#undef FB_TILE_MUL
+inline void tile_zero_at(int64_t c) {
+  switch (c) { case 0: _tile_zero(0); break; case 1: _tile_zero(1); break; case 2: _tile_zero(2); break;
+               default: _tile_zero(3); }
+}
+inline void tile_store_at(int64_t c, float* dst) {
+  switch (c) { case 0: _tile_stored(0, dst, 64); break; case 1: _tile_stored(1, dst, 64); break;
+               case 2: _tile_stored(2, dst, 64); break; default: _tile_stored(3, dst, 64); }
+}
+
 // as block_fast, for mt <= 16 rows of x through AMX: x's columns are the A tiles, the decoded codes the B tiles.
-// Chunk by chunk of up to 4 x 32 columns, the next chunk is decoded (into the other half of bbuf) while the tiles
-// multiply this one into four independent sums (C tiles 0-3, one per 32 columns); where a chunk ends a group, its
-// sums are stored (cbuf) and scaled like block_fast's.  group % 32 == 0.  bbuf: 2 x 4 x 512 words, cbuf: 4 x 256.
-// Tried on a 2-core AMX Xeon, not kept: codes as 128 + c by one vpternlogd instead of vpermw (1.3x faster alone)
-// with the sums in two sets of two C tiles stored a unit late, together: 1.07-1.38x this one with the weights in
-// cache, but 0.84-1.12x from memory and a compiled int4-g64 step at batch 8 0.93x (bench_compiled.py speed).
+// Group g's blocks of 32 columns add up in C tile g % 4; the tile is stored (cbuf, two slots) only once the next
+// group's products are issued, and its sums are scaled like block_fast's only once the group after that is, so
+// neither the store waits on its tile's last product nor the loads on the store.  The codes are decoded a chunk of
+// 4 x 32 columns ahead (into the other half of bbuf) while the tiles multiply the chunk before.  group % 32 == 0.
+// bbuf: 2 x 4 x 512 words, cbuf: 2 x 256 floats.  The version before stored each chunk's four C tiles (one per 32
+// columns) as soon as their products were issued: on an Emerald Rapids Xeon, 2 threads (bench_cpu_int4.py --rows
+// 3,8,16 --spec int4-g64,int4-g32 --kernels q4 --baseline) this one ran 1.22-1.38x it on SmolLM2's gate/up and down
+// with the weights in cache (its q/k/v and o 0.94-1.07x) and 1.03-1.34x from memory (--min-mb 128, SmolLM2 and
+// Gemma-3 shapes).  Tried there, not kept: decoding two chunks ahead (0.96-1.01x), codes as 128 + c by one
+// vpternlogd instead of vpermw (0.83-0.97x with x's group sums for every call), AMX at 2 rows (0.54-0.99x the
+// int16 path in cache).
 void block_amx(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab, uint16_t* bbuf, float* cbuf) {
-  alignas(64) float yacc[AMX_MT * R];
-  for (int64_t i = 0; i < mt * R; ++i) yacc[i] = 0.f;
+  __m512 yacc[AMX_MT];
+  for (int64_t t = 0; t < mt; ++t) yacc[t] = _mm512_setzero_ps();
   const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
   const uint16_t* xb = a.x + m0 * a.K;
-  const int64_t ldx = a.K * 2, nb = a.K / 32, spg = a.group / 32, ck = chunk_blocks(spg);
-  const int64_t nch = (nb + ck - 1) / ck;
-  decode_chunk(cb, 0, std::min(a.K, ck * 32), tab, bbuf);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const int64_t ldx = a.K * 2, nb = a.K / 32, spg = a.group / 32, nch = (nb + AMX_CK - 1) / AMX_CK;
+  const auto scale = [&](int64_t g) {  // group g's sums, stored in slot g % 2 of cbuf, into yacc
+    const float* c = cbuf + (g & 1) * AMX_MT * R;
+    const int64_t ti = (b * a.G + g) * R;
+    const __m512 s = load16(a.scales, a.half, ti);
+    if (a.zeros) {
+      const __m512 z = load16(a.zeros, a.half, ti);
+      for (int64_t t = 0; t < mt; ++t)
+        yacc[t] = _mm512_fmadd_ps(
+            _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), _mm512_load_ps(c + t * R)), s, yacc[t]);
+    } else {
+      for (int64_t t = 0; t < mt; ++t) yacc[t] = _mm512_fmadd_ps(_mm512_load_ps(c + t * R), s, yacc[t]);
+    }
+  };
+  decode_chunk(cb, 0, std::min(a.K, AMX_CK * 32), tab, bbuf);
+  int64_t stored = -1, done = -1;  // the group whose sums wait in cbuf, the one whose tile waits to be stored
   for (int64_t j = 0; j < nch; ++j) {
     const uint16_t* B = bbuf + (j & 1) * AMX_CK * 512;
-    const int64_t s0 = j * ck, ns = std::min(ck, nb - s0), k0 = s0 * 32;
-    _tile_loadd(6, B, 64); _tile_loadd(4, xb + k0, ldx); _tile_dpbf16ps(0, 4, 6);
-    if (ns > 1) { _tile_loadd(7, B + 512, 64); _tile_loadd(5, xb + k0 + 32, ldx); _tile_dpbf16ps(1, 5, 7); }
-    if (ns > 2) { _tile_loadd(6, B + 1024, 64); _tile_loadd(4, xb + k0 + 64, ldx); _tile_dpbf16ps(2, 4, 6); }
-    if (ns > 3) { _tile_loadd(7, B + 1536, 64); _tile_loadd(5, xb + k0 + 96, ldx); _tile_dpbf16ps(3, 5, 7); }
-    if (j + 1 < nch)
-      decode_chunk(cb, k0 + ck * 32, std::min(a.K, k0 + 2 * ck * 32), tab, bbuf + ((j + 1) & 1) * AMX_CK * 512);
-    const int64_t s1 = s0 + ns;
-    if (s1 % spg != 0) continue;  // the group goes on into the next chunk
-    _tile_stored(0, cbuf, 64);
-    if (ns > 1) _tile_stored(1, cbuf + 256, 64);
-    if (ns > 2) _tile_stored(2, cbuf + 512, 64);
-    if (ns > 3) _tile_stored(3, cbuf + 768, 64);
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    // the groups whose last block is in this chunk: blocks t0 .. t1 - 1 of it (all of it for a longer group)
-    for (int64_t g = std::min(s0, s1 - spg) / spg; g * spg < s1; ++g) {
-      const int64_t t0 = std::max<int64_t>(0, g * spg - s0), t1 = std::min(ns, (g + 1) * spg - s0);
-      const int64_t ti = (b * a.G + g) * R;
-      const __m512 s = load16(a.scales, a.half, ti);
-      const __m512 z = a.zeros ? load16(a.zeros, a.half, ti) : _mm512_setzero_ps();
-      for (int64_t t = 0; t < mt; ++t) {
-        __m512 sum = _mm512_load_ps(cbuf + t0 * 256 + t * R);
-        for (int64_t u = t0 + 1; u < t1; ++u) sum = _mm512_add_ps(sum, _mm512_load_ps(cbuf + u * 256 + t * R));
-        if (a.zeros) sum = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.xsum[(m0 + t) * a.G + g]), sum);
-        _mm512_store_ps(yacc + t * R, _mm512_fmadd_ps(sum, s, _mm512_load_ps(yacc + t * R)));
-      }
+    const int64_t s0 = j * AMX_CK, ns = std::min(AMX_CK, nb - s0);
+    for (int64_t u = 0; u < ns; ++u) {
+      const int64_t s = s0 + u, g = s / spg;
+      if (s % spg == 0) tile_zero_at(g & 3);
+      tile_mul_at(g & 3, s & 1, B + u * 512, xb + s * 32, ldx);
+      if ((s + 1) % spg != 0) continue;
+      if (stored >= 0) scale(stored);
+      if (done >= 0) tile_store_at(done & 3, cbuf + (done & 1) * AMX_MT * R);
+      stored = done;
+      done = g;
     }
+    if (j + 1 < nch)
+      decode_chunk(cb, (s0 + AMX_CK) * 32, std::min(a.K, (s0 + 2 * AMX_CK) * 32), tab,
+                   bbuf + ((j + 1) & 1) * AMX_CK * 512);
   }
+  if (stored >= 0) scale(stored);
+  tile_store_at(done & 3, cbuf + (done & 1) * AMX_MT * R);
+  scale(done);
   for (int64_t t = 0; t < mt; ++t)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.y + (m0 + t) * a.N + b * R),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(yacc + t * R)));
+                        (__m256i)_mm512_cvtneps_pbh(yacc[t]));
 }
 #endif
 
@@ -906,7 +929,7 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
 #if FB_AMX
     if (amx) {
       alignas(64) uint16_t bbuf[2 * AMX_CK * 512];
-      alignas(64) float cbuf[AMX_CK * AMX_MT * R];
+      alignas(64) float cbuf[2 * AMX_MT * R];
       int64_t configured = -1;
       for (int64_t b = lo; b < hi; ++b)
         for (int64_t m0 = 0; m0 < M; m0 += AMX_MT) {

@@ -30,8 +30,9 @@ x reuse each decoded register; more rows are cut into tiles of 8 over the same b
 (``__AMX_BF16__``, and the kernel's permission, ``at::cpu::init_amx``) from `AMX_MIN_ROWS` (3) rows on and for
 groups of multiples of 32 columns, the decoded registers of 4 chunks are stored as one AMX B tile (that is
 AMX's pair layout already), x's 32 columns are the A tile, and ``tdpbf16ps`` multiplies up to 16 rows at once:
-128 columns are decoded ahead (the codes prefetched) while the tiles multiply the 128 before into four C tiles,
-and each group's sums are scaled as above where a chunk ends it.  With AVX512-VNNI, below `AMX_MIN_ROWS` rows
+128 columns are decoded ahead (the codes prefetched) while the tiles multiply the 128 before, each group adds up
+in its own C tile (four in turn), stored a group late and scaled as above a group later still, so no tile
+instruction waits on the one just before it.  With AVX512-VNNI, below `AMX_MIN_ROWS` rows
 where AMX runs and up to 8 rows where it does not (a decode step's few rows; groups of multiples of 32 columns),
 x goes as int16 blocks, as the AVX2 path's one row below: nibble j of each word masked in place (the codes times
 16^j) meets x's int16 pairs through ``vpdpwssd`` in exact int32 chains, each chain's block sum shifted back by
@@ -100,6 +101,14 @@ def available(src: str = _SRC, name: str = NAME, cflags: list[str] | None = None
     """Whether `fewbits_q4::q4_mm` is usable (built or loaded once per process; False if no compiler)."""
     return native.build(name, src, {"fewbits_q4::q4_mm": _fake_mm, "fewbits_q4::q4_dequant": _fake_dequant},
                         cflags=cflags)
+
+
+def build_variant(name: str, source: str) -> bool:
+    """Build `source`, another version of cpu_int4.cpp (a benchmark's baseline: ``git show
+    REV:fewbits/kernels/cpu_int4.cpp``), under `torch.ops.<name>`; False where it does not build
+    (`native.why(name)` says why)."""
+    return native.build(name, act8.with_blocks(source).replace(NAME, name),
+                        {f"{name}::q4_mm": _fake_mm, f"{name}::q4_dequant": _fake_dequant})
 
 
 def fast_path() -> bool:
