@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define FB_FAST 1
 #include <immintrin.h>
@@ -68,6 +69,14 @@ struct Args {
   const float* xsum;      // (M, G) group sums of x, or nullptr
   uint16_t* y;            // (M, N) bf16 bits
 };
+
+// f(std::integral_constant<int, T>{}) with T = mt for 1 <= mt <= N, else N: a tile's rows as a template argument
+template <int N, typename F>
+inline void with_rows(int64_t mt, F&& f) {
+  if constexpr (N > 1)
+    if (mt < N) return with_rows<N - 1>(mt, f);
+  f(std::integral_constant<int, N>{});
+}
 
 inline float bf2f(uint16_t b) { uint32_t u = uint32_t(b) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 inline uint16_t f2bf(float f) {  // round to nearest even (NaN stays NaN)
@@ -297,16 +306,7 @@ void block_fast(const Args& a, int64_t b, int64_t m0, __m512i tab) {
 }
 
 void block_fast_rows(const Args& a, int64_t b, int64_t m0, int64_t mt, __m512i tab) {
-  switch (mt) {
-    case 1: block_fast<1>(a, b, m0, tab); break;
-    case 2: block_fast<2>(a, b, m0, tab); break;
-    case 3: block_fast<3>(a, b, m0, tab); break;
-    case 4: block_fast<4>(a, b, m0, tab); break;
-    case 5: block_fast<5>(a, b, m0, tab); break;
-    case 6: block_fast<6>(a, b, m0, tab); break;
-    case 7: block_fast<7>(a, b, m0, tab); break;
-    default: block_fast<8>(a, b, m0, tab); break;
-  }
+  with_rows<8>(mt, [&](auto T) { block_fast<T.value>(a, b, m0, tab); });
 }
 
 #if FB_AMX
@@ -632,12 +632,7 @@ void block_a8(const Args& a, const A8& q, int64_t b, int64_t m0) {
 }
 
 void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt) {
-  switch (mt) {
-    case 1: block_a8<1>(a, q, b, m0); break;
-    case 2: block_a8<2>(a, q, b, m0); break;
-    case 3: block_a8<3>(a, q, b, m0); break;
-    default: block_a8<4>(a, q, b, m0); break;
-  }
+  with_rows<4>(mt, [&](auto T) { block_a8<T.value>(a, q, b, m0); });
 }
 #endif
 
@@ -789,12 +784,7 @@ void block_x16_512(const Args& a, const X16& q, int64_t b, int64_t m0) {
 }
 
 void block_x16_512_rows(const Args& a, const X16& q, int64_t b, int64_t m0, int64_t mt) {
-  switch (mt) {
-    case 1: block_x16_512<1>(a, q, b, m0); break;
-    case 2: block_x16_512<2>(a, q, b, m0); break;
-    case 3: block_x16_512<3>(a, q, b, m0); break;
-    default: block_x16_512<4>(a, q, b, m0); break;
-  }
+  with_rows<4>(mt, [&](auto T) { block_x16_512<T.value>(a, q, b, m0); });
 }
 #endif
 #endif
