@@ -1,16 +1,18 @@
 """The probe's GEMV passes made from Python against the same passes made from one compiled graph
 (`fewbits.bench.gemv.compiled_calls`, what `fewbits probe` times on the compiled path), beside the model's own
-compiled step: which pass less its tiny calls is the step's linears.
+compiled step: what of the step the passes leave to the cost model's other terms.
 
     PYTHONPATH=. OMP_NUM_THREADS=2 python benchmarks/bench_probe_passes.py \\
         [--model smollm2-135m] [--weights bf16,int8,int4-g64] [--rows 1,8] [--rounds 8]
 
 Per format and rows of x, in one process, rounds alternating: the model's compiled decode step (the fastest of
-16, 128 cached tokens, 16-bit cache), then the probe's step set (random weights of the model's shapes, q/k/v and
-gate/up fused, laid out in huge pages, one copy) followed by the 16-bit LM head, and the same calls on a tiny
-shape, each from Python and from one compiled graph (the fastest of 8 samples a round).  "bytes" is a pass less
-its tiny calls, what the probe counts as the weights' time; "rest" is the step less the compiled bytes and the
-head: what the cost model's other terms (the skeleton's fixed cost, the width term, attention) must give.
+16 after `fewbits bench`'s untimed warm-up steps, 128 cached tokens, 16-bit cache), then the probe's step set
+(random weights of the model's shapes, q/k/v and gate/up fused, laid out in huge pages, one copy) followed by the
+16-bit LM head, and the same calls on a tiny shape, each from Python and from one compiled graph (the fastest of
+the round's samples, 40 a round: a last-level cache takes a set back over tens of passes).  "bytes" is a pass
+less its tiny calls; "rest" is the step less the compiled pass (its calls included, as the probe counts it on
+the compiled path) and the head: what the cost model's other terms (the skeleton's fixed cost, the width term,
+attention) must give.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     from fewbits.bench.decode import load_quantized
     from fewbits.bench.gemv import build_step_set
     from fewbits.bench.probe import TINY, head_shape, named_layer_shapes, step_inputs
+    from fewbits.bench.timing import WARMUP_STEPS
     from fewbits.decode import pages
     from fewbits.decode.generate import generate_static
     from fewbits.models.presets import get_preset
@@ -61,10 +64,10 @@ def main() -> None:
             best = {k: float("inf") for k in ["step", *arms]}
             with torch.no_grad():
                 for _ in range(args.rounds):
-                    step = min(generate_static(model, ids, 17, kv="bf16").decode_step_s)
+                    step = min(generate_static(model, ids, WARMUP_STEPS + 17, kv="bf16").decode_step_s[WARMUP_STEPS:])
                     best["step"] = min(best["step"], step)
                     for way in ("py", "c"):
-                        for _ in range(8):  # a pass: the step's linears, then the head (cold after them)
+                        for _ in range(40):  # a pass: the step's linears, then the head
                             t0 = time.perf_counter()
                             arms[f"{way}_body"]()
                             t1 = time.perf_counter()
@@ -78,7 +81,7 @@ def main() -> None:
                             best[f"{way}_tiny"] = min(best[f"{way}_tiny"], time.perf_counter() - t0)
             ms = {k: v * 1e3 for k, v in best.items()}
             py_bytes, c_bytes = ms["py_body"] - ms["py_tiny"], ms["c_body"] - ms["c_tiny"]
-            rest = ms["step"] - c_bytes - ms["c_head"]
+            rest = ms["step"] - ms["c_body"] - ms["c_head"]
             print(f"{w:>9} {b:>4} {ms['step']:6.2f} | {ms['py_body']:12.2f} {ms['py_tiny']:5.2f} {py_bytes:6.2f} | "
                   f"{ms['c_body']:14.2f} {ms['c_tiny']:5.2f} {c_bytes:6.2f} | {ms['c_head']:5.2f} {rest:5.2f} | "
                   f"{py_bytes / c_bytes:.3f}", flush=True)

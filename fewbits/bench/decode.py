@@ -4,8 +4,12 @@ cost model's prediction from a measured device profile.
 For each weight format the model is loaded in bf16 and its linear layers quantised (RTN, LM head and
 embeddings kept 16-bit, layers whose shape a group size does not divide regrouped), with the kernel
 dispatcher as the QuantLinear's kernel chooser.  Each row prefills `batch` random prompts of `prompt`
-tokens, then times `steps` decode steps with the KV cache in the row's format; the row reports the
-fastest step (other processes only ever add time; see `timing.py`) and the median beside it.  The prediction
+tokens, runs `warmup` decode steps untimed, then times `steps` decode steps with the KV cache in the row's
+format; the row reports the fastest timed step (other processes only ever add time; see `timing.py`) and their
+median beside it.  The untimed steps are the ones a last-level cache spends taking the weights back after the
+prefill (or the other rows' models) used it: a decode re-reads the same weights every step, and on a 2-core
+Emerald Rapids Xeon the int8 SmolLM2 step fell from 6.6-7.2 ms to a median of 4.3-4.6 over its first 6-10 steps
+(`WARMUP_STEPS`), which the probe's passes and bandwidth curve measure as settled too.  The prediction
 is `fewbits.cost.plan` at the mean context of the timed steps, with the KV format written out in full
 (`KVFormat.full_spec`), so that the cost model counts the cache's true bytes, 16-bit window included.
 
@@ -29,6 +33,7 @@ from typing import Any
 
 import torch
 
+from fewbits.bench.timing import WARMUP_STEPS
 from fewbits.cost.plan import plan
 from fewbits.cost.profile import Profile
 from fewbits.generate import generate
@@ -56,6 +61,7 @@ class BenchRow:
     predicted_speedup: float = float("nan")  # the prediction's speedup vs its own 16-bit row (drift cancels)
     path: str = "eager"  # "compiled" (fewbits.decode's static graph) or "eager"
     compile_s: float = 0.0  # time to compile (or load from the disk cache) the row's step, not in the step times
+    warmup: int = 0  # untimed steps after each prefill, before the timed ones
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,7 +156,7 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
               batches: tuple[int, ...] = (1, 8), prompts: tuple[int, ...] = (128, 512), steps: int = 8,
               full: bool = False, seed: int = 0, log: Callable[[str], None] = print, rounds: int = 1,
               device: str = "cpu", random_weights: bool = False, lm_head: str | None = None,
-              eager: bool = False, activations: str = "16") -> list[BenchRow]:
+              eager: bool = False, activations: str = "16", warmup: int = WARMUP_STEPS) -> list[BenchRow]:
     """Measure every (weights, kv, batch, prompt) row; `full` crosses all weight and KV formats (else
     the quantised weights run with the first KV format, and the other KV formats with the first weights).
 
@@ -158,11 +164,11 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     over all rounds: on a shared host whose speed drifts over minutes, this finds each row's quiet moment
     (all models stay loaded).  `lm_head`: the quantised weight formats' LM head format (the 16-bit rows
     keep theirs).  `activations`: "16" weight-only kernels, "q8" kernels that round the activations to int8 where
-    they can (`load_quantized`)."""
+    they can (`load_quantized`).  `warmup`: untimed steps after each prefill (`WARMUP_STEPS`)."""
     by_weights: dict[str, list[str]] = {}
     for w, k in _config_rows(weights, kvs, full):
         by_weights.setdefault(w, []).append(k)
-    check_memory(name, tuple(by_weights), max(batches), max(prompts) + steps + 1, device, lm_head)
+    check_memory(name, tuple(by_weights), max(batches), max(prompts) + warmup + steps + 1, device, lm_head)
     heads = {w: lm_head if w not in ("bf16", "fp16", "fp32") else None for w in by_weights}
     models = {w: load_quantized(name, w, device=device, random_weights=random_weights, lm_head=heads[w],
                                 activations=activations)
@@ -184,10 +190,10 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
                     for p in prompts:
                         g = torch.Generator().manual_seed(seed + b * 1000 + p)
                         ids = torch.randint(0, vocab, (b, p), generator=g)
-                        res = run(model, ids, steps + 1, kv=kvf)
+                        res = run(model, ids, warmup + steps + 1, kv=kvf)
                         key = (w, kv, b, p)
                         paths[key] = (res.path, paths.get(key, ("", 0.0))[1] + res.compile_s)
-                        times = best.get(key, (0.0, [], 0))[1] + list(res.decode_step_s)
+                        times = best.get(key, (0.0, [], 0))[1] + list(res.decode_step_s[warmup:])
                         best[key] = (min(times), times, res.kv_nbytes)
         if rounds > 1:
             log(f"round {r + 1}/{rounds} done")
@@ -196,7 +202,7 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
     base_pred: dict[tuple[str, int, int], float] = {}
     for (w, kv, b, p), (t, times, kv_bytes) in best.items():
         kvf = parse_kv_format(kv)
-        ctx = p + (steps + 1) // 2
+        ctx = p + warmup + (steps + 1) // 2
         pr = plan(spec, batch=b, context=ctx, weights=w, kv=kvf.full_spec,  # the layers as quantised: regrouped
                   profile=profile, table_weights=None, table_kv=None, misfit="regroup", lm_head=heads[w],
                   activations="int8" if activations == "q8" else "auto")  # q8: the "+a8" families' figures
@@ -206,7 +212,8 @@ def run_bench(name: str, profile: Profile, weights: tuple[str, ...] = ("bf16", "
         t16 = base.get((kvs[0], b, p), float("nan"))
         row = BenchRow(w, kvf.spec, b, p, steps, t * 1e3, statistics.median(times) * 1e3, b / t, pr.time_s * 1e3,
                        100.0 * (pr.time_s - t) / t, t16 / t, models[w][1], kv_bytes, pr.bound, heads[w] or "",
-                       base_pred.get((kvs[0], b, p), float("nan")) / pr.time_s, *paths[(w, kv, b, p)])
+                       base_pred.get((kvs[0], b, p), float("nan")) / pr.time_s, *paths[(w, kv, b, p)],
+                       warmup=warmup)
         rows.append(row)
         log(format_row(row))
     return rows

@@ -44,15 +44,43 @@ def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch
 #: order, as a decode step reads its weights, falls from cache speed to memory's within ~50% more bytes: here
 #: 40 GB/s at 96 MiB, 25 at 160 MiB, where 128 and 256 MiB alone had put 163 MiB at ~43)
 CURVE_SIZES = tuple(n << 20 for n in (32, 48, 64, 96, 128, 160, 192, 256, 384, 512))
+#: passes over each working set of the curve.  A last-level cache takes a set it is asked for again and again over
+#: tens of passes, not at once: a 2-core Emerald Rapids Xeon (300 MiB of L3 shared with other machines) read
+#: 128 MiB at 15-31 GB/s over its first ten passes and at 44-49 from the twelfth on, 160 MiB at 24-30 and then
+#: 40-43 from the twentieth or thirtieth, 384 MiB at 27-28 throughout (scratch of session 47); the first five
+#: passes alone had put 160 MiB at 26.5 GB/s, and the int8 SmolLM2 step that settles at ~38 GB/s over its 163 MB
+#: 50% slower than it runs.  A decode re-reads its weights every step for as many steps as it generates.
+CURVE_PASSES = 60
 
 
-def bandwidth_curve(sizes: tuple[int, ...] = CURVE_SIZES, trials: int = 5, device: str | torch.device = "cpu",
-                    memory: tuple[int, float] | None = None) -> tuple[tuple[float, float], ...]:
-    """[(bytes, bytes/s)]: `memory_bandwidth` over a working set of each of `sizes` (a buffer that fits the
+def steady_bandwidth(nbytes: int, passes: int = CURVE_PASSES, device: str | torch.device = "cpu",
+                     chunk: int = 16 << 20) -> float:
+    """Bytes/s of the fastest of `passes` whole read-only passes over `nbytes` on `device`, each a sum over its
+    `chunk`-byte slices one after the other (as a step reads its layers): the rate a working set reaches once
+    the caches have taken it (`CURVE_PASSES`).  A whole pass, not its fastest slice: a step's time is its whole
+    pass, and a slice of a set at the cache's knee is read at up to 20% more than the pass around it."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    sync = synchronizer(device)
+    per = max(1, min(nbytes, chunk) // 4)
+    parts = [x[i:i + per] for i in range(0, x.numel(), per)]
+    best = float("inf")
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        for p in parts:
+            p.sum()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def bandwidth_curve(sizes: tuple[int, ...] = CURVE_SIZES, passes: int = CURVE_PASSES,
+                    device: str | torch.device = "cpu", memory: tuple[int, float] | None = None
+                    ) -> tuple[tuple[float, float], ...]:
+    """[(bytes, bytes/s)]: `steady_bandwidth` over a working set of each of `sizes` (a buffer that fits the
     last-level cache is read from there, faster than from memory; a decode step re-reads its weights every
     step), plus `memory` ((bytes, bytes/s) of memory itself) as the last point.  Made non-increasing in size:
     a smaller set is read at least as fast as a larger one (a dip is another process's load)."""
-    pts = [(float(n), memory_bandwidth(n, trials, device)) for n in sizes]
+    pts = [(float(n), steady_bandwidth(n, passes, device)) for n in sizes]
     if memory is not None:
         pts.append((float(memory[0]), float(memory[1])))
     pts.sort()

@@ -5,7 +5,7 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 1. memory bandwidth: a read-only reduction over a buffer larger than the last-level cache
    (best of several trials, the roofline's beta), and over working sets of 32-512 MiB (`bandwidth_curve`:
    a step whose weights fit the last-level cache re-reads them from there, here 53 GB/s at 64 MiB against
-   25 GB/s from memory);
+   25 GB/s from memory; each set's fastest of 60 passes, as the cache takes a set over tens of them);
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model, then the LM head
    (in bf16 as fewbits keeps it, timed apart), once per sample over one copy of the model's weights as the
@@ -121,6 +121,11 @@ COMPILED_REFILL_SIZES = (1.0, 2.0, 4.0)
 #: apart where the skeletons' graphs are on disk, minutes where they compile): each pass keeps its fastest sweep
 #: (`probe_calls.fastest_of_sweeps`), as a step keeps its fastest sample
 PASS_SWEEPS = 2
+#: samples of each GEMV pass (3.), one after the other: a model's weights that fit the last-level cache are taken
+#: by it over tens of passes (`fewbits.bench.machine.CURVE_PASSES`), as a decode's steps take them; SmolLM2's int8
+#: linears (106 MB) ran their pass in 5.5 ms at first and 3.0-3.3 ms from the 50th (a 2-core Emerald Rapids Xeon,
+#: session 47), where 30 samples had kept 3.85 ms.  A pass of a model this small is milliseconds: 80 cost ~1 s
+PASS_ROUNDS = 80
 
 
 def sixteen_bit_peaks(rates: dict[str, float], device: str | torch.device) -> dict[str, float]:
@@ -165,7 +170,7 @@ def named_layer_shapes(spec: ModelSpec) -> tuple[tuple[str, tuple[int, int]], ..
 
 
 def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None = None, rows: tuple[int, ...] = (1, 8),
-                rounds: int = 30, device: str | torch.device = "cpu", fused: bool = False,
+                rounds: int = PASS_ROUNDS, device: str | torch.device = "cpu", fused: bool = False,
                 graphs: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """Per format: time of the linears of one decode step (n_layers x one layer's calls) at 1 and 8 rows,
     with the per-call cost (the same number of calls on a tiny shape) measured separately.
@@ -201,6 +206,14 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
     compiled = {} if graphs is None else graphs
     if not fused or on_gpu:
         compiled = None  # Python calls: the eager step's own way; a GPU's host queues them while the device streams
+    # the pass's time counts whole (its calls' own cost included) on a GPU, whose host queues the calls while the
+    # device streams, and on the compiled CPU path: there the calls (SmolLM2's 150 a step: ~0.35 ms of tiny calls,
+    # 2.3 us each) cost what nothing else charges: the skeleton's fitted fixed cost that was to carry them came to
+    # 0.09 ms a step, and the settled compiled step ran 0.45-1.08 ms over its pass (linears and head, one process,
+    # rounds alternating) where the model charged 0.33-0.37 ms besides the bytes (a 2-core Emerald Rapids Xeon,
+    # session 47: int8 at batch 1 predicted 3.79 ms for a 4.15-4.4 ms step, 4.14 ms with the calls counted).  On
+    # an eager CPU step a quantised call is charged against the skeleton's own 16-bit call (`linear_efficiencies`)
+    whole_pass = on_gpu or compiled is not None
 
     def build(f: str, pool: int) -> Any:
         return build_step_set(f, named_layer_shapes(spec), pool, device=device) if fused else \
@@ -224,7 +237,7 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
         tiny = build_step_set(f, tuple((n, TINY) for n, _ in named_layer_shapes(spec)), 0, device=device) \
             if fused else build_set(f, (TINY,) * len(calls), 0, device=device)
         res: dict[str, Any] = {"kernels": list(body.kernel_names), "bytes": body.nbytes * spec.n_layers,
-                               "calls": per_step,
+                               "calls": per_step, "whole_pass": whole_pass,
                                "pool_bytes": body.nbytes * body.copies + head_set.nbytes * head_set.copies}
         for m in rows:
             xs = step_inputs(tuple(calls) + (TINY,), m, torch.float32 if f == "fp32" else torch.bfloat16, device)
@@ -247,9 +260,11 @@ def gemv_passes(spec: ModelSpec, formats: tuple[str, ...], min_bytes: int | None
                                  rounds=rounds, sync=sync)
             t_body, t_head = min(parts["body"]), min(parts["head"])
             t_calls = t["tiny"]
-            # the bytes' share of the pass: on a CPU the calls' own cost adds to it; on a GPU the host launches
-            # the next calls while the device streams, so the whole pass is the device's (host_overlap)
-            t_bytes = t_body if on_gpu else max(t_body - t_calls, 1e-9)
+            # the bytes' share of the pass: on an eager CPU step the calls' own cost adds to it (charged per call
+            # against the skeleton's 16-bit calls); on a GPU the host launches the next calls while the device
+            # streams, so the whole pass is the device's (host_overlap); on a compiled CPU step the calls cost what
+            # nothing else charges, so the whole pass too (`whole_pass`)
+            t_bytes = t_body if whole_pass else max(t_body - t_calls, 1e-9)
             res[f"rows{m}"] = {"t_s": t_body, "t_calls_s": t_calls, "t_bytes_s": t_bytes, "t_head_s": t_head,
                                "flops": 2 * m * sum(a * b for a, b in shapes) * spec.n_layers}
         results[f] = res
@@ -500,7 +515,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         t_phase = time.perf_counter()
         sweeps.append(gemv_passes(spec, formats, min_bytes, device=device, fused=compiled, graphs=graphs))
         log(f"  ({time.perf_counter() - t_phase:.0f} s)")
-    passes = fastest_of_sweeps(sweeps, on_gpu=not on_cpu)
+    passes = fastest_of_sweeps(sweeps)
     for f in [f for f in passes if f.endswith(A8)]:
         if passes[f]["kernels"] == passes[f.removesuffix(A8)]["kernels"]:
             del passes[f]  # no such kernel on this CPU: the weight-only figures stand
@@ -518,8 +533,9 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
         spec, passes, bw, rates["bf16"], log, skel_lin, bw_at=lambda n: curve_bandwidth(curve, bw, n))
     if compiled:
         call_extra = {fam: 0.0 for fam in call_extra}
-    # a GPU's host queues the calls while the device streams (host_overlap): their growth is not the step's
-    per_seq = call_growth(passes, len(layer_shapes(spec)) * spec.n_layers, log) if on_cpu else {}
+    # the calls' growth per extra row where nothing else charges it: not on a GPU (its host queues the calls while
+    # the device streams, host_overlap), nor on the compiled CPU path (its whole passes hold their calls' time)
+    per_seq = call_growth(passes, len(layer_shapes(spec)) * spec.n_layers, log) if on_cpu and not compiled else {}
     comp_eff.setdefault("float", DEFAULT.compute_eff("float"))
     fewest = min((p["bytes"] for f, p in passes.items() if not f.startswith("lm_head")), default=0)
     head = passes.get("lm_head_bf16", {}).get("bytes", 0)  # every format's step reads the 16-bit head

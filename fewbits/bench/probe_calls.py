@@ -78,10 +78,11 @@ def linear_efficiencies(spec: ModelSpec, passes: dict[str, dict[str, Any]], bw: 
     return bw_eff, _clamp(h["bytes"] / h1 / beta(h)), comp_eff, call_extra, head_comp
 
 
-def fastest_of_sweeps(sweeps: list[dict[str, dict[str, Any]]], on_gpu: bool = False) -> dict[str, dict[str, Any]]:
+def fastest_of_sweeps(sweeps: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Several sweeps of `gemv_passes` (the same formats) as one: per format and rows, the fastest of the sweeps'
     passes, tiny calls and heads, each on its own (other processes only ever add time), and the bytes' share
-    taken again from those (`t_s - t_calls_s` on a CPU; on a GPU the whole pass, as `gemv_passes` gives it).
+    taken again from those as `gemv_passes` took it (`t_s - t_calls_s`; the whole pass where the format's
+    `whole_pass` says so: a GPU's, or a compiled CPU step's).
 
     One sweep samples each format within a second or two: on a shared host a slow moment there stayed in the
     profile (SmolLM2's 16-bit pass at 1 row: 10.05 ms of bytes in one probe, 7.85 in the one before it and
@@ -102,7 +103,7 @@ def fastest_of_sweeps(sweeps: list[dict[str, dict[str, Any]]], on_gpu: bool = Fa
                 if t in row:
                     row[t] = min(x[t] for x in runs)
             if "t_bytes_s" in row:
-                row["t_bytes_s"] = row["t_s"] if on_gpu else max(row["t_s"] - row["t_calls_s"], 1e-9)
+                row["t_bytes_s"] = row["t_s"] if r.get("whole_pass") else max(row["t_s"] - row["t_calls_s"], 1e-9)
             merged[key] = row
         out[f] = merged
     return out

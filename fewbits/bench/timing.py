@@ -17,6 +17,11 @@ import time
 from collections.abc import Callable
 
 STATS = {"min": min, "median": statistics.median}
+#: untimed decode steps after each prefill before `fewbits bench` times any (`fewbits.bench.decode`): a last-level
+#: cache takes a model's weights back over the first steps after anything else used it; two to five times the 6-10
+#: steps a small model's step took to settle on a 2-core Emerald Rapids Xeon (a working set near the cache's size
+#: takes up to ~30 passes, `fewbits.bench.machine.CURVE_PASSES`)
+WARMUP_STEPS = 32
 
 
 def _nothing() -> None:

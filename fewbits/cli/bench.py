@@ -6,6 +6,7 @@ import json
 
 import click
 
+from fewbits.bench.timing import WARMUP_STEPS
 from fewbits.files import check_output, write_text
 
 
@@ -46,6 +47,9 @@ def _drift_line(probed: float, now: float, when: str) -> str:
 @click.option("--batch", default="1,8", show_default=True)
 @click.option("--prompt", default="128,512", show_default=True)
 @click.option("--steps", type=int, default=8, show_default=True, help="timed decode steps per row")
+@click.option("--warmup", type=int, default=WARMUP_STEPS, show_default=True,
+              help="untimed decode steps after each prefill, before the timed ones (the last-level cache takes the "
+                   "weights back over the first steps: here up to 1.6x slower)")
 @click.option("--full", is_flag=True, help="every weight format with every KV format (default: each axis alone)")
 @click.option("--threads", type=int, default=0, help="torch threads (use the probe's)")
 @click.option("--rounds", type=int, default=1, show_default=True,
@@ -64,7 +68,7 @@ def _drift_line(probed: float, now: float, when: str) -> str:
               help="decode with the model's own eager forward instead of the compiled static-cache step")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), default=None, help="also write rows as JSON")
 def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch: str, prompt: str, steps: int,
-              full: bool, threads: int, rounds: int, device: str, lm_head: str | None, activations: str,
+              warmup: int, full: bool, threads: int, rounds: int, device: str, lm_head: str | None, activations: str,
               random_weights: bool, eager: bool, json_out: str | None) -> None:
     """Decode step time and tokens/s at each batch and prompt length, for the 16-bit model and each quantised
     weight format and KV-cache format, with the cost model's prediction and its error.  Decode runs the compiled
@@ -91,6 +95,8 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         raise click.BadParameter("--steps must be >= 1")
     if rounds < 1:
         raise click.BadParameter("--rounds must be >= 1")
+    if warmup < 0:
+        raise click.BadParameter("--warmup must be >= 0")
     try:
         dev = str(check_device(device))
     except ValueError as exc:
@@ -125,7 +131,7 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
             check_output(json_out, overwrite=True, kind="file")  # before the measuring
         rows = run_bench(model, prof, wl, kl, _ints(batch), _ints(prompt), steps, full, log=click.echo,
                          rounds=rounds, device=dev, random_weights=random_weights, lm_head=lm_head, eager=eager,
-                         activations=activations)
+                         activations=activations, warmup=warmup)
     except (BenchMemoryError, OSError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(summary(rows))

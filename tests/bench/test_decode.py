@@ -38,7 +38,8 @@ def rows(tmp_path_factory):
     prof = Profile(name="t", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
                    compute_efficiency={"float": 0.5}, overhead_s=1e-3, device=dev)
     out = run_bench(str(path), prof, weights=("bf16", "int8", "int4-g64"), kvs=("bf16", "int8"), batches=(1, 2),
-                    prompts=(8,), steps=2, log=lambda _: None, random_weights=True, device="cpu", eager=True)
+                    prompts=(8,), steps=2, warmup=3, log=lambda _: None, random_weights=True, device="cpu",
+                    eager=True)
     return {(r.weights, r.kv, r.batch): r for r in out}
 
 
@@ -60,8 +61,10 @@ def test_row_figures_are_consistent(rows):
         assert r.tokens_per_s == pytest.approx(r.batch * 1e3 / r.measured_ms)
         base = rows[("bf16", "bf16", r.batch)]
         assert r.speedup_vs_16bit == pytest.approx(base.measured_ms / r.measured_ms)
-    # the cache's true bytes: 2 layers x (K + V) x 2 KV heads x 16 dims x (8 prompt + 2 new) tokens x batch
-    assert rows[("bf16", "bf16", 1)].kv_bytes == 2 * 2 * 2 * 16 * 10 * 2
+    # the cache's true bytes: 2 layers x (K + V) x 2 KV heads x 16 dims x (8 prompt + 3 untimed + 2 timed
+    # new) tokens x batch
+    assert rows[("bf16", "bf16", 1)].kv_bytes == 2 * 2 * 2 * 16 * 13 * 2
+    assert all(r.warmup == 3 and r.steps == 2 for r in rows.values())
     assert rows[("bf16", "bf16", 2)].kv_bytes == 2 * rows[("bf16", "bf16", 1)].kv_bytes
     assert rows[("bf16", "int8", 1)].kv_bytes < rows[("bf16", "bf16", 1)].kv_bytes
 

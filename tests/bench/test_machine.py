@@ -23,7 +23,7 @@ def test_bandwidth_curve_sorted_with_memorys_point_and_non_increasing(monkeypatc
     from fewbits.bench import machine
 
     canned = {32 << 20: 40e9, 64 << 20: 45e9, 128 << 20: 30e9}
-    monkeypatch.setattr(machine, "memory_bandwidth", lambda n, trials=5, device="cpu": canned[n])
+    monkeypatch.setattr(machine, "steady_bandwidth", lambda n, passes=5, device="cpu": canned[n])
     got = machine.bandwidth_curve((128 << 20, 32 << 20, 64 << 20), memory=(1 << 30, 20e9))
     assert got == ((32 << 20, 45e9), (64 << 20, 45e9), (128 << 20, 30e9), (1 << 30, 20e9))
 
@@ -34,6 +34,16 @@ def test_bandwidth_curve_measures_this_machine():
     from fewbits.bench.machine import bandwidth_curve
 
     mem = memory_bandwidth(64 << 20, trials=2)
-    got = bandwidth_curve((8 << 20,), trials=2, memory=(64 << 20, mem))
+    got = bandwidth_curve((8 << 20,), passes=2, memory=(64 << 20, mem))
     assert [b for b, _ in got] == [8 << 20, 64 << 20] and got[-1][1] == mem
     assert all(1e8 < v < 1e13 for _, v in got)  # 0.1 GB/s .. 10 TB/s
+
+
+def test_steady_bandwidth_is_the_fastest_whole_pass(monkeypatch):
+    """The working set's bytes over the fastest of its passes, each pass timed whole (all its slices), not over the
+    fastest slice: a clock that reads 0, 3 (pass 1: 3 s), 3, 5 (pass 2: 2 s), 5, 9 (pass 3: 4 s)."""
+    from fewbits.bench import machine
+
+    ticks = iter([0.0, 3.0, 3.0, 5.0, 5.0, 9.0])
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(ticks))
+    assert machine.steady_bandwidth(8 << 20, passes=3, chunk=1 << 20) == (8 << 20) / 2.0

@@ -64,12 +64,14 @@ def _canned(monkeypatch):
                                         "int4-g64+a8": (2e6, 0.5e-3, 0.55e-3, 1e-4),
                                         "int8+a8": (4e6, 1e-3, 4e-3, 2.4e-4)}.items():
             if f in formats:
-                out[f] = {"kernels": ["k_a8" if f == "int4-g64+a8" else "k"], "bytes": nbytes,
+                c8 = tc + (1.4e-4 if f == "int8" else 0.0)
+                # the compiled CPU step's passes count whole, their calls included (`gemv_passes`)
+                out[f] = {"kernels": ["k_a8" if f == "int4-g64+a8" else "k"], "bytes": nbytes, "whole_pass": fused,
                           **({"pool_bytes": 32 << 20} if f.startswith("int4-g64") else {}),
-                          "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1, "flops": 1e6},
-                          "rows8": {"t_s": t8 + tc + (1.4e-4 if f == "int8" else 0.0),
-                                    "t_calls_s": tc + (1.4e-4 if f == "int8" else 0.0),
-                                    "t_bytes_s": t8, "flops": 8e6}}
+                          "rows1": {"t_s": t1 + tc, "t_calls_s": tc, "t_bytes_s": t1 + tc if fused else t1,
+                                    "flops": 1e6},
+                          "rows8": {"t_s": t8 + c8, "t_calls_s": c8, "t_bytes_s": t8 + c8 if fused else t8,
+                                    "flops": 8e6}}
         out["lm_head_bf16"] = {"bytes": 1e6, "rows1": {"t_s": 1e-3}, "rows8": {"t_s": 2e-3}}
         return out
 
@@ -112,7 +114,9 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     assert compiled.measured["decode_path"] == "compiled" and prof.measured["decode_path"] == "eager"
     # the KV rates are the attention's own timed steps, its maths included: no FLOP roofline over them
     assert compiled.kv_compute_measured and prof.kv_compute_measured and not DEFAULT.kv_compute_measured
-    assert compiled.call_overhead("int8") == 0.0 and compiled.bw_eff("int8") == prof.bw_eff("int8")
+    assert compiled.call_overhead("int8") == 0.0 and prof.call_overhead("int8") > 0
+    # and its passes count whole, their calls' time with their bytes' (eager: charged per call instead)
+    assert compiled.bw_eff("int8") == pytest.approx(4e6 / (1e-3 + 2.4e-4) / bw)
     # the 16-bit linears and the 16-bit LM head each at their own rate (not one blend of both)
     assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
     assert prof.head_eff() == pytest.approx(1e6 / 1e-3 / bw)
@@ -178,7 +182,7 @@ def test_probe_assembles_profile_and_plan_uses_it(tmp_path, monkeypatch):
     # batch 8: the fit's 1 ms per extra sequence, the refill of 7 more sequences' keys and values, and the int8
     # calls' own work per extra row: their tiny calls grew 0.14 ms from 1 to 8 rows, over 14 calls x 7 rows
     assert loaded.call_per_seq("int8") == pytest.approx(1.4e-4 / (14 * 7)) and loaded.call_per_seq("float") == 0
-    assert compiled.call_per_seq("int8") == loaded.call_per_seq("int8")
+    assert compiled.call_per_seq("int8") == 0.0  # its whole passes hold their calls' growth
     assert r8.overhead_s == pytest.approx(r.overhead_s + 7e-3 + 2 * 2e-5 * 7 * 129 * 2 * 2 * 16 * 2 / (1 << 21)
                                           + 1.4e-4)
 
@@ -382,6 +386,7 @@ def test_gemv_passes_time_whole_steps_with_the_models_input_shape(monkeypatch):
     assert 1 in per_sample  # and the head, once a sample
     r = res["bf16"]["rows8"]
     assert r["t_calls_s"] == pytest.approx(1e-3) and r["t_bytes_s"] == max(r["t_s"] - 1e-3, 1e-9)
+    assert res["bf16"]["whole_pass"] is False  # Python calls (the eager step's): charged per call, not as bytes
     assert res["lm_head_bf16"]["rows1"]["t_s"] == res["bf16"]["rows1"]["t_head_s"] > 0
     assert all(len(s) == 3 and s[1] == 1 and s[0] in (1, 8) for s in seen_shapes)
 
@@ -723,7 +728,8 @@ def test_call_growth_per_extra_row_and_family():
 
 def test_fastest_of_sweeps_keeps_each_timing_at_its_fastest_and_takes_the_bytes_again():
     """Passes, tiny calls and heads each keep their fastest sweep; the bytes' share is that pass less those calls
-    (a GPU's is the whole pass); sweeps over other formats, or none, are refused."""
+    (the whole pass where the sweep says so: a GPU's, a compiled CPU step's); sweeps over other formats, or none,
+    are refused."""
     from fewbits.bench.probe_calls import fastest_of_sweeps
 
     def sweep(t1, c1, h1, t8):
@@ -742,7 +748,8 @@ def test_fastest_of_sweeps_keeps_each_timing_at_its_fastest_and_takes_the_bytes_
     assert got["lm_head_bf16"]["rows1"]["t_s"] == 3e-4 and got["lm_head_bf16"]["rows8"]["t_s"] == 6e-4
     # the sweeps themselves are left as measured
     assert slow["bf16"]["rows1"]["t_s"] == 1.2e-3 and quick["bf16"]["rows1"]["t_calls_s"] == 2e-4
-    assert fastest_of_sweeps([slow, quick], on_gpu=True)["bf16"]["rows1"]["t_bytes_s"] == 1.0e-3
+    whole = [{f: {**r, "whole_pass": True} for f, r in sw.items()} for sw in (slow, quick)]
+    assert fastest_of_sweeps(whole)["bf16"]["rows1"]["t_bytes_s"] == 1.0e-3
     assert fastest_of_sweeps([slow]) == slow
     with pytest.raises(ValueError, match="different formats"):
         fastest_of_sweeps([slow, {"int8": quick["bf16"], "lm_head_bf16": quick["lm_head_bf16"]}])
@@ -770,7 +777,7 @@ def test_probe_sweeps_the_gemv_passes_and_keeps_the_fastest(monkeypatch):
     monkeypatch.setattr(probe, "gemv_passes", passes)
     prof = build_profile(TINY, weight_specs=("int8",), kv_specs=("bf16",), log=lambda _: None)
     assert len(calls) == probe.PASS_SWEEPS >= 2
-    assert prof.bw_eff("float") == pytest.approx(8e6 / 2e-3 / bw)
+    assert prof.bw_eff("float") == pytest.approx(8e6 / (2e-3 + 1e-4) / bw)  # compiled: the whole pass, its calls in
     sweeps = prof.measured["gemv_sweeps_t_s"]
     assert len(sweeps) == probe.PASS_SWEEPS and sweeps[0]["bf16"]["rows1"] == pytest.approx(3.1e-3)
     # every sweep keeps its compiled passes' graphs in one dict: the next sweep's sets call the same graphs
