@@ -174,13 +174,15 @@ def skeleton_linear_cost(spec: ModelSpec, context: int = 128, steps: int = 8, ro
     return max(best[0] - best[1], 0.0)
 
 
-def skeleton_rows_cost(model: torch.nn.Module, batches: tuple[int, ...], compiled: bool = True, rounds: int = 5,
+def skeleton_rows_cost(model: torch.nn.Module, batches: tuple[int, ...], compiled: bool = True, rounds: int = 30,
                        calls: int = 10) -> dict[int, dict[str, float]]:
     """{batch: {"head": s, "layer": s}}: seconds a call of the skeleton's own 16-bit LM head, and of one decoder
     layer's linears, takes with `batch` rows of x beyond the same number of calls of a tiny 16-bit linear
     (`fewbits.bench.probe.TINY`, one row: the cost of a call without its work; >= 0), called as its step calls
     them (compiled: `fewbits.decode.step.linear16`, eager: the module), fastest of `rounds` rounds of `calls`
-    calls, batches alternating.
+    calls, batches alternating (a fraction of a second: with 5 rounds one probe in four found SmolLM2's 16-bit head
+    at batch 1 200-217 us over its tiny call where the others found 111-128, and its skeleton's fixed cost went
+    with it, from ~0.65 to 0.09 ms a step; with 20, 117-121 us in four tries).
 
     The skeleton step would otherwise charge this work twice: its vocabulary-wide head makes batch x vocabulary
     outputs, each a sum and a store (~0.8 ms more at batch 8 than at batch 1 for SmolLM2's 49152 on an AVX2
