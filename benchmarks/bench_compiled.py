@@ -1,7 +1,9 @@
 """The compiled static-cache decode (`fewbits.decode`): speed per weight format, KV formats at long context,
 compile time cold and warm, greedy tokens against the eager path.  Ratios are taken side by side in one run,
 rows alternating round by round (a shared host's drift hits all rows alike); each row keeps its fastest step
-and its median.  Threads pinned (default 2).
+and its median, over the steps after `--warmup` untimed ones a round (`fewbits bench`'s 32 by default: the
+last-level cache takes a model's weights back over the first steps after a prefill; 0 times every step, as
+this script did before session 47).  Threads pinned (default 2).
 
     PYTHONPATH=. python benchmarks/bench_compiled.py speed  [--model smollm2-135m] [--weights bf16,int8,int4-g64]
                                                             [--lm-head same|none|FORMAT] [--kv bf16,int4-r16:where]
@@ -86,9 +88,12 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
     """Decode every (weights, kv, batch, prompt) row once per round, rounds alternating; print tok/s.  With
     --cpu-rows each row runs once per variant, on a model of its own loaded (kernels chosen) and compiled
     under that variant's FEWBITS_CPU_ROWS."""
+    from fewbits.bench.timing import WARMUP_STEPS
     from fewbits.decode import cache
     from fewbits.decode.generate import generate_static
     from fewbits.generate import generate
+
+    warmup = WARMUP_STEPS if args.warmup is None else args.warmup
 
     run = generate if args.eager else generate_static
     native_append, append_always = cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW
@@ -109,13 +114,14 @@ def _rows(args: argparse.Namespace, rows: list[tuple[str, str, int, int]]) -> No
             cache.APPEND_WITHOUT_WINDOW = kv.endswith(":append")  # int8:append: FEWBITS_KV_APPEND=always's
             try:
                 with _cpu_rows(v):
-                    res = run(models[(w, v)], ids, args.steps + 1,
+                    res = run(models[(w, v)], ids, warmup + args.steps + 1,
                               kv=kv.removesuffix(":where").removesuffix(":append"))
             finally:
                 cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW = native_append, append_always
-            times[r] += res.decode_step_s
+            timed = res.decode_step_s[warmup:]
+            times[r] += timed
             compile_s[r] = compile_s.get(r, 0.0) + res.compile_s
-            med = statistics.median(res.decode_step_s) * 1e3
+            med = statistics.median(timed) * 1e3
             print(f"  round {rnd}: {w} kv {kv} batch {b} prompt {p}: {med:.2f} ms median step "
                   f"(compile {res.compile_s:.1f} s)", flush=True)
     base = {}
@@ -317,6 +323,8 @@ def main() -> None:
     ap.add_argument("--batch", default=None, help="default 1,8 (speed), 1 (kv)")
     ap.add_argument("--prompt", default=None)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="speed/kv: untimed steps after each prefill (default fewbits bench's, 32)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-n", type=int, default=64, help="tokens: greedy tokens compared")
     ap.add_argument("--threads", type=int, default=2)
