@@ -15,6 +15,13 @@ from fewbits.bench.timing import time_call
 from fewbits.generate import synchronizer
 
 
+def _slices(nbytes: int, device: str | torch.device, chunk: int) -> tuple[list[torch.Tensor], Any]:
+    """A buffer of `nbytes` of fp32 ones on `device` as its `chunk`-byte slices in order, and the device's sync."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    per = max(1, min(nbytes, chunk) // 4)
+    return [x[i:i + per] for i in range(0, x.numel(), per)], synchronizer(device)
+
+
 def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch.device = "cpu",
                      chunk: int = 16 << 20) -> float:
     """Bytes/s of a read-only sum over `nbytes` on `device`: the fastest of the sums over its `chunk`-byte
@@ -23,12 +30,10 @@ def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch
     which the fastest counts, as `timing.py` takes them: on a host that other processes share, a sum over the
     whole buffer is almost never left alone for its whole length (here 1-2 GB/s in one sum of 1 GiB under
     load, against 11 GB/s in slices of 16 MiB)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    sync = synchronizer(device)
-    x.sum()
+    parts, sync = _slices(nbytes, device, chunk)
+    for p in parts:  # once untimed
+        p.sum()
     sync()
-    per = max(1, min(nbytes, chunk) // 4)
-    parts = [x[i:i + per] for i in range(0, x.numel(), per)]
     best = 0.0
     for _ in range(trials):
         for p in parts:
@@ -41,15 +46,17 @@ def memory_bandwidth(nbytes: int = 1 << 30, trials: int = 5, device: str | torch
 
 #: working-set sizes of the bandwidth curve, MiB (the 1 GiB point is `memory_bandwidth`'s own): finer around
 #: 100-200 MiB, where the knee of a server's last-level cache lies (a working set read over and over in the same
-#: order, as a decode step reads its weights, falls from cache speed to memory's within ~50% more bytes: here
-#: 40 GB/s at 96 MiB, 25 at 160 MiB, where 128 and 256 MiB alone had put 163 MiB at ~43)
+#: order, as a decode step reads its weights, falls from cache speed to memory's within ~50% more bytes: here,
+#: over a set's first passes, 40 GB/s at 96 MiB, 25 at 160 MiB, where 128 and 256 MiB alone had put 163 MiB at
+#: ~43; settled, see `CURVE_PASSES`, 54-57 and 46-54)
 CURVE_SIZES = tuple(n << 20 for n in (32, 48, 64, 96, 128, 160, 192, 256, 384, 512))
 #: passes over each working set of the curve.  A last-level cache takes a set it is asked for again and again over
 #: tens of passes, not at once: a 2-core Emerald Rapids Xeon (300 MiB of L3 shared with other machines) read
 #: 128 MiB at 15-31 GB/s over its first ten passes and at 44-49 from the twelfth on, 160 MiB at 24-30 and then
 #: 40-43 from the twentieth or thirtieth, 384 MiB at 27-28 throughout (scratch of session 47); the first five
-#: passes alone had put 160 MiB at 26.5 GB/s, and the int8 SmolLM2 step that settles at ~38 GB/s over its 163 MB
-#: 50% slower than it runs.  A decode re-reads its weights every step for as many steps as it generates.
+#: passes alone had put 160 MiB at 26.5 GB/s, and with it predicted the int8 SmolLM2 step, which settles at ~38
+#: GB/s over its 163 MB, 50% slower than it ran.  A decode re-reads its weights every step for as many steps as it
+#: generates.
 CURVE_PASSES = 60
 
 
@@ -59,10 +66,7 @@ def steady_bandwidth(nbytes: int, passes: int = CURVE_PASSES, device: str | torc
     `chunk`-byte slices one after the other (as a step reads its layers): the rate a working set reaches once
     the caches have taken it (`CURVE_PASSES`).  A whole pass, not its fastest slice: a step's time is its whole
     pass, and a slice of a set at the cache's knee is read at up to 20% more than the pass around it."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    sync = synchronizer(device)
-    per = max(1, min(nbytes, chunk) // 4)
-    parts = [x[i:i + per] for i in range(0, x.numel(), per)]
+    parts, sync = _slices(nbytes, device, chunk)
     best = float("inf")
     for _ in range(passes):
         t0 = time.perf_counter()
@@ -70,7 +74,7 @@ def steady_bandwidth(nbytes: int, passes: int = CURVE_PASSES, device: str | torc
             p.sum()
         sync()
         best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
+    return sum(p.numel() for p in parts) * 4 / best
 
 
 def bandwidth_curve(sizes: tuple[int, ...] = CURVE_SIZES, passes: int = CURVE_PASSES,
