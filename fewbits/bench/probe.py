@@ -128,6 +128,22 @@ PASS_SWEEPS = 2
 PASS_ROUNDS = 80
 
 
+#: how far the memory read at the probe's end may lie from the one at its start before the probe says the host moved
+DRIFT = 0.10
+
+
+def drift_line(start: float, end: float) -> str:
+    """The probe's last line about the host: memory read at its end against its start, and a warning where they
+    differ by more than `DRIFT` (a shared host's load moves within minutes: one probe here read 22.1 GB/s where
+    the others read 27.6-29.8, ran the int4-g64 8-row pass at twice their time, and predicted its benches up to
+    50% slow; its figures then describe a machine the bench does not find)."""
+    ratio = end / start
+    return (f"memory read at the end: {end / 1e9:.1f} GB/s, {ratio:.2f}x the start's {start / 1e9:.1f} GB/s"
+            + ("" if abs(ratio - 1) <= DRIFT else
+               " (the host moved during the probe, e.g. other processes' load: its figures mix two machines; "
+               "probe again at a quieter moment)"))
+
+
 def sixteen_bit_peaks(rates: dict[str, float], device: str | torch.device) -> dict[str, float]:
     """The matmul rates the cost model uses as peaks: on a CPU, bf16 and fp16 at least the fp32 rate.  fewbits'
     CPU decode kernels (`fewbits.kernels.rows`, `cpu_int4`) widen 16-bit and integer weights to fp32 where the
@@ -542,6 +558,8 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     evicted = all(r.get("cache_evicted", False) for r in kv.values())  # its cache read from memory: beta
     fields = step_profile_fields(spec, kv, bw, log, bw_at=None if evicted else lambda n: curve_bandwidth(curve, bw, n),
                                  weight_bytes=fewest + head)
+    bw_end = memory_bandwidth(bandwidth_bytes, device=device)
+    log(drift_line(bw, bw_end))
     peak = {k: v for k, v in rates.items() if k in ("bf16", "fp16", "fp32")}
     for low in ("int8", "fp8"):  # low-precision units count only where they beat 16-bit maths
         if rates.get(low, 0) > rates["bf16"]:
@@ -551,7 +569,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
                      source=f"fewbits probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     measured = {"model": spec.name, "host": platform.node(), "torch": torch.__version__, "device": str(device),
                 "threads": torch.get_num_threads(), "decode_path": "compiled" if compiled else "eager",
-                "bandwidth": bw, "matmul_flops": measured_rates,
+                "bandwidth": bw, "bandwidth_end": bw_end, "matmul_flops": measured_rates,
                 "gemv_passes": passes,
                 "gemv_sweeps_t_s": [{f: {k: v["t_s"] for k, v in r.items() if k.startswith("rows")}
                                      for f, r in sw.items()} for sw in sweeps],

@@ -783,3 +783,22 @@ def test_probe_sweeps_the_gemv_passes_and_keeps_the_fastest(monkeypatch):
     # every sweep keeps its compiled passes' graphs in one dict: the next sweep's sets call the same graphs
     assert len(_canned.graphs) == probe.PASS_SWEEPS and all(g is _canned.graphs[0] for g in _canned.graphs)
     assert isinstance(_canned.graphs[0], dict)
+
+
+def test_probe_reads_memory_again_at_its_end_and_says_when_the_host_moved(monkeypatch):
+    """A host whose load changed during the probe is named in its log, and both reads are kept in the profile; a
+    steady one gets the plain line."""
+    from fewbits.bench import probe
+
+    bw = _canned(monkeypatch)
+    lines: list[str] = []
+    prof = build_profile(TINY, weight_specs=("int8",), kv_specs=("bf16",), log=lines.append)
+    assert prof.measured["bandwidth_end"] == prof.measured["bandwidth"] == bw
+    assert "1.00x the start's" in lines[-1] and "moved" not in lines[-1]
+    reads = iter([bw, 0.8 * bw])  # the end read 20% slower
+    monkeypatch.setattr(probe, "memory_bandwidth", lambda nbytes=0, device="cpu": next(reads))
+    lines.clear()
+    prof = build_profile(TINY, weight_specs=("int8",), kv_specs=("bf16",), log=lines.append)
+    assert prof.measured["bandwidth"] == bw and prof.measured["bandwidth_end"] == pytest.approx(0.8 * bw)
+    assert "0.80x the start's" in lines[-1] and "the host moved during the probe" in lines[-1]
+    assert prof.device.bandwidth == bw  # the profile's figures stay the start's, which the curve was read beside
