@@ -5,7 +5,8 @@ What is measured (the fastest of interleaved samples, see `timing.py`):
 1. memory bandwidth: a read-only reduction over a buffer larger than the last-level cache
    (best of several trials, the roofline's beta), and over working sets of 32-512 MiB (`bandwidth_curve`:
    a step whose weights fit the last-level cache re-reads them from there, here 53 GB/s at 64 MiB against
-   25 GB/s from memory; each set's fastest of 60 passes, as the cache takes a set over tens of them);
+   25 GB/s from memory; each set's fastest of 60 passes, as the cache takes a set over tens of them); memory is
+   read again at the probe's end, and a host whose load moved between the two reads is named (`drift_line`);
 2. matmul rate per precision: a square GEMM in fp32, bf16, fp16 and int8 (``torch._int_mm``);
 3. GEMV per weight format at the model's decode shapes: every linear layer of the model, then the LM head
    (in bf16 as fewbits keeps it, timed apart), once per sample over one copy of the model's weights as the
