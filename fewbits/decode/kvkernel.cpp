@@ -595,6 +595,15 @@ at::Tensor attend_kv(const at::Tensor& q_in, double scale, int64_t bits, int64_t
           for (int64_t r = 0; r < R; ++r) to_planes(qh + r * D, qpl + r * D);
         in_planes = true;
         to_planes(sgf, sgp);
+#if defined(FEWBITS_KV_I16) && defined(FEWBITS_KV_AVX512)
+        if (qs && D % 16 == 0) {  // all the heads' scaled queries in one pass of 512-bit vectors
+          for (int64_t r = 0; r < R; ++r) bias[r] = dot(qh + r * D, mgf, D);
+          head_passes(R, [&](int64_t r0, auto RR) {
+            scaled_query_i16<RR.value>(qpl + r0 * D, sgp, D, qp + r0 * D, q16 + r0 * D, qs + r0);
+          });
+          return;
+        }
+#endif
         for (int64_t r = 0; r < R; ++r) {
           bias[r] = dot(qh + r * D, mgf, D);
           const float* ql = qpl + r * D;
