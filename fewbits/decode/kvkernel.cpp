@@ -322,6 +322,8 @@ void int_values(const uint8_t* rows, int64_t nb, int64_t gv, int64_t n, const in
     if constexpr (BITS == 8) {
       if (D % 32 == 0) return values_i8_heads<RR.value>(reinterpret_cast<const int8_t*>(rows), D, n, wr, stride, a);
     } else if (nb % 32 == 0) {
+      if (gv % (16 * (8 / BITS)) == 0)
+        return values_codes_heads<BITS, RR.value, true>(rows, nb, gv, n, wr, stride, gstride, D, a);
       return values_codes_heads<BITS, RR.value>(rows, nb, gv, n, wr, stride, gstride, D, a);
     }
 #endif
