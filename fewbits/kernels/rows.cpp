@@ -105,6 +105,27 @@ inline void channel_blocks(int64_t n0, int64_t n1, float* __restrict out, int64_
   for (; n < n1; ++n) one(std::integral_constant<int, 1>{}, n);
 }
 
+// One row of x: a thread's channels read as ROW1_STREAMS runs of consecutive weight rows, far apart in memory, a row
+// of each in turn, with no software prefetch.  One run (one sequential stream a thread) left the memory idle
+// between the hardware prefetcher's requests: on an AVX2 EPYC (Zen 3, 2 threads), a row at a time over one run read
+// 27-31 GB/s where a plain sum of the same memory read 34-36; four runs, measured against the one-run build in
+// one process (alternating rounds, the fastest call of each, bf16 and int8 weights, SmolLM2's layers rotated over
+// 128 MB of copies and both LM heads from memory): 1.04-1.46x, Gemma-3's 335 MB bf16 head 27-28 -> 35-40 GB/s;
+// two runs 1.04-1.36x, eight 0.86-1.15x, the row prefetch kept beside four runs 0.94-1.45x.  Paths bound by their
+// instructions rather than the memory lose by it and stay one run: fp8 weights (0.96-0.99x) and q4_mm's one-row
+// int4 path (0.78-0.96x).
+constexpr int ROW1_STREAMS = 4;
+
+// f(n) for every n in n0 .. n1 - 1, in ROW1_STREAMS runs taken a row of each in turn
+template <class F>
+inline void row1_streams(int64_t n0, int64_t n1, F f) {
+  const int64_t len = (n1 - n0) / ROW1_STREAMS;
+  for (int64_t i = 0; i < len; ++i)
+#pragma GCC unroll 4
+    for (int s = 0; s < ROW1_STREAMS; ++s) f(n0 + s * len + i);
+  for (int64_t n = n0 + ROW1_STREAMS * len; n < n1; ++n) f(n);
+}
+
 #ifdef ROWS_AVX2
 // ---------------------------------------------------------------- AVX2 + FMA (no AVX-512): 8 columns a step
 // bf16, fp16 or int8 weights widened to fp32 and multiplied with x in fp32 (M x K), as the AVX-512 int8 path.
@@ -166,15 +187,15 @@ inline void block_avx2(const float* __restrict x, int64_t K, const char* w, int6
 }
 
 // one row of x: one weight row at a time, four FMA chains.  Reading several weight rows side by side (as more
-// rows of x need, to reuse each loaded weight vector) makes as many interleaved streams, which the hardware
-// prefetchers of an AVX2 EPYC follow at half the memory's speed; one row at a time is one sequential stream.
+// rows of x need, to reuse each loaded weight vector) makes as many interleaved streams a few hundred bytes apart,
+// which the hardware prefetchers of an AVX2 EPYC follow at half the memory's speed; one row at a time reads each
+// row as one sequential run (and row1_streams keeps four such runs, far apart, going at once).
 template <Kind KIND>
 inline float row1_avx2(const float* __restrict x, int64_t K, const char* w, int64_t ld_bytes) {
   constexpr int64_t ESZ = esz(KIND);
   __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
-    if ((k * ESZ) % 64 == 0) _mm_prefetch(w + PREFETCH_ROWS * ld_bytes + k * ESZ, _MM_HINT_T1);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j)
       acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8 * j), widen8<KIND>(w, k + 8 * j), acc[j]);
@@ -229,6 +250,22 @@ void tiles_avx2(const float* x, const char* w, int64_t ld_bytes, int64_t K, int6
 template <int M>
 void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64_t K, int64_t n0, int64_t n1,
                float* __restrict out, int64_t N) {
+  if constexpr (M == 1) {
+    auto run = [&](auto ktag) {
+      constexpr Kind KIND = decltype(ktag)::value;
+      auto one = [&](int64_t n) { out[n] = row1_avx2<KIND>(x, K, w + n * ld_bytes, ld_bytes); };
+      if constexpr (KIND == E4M3 || KIND == E5M2)  // bound by widening the codes: in order (0.96-0.99x in runs)
+        for (int64_t n = n0; n < n1; ++n) one(n);
+      else
+        row1_streams(n0, n1, one);
+    };
+    if (kind == BF16) run(std::integral_constant<Kind, BF16>{});
+    else if (kind == F16) run(std::integral_constant<Kind, F16>{});
+    else if (kind == E4M3) run(std::integral_constant<Kind, E4M3>{});
+    else if (kind == E5M2) run(std::integral_constant<Kind, E5M2>{});
+    else run(std::integral_constant<Kind, I8>{});
+    return;
+  }
   if constexpr (M >= 7) {
     if (M * K * 4 > L1_X_BYTES) {
       if (kind == BF16) tiles_avx2<BF16, M>(x, w, ld_bytes, K, n0, n1, out, N);
@@ -242,13 +279,7 @@ void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64
   channel_blocks<M, chans2<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     constexpr int RR = decltype(rtag)::value;
     const char* wn = w + n * ld_bytes;
-    if constexpr (M == 1) {
-      if (kind == BF16) acc[0] = row1_avx2<BF16>(x, K, wn, ld_bytes);
-      else if (kind == F16) acc[0] = row1_avx2<F16>(x, K, wn, ld_bytes);
-      else if (kind == E4M3) acc[0] = row1_avx2<E4M3>(x, K, wn, ld_bytes);
-      else if (kind == E5M2) acc[0] = row1_avx2<E5M2>(x, K, wn, ld_bytes);
-      else acc[0] = row1_avx2<I8>(x, K, wn, ld_bytes);
-    } else if (kind == BF16) block_avx2<BF16, M, RR>(x, K, wn, ld_bytes, acc);
+    if (kind == BF16) block_avx2<BF16, M, RR>(x, K, wn, ld_bytes, acc);
     else if (kind == F16) block_avx2<F16, M, RR>(x, K, wn, ld_bytes, acc);
     else if (kind == E4M3) block_avx2<E4M3, M, RR>(x, K, wn, ld_bytes, acc);
     else if (kind == E5M2) block_avx2<E5M2, M, RR>(x, K, wn, ld_bytes, acc);
@@ -675,19 +706,17 @@ inline float row1_x16(const int16_t* xq, const float* xd, int64_t K, const int8_
 }
 #define ROWS_X16_4 1
 #else
-// one int8 weight row (K a multiple of 32) times x's int16 blocks; two FMA chains, one weight row at a time (one
-// sequential stream, as row1_avx2 / row1_avx512), the row PREFETCH_ROWS ahead prefetched
+// one int8 weight row (K a multiple of 32) times x's int16 blocks; two FMA chains, one weight row at a time (rows
+// in row1_streams' order, as row1_avx2)
 inline float row1_x16(const int16_t* xq, const float* xd, int64_t K, const int8_t* w, int64_t ld) {
   __m256 f0 = _mm256_setzero_ps(), f1 = _mm256_setzero_ps();
   const int64_t nb = K / 32;
   int64_t b = 0;
   for (; b + 2 <= nb; b += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T1);
     f0 = x16_block_sum(xq, xd, w, b, f0);
     f1 = x16_block_sum(xq, xd, w, b + 1, f1);
   }
   if (b < nb) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_ROWS * ld + 32 * b), _MM_HINT_T1);
     f0 = x16_block_sum(xq, xd, w, b, f0);
   }
   const __m256 f = _mm256_add_ps(f0, f1);
@@ -1104,9 +1133,13 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 #ifdef ROWS_X16_4
         for (; n + 4 <= n1; n += 4)
           rows_x16_512<4>(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + n * ld, ld, out + n);
-#endif
         for (; n < n1; ++n)
           out[n] = row1_x16(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + n * ld, ld);
+#else
+        row1_streams(n, n1, [&](int64_t c) {
+          out[c] = row1_x16(xq.data(), xd.data(), K, reinterpret_cast<const int8_t*>(W) + c * ld, ld);
+        });
+#endif
       });
       done = true;
     }
