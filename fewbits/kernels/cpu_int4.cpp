@@ -703,6 +703,13 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
           const __m256i xv = _mm256_set1_epi32(pair);
           acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(w0, xv));
           acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(w1, xv));
+          // the sums a chain in a register each (as block_a8_avx2's): GCC otherwise reassociates the unrolled
+          // integer adds into a tree over a block's 32 products, whose partial products spill to the stack (the
+          // one-row operator 1.04-1.26x with the chains, from memory: bench_cpu_int4.py --rows 1 --kernels q4
+          // --baseline, AVX2 EPYC).  Tried beside it there and not kept: vpmaddubsw on x's low and high bytes
+          // (half the multiplies, the same exact sums) 0.89-1.10x; the blocks in 2 or 4 runs far apart (as
+          // rows.cpp's row1_streams) 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2, 1.00-1.15x
+          asm volatile("" : "+x"(acc[0]), "+x"(acc[1]));
         }
       }
       const __m256 dv = _mm256_set1_ps(q.d[m * nb + xb]);
