@@ -110,10 +110,10 @@ inline void channel_blocks(int64_t n0, int64_t n1, float* __restrict out, int64_
 // between the hardware prefetcher's requests: on an AVX2 EPYC (Zen 3, 2 threads), a row at a time over one run read
 // 27-31 GB/s where a plain sum of the same memory read 34-36; four runs, measured against the one-run build in
 // one process (alternating rounds, the fastest call of each, bf16 and int8 weights, SmolLM2's layers rotated over
-// 128 MB of copies and both LM heads from memory): 1.04-1.46x, Gemma-3's 335 MB bf16 head 27-28 -> 35-40 GB/s;
-// two runs 1.04-1.36x, eight 0.86-1.15x, the row prefetch kept beside four runs 0.94-1.45x.  Paths bound by their
-// instructions rather than the memory lose by it and stay one run: fp8 weights (0.96-0.99x) and q4_mm's one-row
-// int4 path (0.78-0.96x).
+// 128 MB of copies and both LM heads from memory): 1.04-1.46x (a second run 0.98-1.54x), Gemma-3's 335 MB bf16
+// head 27-28 -> 35-40 GB/s; two runs 1.04-1.36x, eight 0.86-1.15x, the row prefetch kept beside four runs
+// 0.94-1.45x.  Paths bound by their instructions rather than the memory lose by it and stay one run: fp8 weights
+// (0.96-0.99x) and q4_mm's one-row int4 path (0.85-1.05x).
 constexpr int ROW1_STREAMS = 4;
 
 // f(n) for every n in n0 .. n1 - 1, in ROW1_STREAMS runs taken a row of each in turn
