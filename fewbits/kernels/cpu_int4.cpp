@@ -707,8 +707,9 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
           // integer adds into a tree over a block's 32 products, whose partial products spill to the stack (the
           // one-row operator 1.04-1.26x with the chains, from memory: bench_cpu_int4.py --rows 1 --kernels q4
           // --baseline, AVX2 EPYC).  Tried beside it there and not kept: vpmaddubsw on x's low and high bytes
-          // (half the multiplies, the same exact sums) 0.89-1.10x; the blocks in 2 or 4 runs far apart (as
-          // rows.cpp's row1_streams) 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2, 1.00-1.15x
+          // (half the multiplies, the same exact sums) 0.89-1.10x; the blocks in 2 runs far apart (as rows.cpp's
+          // row1_streams) 0.95-1.16x, in 4 runs 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2,
+          // 0.98-1.15x (scratch A/B of builds in one process, the same host)
           asm volatile("" : "+x"(acc[0]), "+x"(acc[1]));
         }
       }
