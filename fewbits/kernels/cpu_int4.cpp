@@ -644,7 +644,11 @@ void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt
 // of its row in nibble j, so (lane >> 4 j) & 0x000F000F are the int16 pair that multiplies the broadcast pair
 // (q_2j, q_2j+1), summed exactly in int32 (a block: <= 32 * 15 * 2^15); one convert and FMA by d per block.
 // On AVX2 (vpmaddwd), per 128 weights of a row: 36 instructions against the fp32 path's 58 (AND, convert, FMA
-// per 8).  With AVX512-VNNI (vpdpwssd) the same pairs meet x 16 output rows at a time (block_x16_512).  One row
+// per 8); fewer with nibbles 0 and 3 unshifted (d & 0x000F000F, and d >> 12 per 16-bit word, which needs no mask)
+// and nibbles 1 and 2 from one shift by 4 (nibble 2 masked in place, so 16 times its code, summed in an int32
+// chain of its own, shifted right by 4 per block: exact, a multiple of 16 below 2^26): 5 shifts and masks per
+// half chunk instead of 7, bit for bit the same sums, 1.02-1.07x the one-row operator on the AVX2 EPYC in cache
+// and from memory (SmolLM2's and Gemma-3's int4-g64 layers, builds side by side in one process).  With AVX512-VNNI (vpdpwssd) the same pairs meet x 16 output rows at a time (block_x16_512).  One row
 // only (X16_MAX_ROWS).
 @X16_BLOCK@
 struct X16 {
@@ -676,7 +680,7 @@ bool quantize_x16(const uint16_t* x, int64_t M, int64_t K, int64_t group, int16_
 #if FB_AVX2
 // one row m of x (int16, X16) times block b's 16 output rows; both chunk halves share x's broadcasts
 void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
-  const __m256i low4 = _mm256_set1_epi32(0x000F000F);
+  const __m256i low4 = _mm256_set1_epi32(0x000F000F), mid4 = _mm256_set1_epi32(0x00F000F0);
   const uint16_t* cb = a.codes + b * (a.K / KC) * 32;
   const int64_t nb = a.K / 32, bpg = a.group / 32;
   const float off = float(1 << (a.bits - 1));
@@ -686,35 +690,39 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
     __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int64_t xb = g * bpg; xb < (g + 1) * bpg; ++xb) {
       __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+      __m256i a16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
       const uint16_t* cx = cb + xb * 4 * 32;
       for (int p = 0; p < 4; ++p)
         _mm_prefetch(reinterpret_cast<const char*>(cx + (PREFETCH_CHUNKS + p) * 32), _MM_HINT_T0);
 #pragma GCC unroll 4
       for (int cc = 0; cc < 4; ++cc) {
-        const __m256i d0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cx + cc * 32));
-        const __m256i d1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cx + cc * 32 + 16));
-        const int64_t col = xb * 32 + cc * KC;
-#pragma GCC unroll 4
+        const int16_t* xc = xr + xb * 32 + cc * KC;
+        __m256i xv[4];
         for (int j = 0; j < 4; ++j) {
-          const __m256i w0 = _mm256_and_si256(_mm256_srli_epi32(d0, 4 * j), low4);
-          const __m256i w1 = _mm256_and_si256(_mm256_srli_epi32(d1, 4 * j), low4);
           int32_t pair;
-          std::memcpy(&pair, xr + col + 2 * j, 4);
-          const __m256i xv = _mm256_set1_epi32(pair);
-          acc[0] = _mm256_add_epi32(acc[0], _mm256_madd_epi16(w0, xv));
-          acc[1] = _mm256_add_epi32(acc[1], _mm256_madd_epi16(w1, xv));
-          // the sums a chain in a register each (as block_a8_avx2's): GCC otherwise reassociates the unrolled
-          // integer adds into a tree over a block's 32 products, whose partial products spill to the stack (the
-          // one-row operator 1.04-1.26x with the chains, from memory: bench_cpu_int4.py --rows 1 --kernels q4
-          // --baseline, AVX2 EPYC).  Tried beside it there and not kept: vpmaddubsw on x's low and high bytes
-          // (half the multiplies, the same exact sums) 0.89-1.10x; the blocks in 2 runs far apart (as rows.cpp's
-          // row1_streams) 0.95-1.16x, in 4 runs 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2,
-          // 0.98-1.15x (scratch A/B of builds in one process, the same host)
-          asm volatile("" : "+x"(acc[0]), "+x"(acc[1]));
+          std::memcpy(&pair, xc + 2 * j, 4);
+          xv[j] = _mm256_set1_epi32(pair);
         }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cx + cc * 32 + 16 * h));
+          const __m256i t = _mm256_srli_epi16(d, 4);
+          acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_and_si256(d, low4), xv[0]));
+          acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_and_si256(t, low4), xv[1]));
+          a16[h] = _mm256_add_epi32(a16[h], _mm256_madd_epi16(_mm256_and_si256(t, mid4), xv[2]));
+          acc[h] = _mm256_add_epi32(acc[h], _mm256_madd_epi16(_mm256_srli_epi16(d, 12), xv[3]));
+        }
+        // the sums a chain in a register each (GCC otherwise reassociates the unrolled adds into a tree whose
+        // partial sums spill to the stack: 1.04-1.26x with the chains, bench_cpu_int4.py --rows 1 --kernels q4
+        // --baseline, AVX2 EPYC).  Tried beside it there and not kept: vpmaddubsw on x's low and high bytes (half
+        // the multiplies, the same exact sums) 0.89-1.10x; the blocks in 2 runs far apart (as rows.cpp's
+        // row1_streams) 0.95-1.16x, in 4 runs 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2,
+        // 0.98-1.15x (scratch A/B of builds in one process, the same host)
+        asm volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(a16[0]), "+x"(a16[1]));
       }
       const __m256 dv = _mm256_set1_ps(q.d[m * nb + xb]);
-      for (int h = 0; h < 2; ++h) f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h]), dv, f[h]);
+      for (int h = 0; h < 2; ++h)
+        f[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[h], _mm256_srai_epi32(a16[h], 4))), dv, f[h]);
     }
     const int64_t ti = (b * a.G + g) * R;
     for (int h = 0; h < 2; ++h) {  // s * (sum c x - (2^(bits-1) + zero) * sum x)
