@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 #include <type_traits>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define FB_FAST 1
@@ -69,6 +70,8 @@ struct Args {
   const float* xsum;      // (M, G) group sums of x, or nullptr
   uint16_t* y;            // (M, N) bf16 bits
 };
+
+@SCRATCH@
 
 // f(std::integral_constant<int, T>{}) with T = mt for 1 <= mt <= N, else N: a tile's rows as a template argument
 template <int N, typename F>
@@ -873,20 +876,18 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   // AVX-512 vdpbf16ps)
   const int64_t x16_rows = avx2 ? X16_MAX_ROWS : (amx_here ? AMX_MIN_ROWS - 1 : X16_512_MAX_ROWS);
   bool x16 = (avx2 || (fast && FB_X16_512)) && (path == 0 || path == 5) && M <= x16_rows && a.group % 32 == 0;
-  std::vector<int16_t> x16q;
-  std::vector<float> x16d, x16s;
-  if (x16) {
-    x16q.resize(M * a.K); x16d.resize(M * (a.K / 32)); x16s.resize(M * a.G);
-    x16 = quantize_x16(a.x, M, a.K, a.group, x16q.data(), x16d.data(), x16s.data());
-  }
+  Scratch<int16_t, 0> x16q(x16 ? M * a.K : 0);
+  Scratch<float, 1> x16d(x16 ? M * (a.K / 32) : 0);
+  Scratch<float, 2> x16s(x16 ? M * a.G : 0);
+  if (x16) x16 = quantize_x16(a.x, M, a.K, a.group, x16q.data(), x16d.data(), x16s.data());
   const X16 xq16{x16q.data(), x16d.data(), x16s.data()};
   if (x16) avx2 = false;
 #else
   const bool x16 = false;
 #endif
-  std::vector<float> xs;
-  if ((a.zeros || avx2) && !a8 && !x16) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
-    xs.resize(M * a.G);
+  const bool sums = (a.zeros || avx2) && !a8 && !x16;
+  Scratch<float, 3> xs(sums ? M * a.G : 0);
+  if (sums) {  // the group sums of x, for the zero term (and the AVX2 path's uncentred codes)
     const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < a.G; ++g) {
@@ -898,11 +899,11 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   }
   const bool amx = amx_here && M >= AMX_MIN_ROWS && !x16;
 #if FB_A8
-  std::vector<int8_t> xq;
-  std::vector<float> xsb, qsum;
+  Scratch<int8_t, 4> xq(a8 ? M * a.K : 0);
+  Scratch<float, 5> xsb(a8 ? M * (a.K / 32) : 0);
+  Scratch<float, 6> qsum(a8 ? M * a.G : 0);
   A8 q{};
   if (a8) {
-    xq.resize(M * a.K); xsb.resize(M * (a.K / 32)); qsum.resize(M * a.G);
     quantize_x(a.x, M, a.K, a.group, xq.data(), xsb.data(), qsum.data());
     q = A8{xq.data(), xsb.data(), qsum.data()};
   }
@@ -910,9 +911,8 @@ at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tens
   (void)amx;
   (void)avx2;
 #if FB_AVX2
-  std::vector<float> x32;
+  Scratch<float, 7> x32(avx2 ? M * a.K : 0);
   if (avx2) {
-    x32.resize(M * a.K);
     scaled_x(a.x, M, a.K, x32.data());
   }
 #endif

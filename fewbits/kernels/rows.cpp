@@ -764,37 +764,7 @@ using RowsFn = void (*)(const void*, const char*, int64_t, Kind, int64_t, int64_
 constexpr RowsFn ROWS[MAXM] = {run_rows<1>, run_rows<2>, run_rows<3>, run_rows<4>,
                                run_rows<5>, run_rows<6>, run_rows<7>, run_rows<8>};
 
-// A call's temporary buffer of n T's, not zeroed: up to SCRATCH_KEEP bytes it is this thread's buffer for SLOT,
-// kept from call to call, larger ones its own.  A SmolLM2 step makes ~120 calls, each of which had allocated,
-// zero-filled and freed a few kB (a head's 200 kB): libc's allocator and memset fell from 9.4% to 6.0% of the
-// int8 step's main-thread samples (perf, batch 1), the operator at one row of int8 1.09-1.17x.  Each SLOT is one
-// of a call's buffers; the operators do not call each other and copy their result out, so no two live buffers
-// share a slot.
-constexpr int64_t SCRATCH_KEEP = 4 << 20;
-template <typename T, int SLOT>
-class Scratch {
- public:
-  explicit Scratch(int64_t n) : n_(n) {
-    thread_local std::vector<T> kept;
-    if (n * int64_t(sizeof(T)) <= SCRATCH_KEEP) {
-      if (int64_t(kept.size()) < n) kept.resize(n);
-      p_ = kept.data();
-    } else {
-      own_.resize(n);
-      p_ = own_.data();
-    }
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch(Scratch&&) = default;  // own_'s buffer moves with it, so p_ stays valid
-  T* data() const { return p_; }
-  size_t size() const { return size_t(n_); }
-  T& operator[](int64_t i) const { return p_[i]; }
-
- private:
-  std::vector<T> own_;
-  T* p_;
-  int64_t n_;
-};
+@SCRATCH@
 
 #if defined(ROWS_AVX512) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define ROWS_AMX 1
