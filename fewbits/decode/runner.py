@@ -272,8 +272,9 @@ class StaticDecoder:
             graph, flat = direct
             # A view of each tensor the graph takes, kept while the decoder lives: a view holds its base from C++,
             # so the C++ wrapper's handles on the ~490 tensors (taken and dropped every call) never drop a tensor's
-            # last C++ reference, which would hand its Python object back under the GIL.  The step by median,
-            # alternating rounds in one process (AVX2 EPYC, SmolLM2 batch 1): int4-g64 1.021x and 1.023x, int8 1.053x.
+            # last C++ reference, which would hand its Python object back under the GIL (perf: 111 -> 13 samples of
+            # ~30k in those calls; the step by median, alternating rounds in one process on a busy AVX2 EPYC: SmolLM2
+            # int4-g64 1.00-1.04x, int8 1.05x, Gemma-3 int4-g32 0.88-1.04x: about 1%, within that host's noise).
             self._held = [t.view(t.shape) for t in flat if isinstance(t, torch.Tensor)]
             call = lambda: graph(*flat)[0]  # noqa: E731
         else:
