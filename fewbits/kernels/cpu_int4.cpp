@@ -651,8 +651,9 @@ void block_a8_rows(const Args& a, const A8& q, int64_t b, int64_t m0, int64_t mt
 // and nibbles 1 and 2 from one shift by 4 (nibble 2 masked in place, so 16 times its code, summed in an int32
 // chain of its own, shifted right by 4 per block: exact, a multiple of 16 below 2^26): 5 shifts and masks per
 // half chunk instead of 7, bit for bit the same sums, 1.02-1.07x the one-row operator on the AVX2 EPYC in cache
-// and from memory (SmolLM2's and Gemma-3's int4-g64 layers, builds side by side in one process).  With AVX512-VNNI (vpdpwssd) the same pairs meet x 16 output rows at a time (block_x16_512).  One row
-// only (X16_MAX_ROWS).
+// and from memory (SmolLM2's and Gemma-3's int4-g64 layers, builds side by side in one process).  With
+// AVX512-VNNI (vpdpwssd) the same pairs meet x 16 output rows at a time (block_x16_512).  One row only
+// (X16_MAX_ROWS).
 @X16_BLOCK@
 struct X16 {
   const int16_t* q;    // (M, K)
@@ -720,7 +721,9 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
         // --baseline, AVX2 EPYC).  Tried beside it there and not kept: vpmaddubsw on x's low and high bytes (half
         // the multiplies, the same exact sums) 0.89-1.10x; the blocks in 2 runs far apart (as rows.cpp's
         // row1_streams) 0.95-1.16x, in 4 runs 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2,
-        // 0.98-1.15x (scratch A/B of builds in one process, the same host)
+        // 0.98-1.15x (scratch A/B of builds in one process, the same host); after the unpacking above, prefetching
+        // 96 chunks ahead 1.02-1.09x, 1.01-1.08x and 1.00-1.01x in three runs (192: 0.98-1.03x), not kept: the
+        // distance is shared with the AVX-512 paths, tuned on other hosts
         asm volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(a16[0]), "+x"(a16[1]));
       }
       const __m256 dv = _mm256_set1_ps(q.d[m * nb + xb]);

@@ -42,7 +42,8 @@ BUILD_LOCK = "fewbits-build.lock"  # held (flock) around a build: a process that
 #: call's temporary buffer of n T's, not zeroed.  Up to SCRATCH_KEEP bytes it is this thread's buffer for SLOT,
 #: kept from call to call, larger ones its own.  A SmolLM2 step makes ~120 calls, each of which had allocated,
 #: zero-filled and freed a few kB (a head's 200 kB): libc's allocator and memset fell from 9.4% to 6.0% of the
-#: int8 step's main-thread samples (perf, batch 1), ``int8_mm`` at one row of int8 1.09-1.17x.  Each SLOT is one of
+#: int8 step's main-thread samples (perf, batch 1), ``int8_mm`` at one row of int8 1.09-1.17x; ``q4_mm``'s, 7.3% to
+#: 5.9% of the int4-g64 step's (the operator alone unchanged within noise, 0.93-1.05x).  Each SLOT is one of
 #: a call's buffers; the operators do not call each other and copy their results out, so no two live buffers share
 #: a slot.
 SCRATCH_SRC = r"""
