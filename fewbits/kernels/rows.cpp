@@ -293,7 +293,7 @@ void rows_avx2(const float* x, const char* w, int64_t ld_bytes, Kind kind, int64
 // codes are within +-127, so negating one never overflows), pairs summed in int16 (<= 2 * 128 * 127 = 32512: no
 // saturation), vpmaddwd by ones to int32 per 4 columns: exact; 32 columns (one activation block) a step, scaled
 // by the block's d in fp32.
-template <int M, int R>
+template <int M, int R, bool PREFETCH = true>
 inline void block_a8(const int8_t* __restrict xq, const float* __restrict d, int64_t K, const int8_t* w, int64_t ld,
                      float* acc_out) {
   __m256 acc[M][R];
@@ -305,7 +305,8 @@ inline void block_a8(const int8_t* __restrict xq, const float* __restrict d, int
     for (int r = 0; r < R; ++r) {
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * ld + k));
       aw[r] = _mm256_abs_epi8(wv[r]);
-      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T1);
+      if (PREFETCH && k % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (r + PREFETCH_ROWS) * ld + k), _MM_HINT_T1);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
@@ -321,13 +322,20 @@ inline void block_a8(const int8_t* __restrict xq, const float* __restrict d, int
   for (int m = 0; m < M; ++m) for (int r = 0; r < R; ++r) acc_out[m * R + r] = hsum8(acc[m][r]);
 }
 
-// channels per block for M rows: accumulators, weights and their magnitudes within the 16 vector registers; one
-// row of x reads one weight row at a time (one sequential stream: row1_avx2)
+// channels per block for M rows: accumulators, weights and their magnitudes within the 16 vector registers.  One
+// row of x reads one weight row at a time in row1_streams' four runs, without the row prefetch, as int8_mm's one
+// row: against one run with the prefetch (old and new build side by side in one process, AVX2 EPYC, 2 threads,
+// weights from memory, `bench_rows`' shapes) the LM heads 1.17-1.25x (SmolLM2's, 28 MB) and 1.18x (Gemma-3's,
+// 168 MB) in two runs, SmolLM2's layers 0.98-1.06x (one gate/up figure of 0.81x did not come back in the second run)
 template <int M> constexpr int chans_a8() { return M == 1 ? 1 : (M == 2 ? 3 : (M <= 4 ? 2 : 1)); }
 
 template <int M>
 void rows_a8(const int8_t* xq, const float* d, const int8_t* w, int64_t ld, int64_t K, int64_t n0, int64_t n1,
              float* __restrict out, int64_t N) {
+  if constexpr (M == 1) {  // as int8_mm's one row (row1_streams): four runs of rows, no software prefetch
+    row1_streams(n0, n1, [&](int64_t n) { block_a8<1, 1, false>(xq, d, K, w + n * ld, ld, out + n); });
+    return;
+  }
   channel_blocks<M, chans_a8<M>()>(n0, n1, out, N, [&](auto rtag, int64_t n, float* acc) {
     block_a8<M, decltype(rtag)::value>(xq, d, K, w + n * ld, ld, acc);
   });
