@@ -93,9 +93,17 @@ def bandwidth_curve(sizes: tuple[int, ...] = CURVE_SIZES, passes: int = CURVE_PA
     return tuple(pts)
 
 
-def matmul_rates(n: int = 1024, device: str | torch.device = "cpu") -> dict[str, float]:
+def matmul_size(device: str | torch.device) -> int:
+    """The GEMM size `matmul_rates` is measured at by default: 1024 on a CPU, 8192 on a GPU (whose L2 cache and
+    launch latency a smaller product would measure instead of its arithmetic)."""
+    return 1024 if torch.device(device).type == "cpu" else 8192
+
+
+def matmul_rates(n: int = 1024, device: str | torch.device = "cpu",
+                 only: tuple[str, ...] | None = None) -> dict[str, float]:
     """FLOP/s of an n x n x n GEMM per precision on `device` ("int8" only where torch._int_mm runs, "fp8"
-    only where torch._scaled_mm multiplies E4M3 matrices: a CUDA chip of compute capability >= 8.9)."""
+    only where torch._scaled_mm multiplies E4M3 matrices: a CUDA chip of compute capability >= 8.9); `only`: just
+    these precisions (e.g. ("fp32",), a second read of the machine's arithmetic in about a second)."""
     out: dict[str, float] = {}
     g = torch.Generator().manual_seed(0)
     sync = synchronizer(device)
@@ -103,18 +111,24 @@ def matmul_rates(n: int = 1024, device: str | torch.device = "cpu") -> dict[str,
     def rate(fn: Any) -> float:
         return 2 * n**3 / time_call(fn, min_time=0.2, rounds=3, sync=sync)
 
+    def wanted(name: str) -> bool:
+        return only is None or name in only
+
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if not wanted(name):
+            continue
         a = torch.randn(n, n, generator=g).to(device=device, dtype=dt)
         b = torch.randn(n, n, generator=g).to(device=device, dtype=dt)
         out[name] = rate(lambda a=a, b=b: a @ b)
-    if hasattr(torch, "_int_mm"):
+    if hasattr(torch, "_int_mm") and wanted("int8"):
         a = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g).to(device)
         b = torch.randint(-100, 100, (n, n), dtype=torch.int8, generator=g).to(device)
         try:
             out["int8"] = rate(lambda: torch._int_mm(a, b))
         except RuntimeError:
             pass
-    if torch.device(device).type == "cuda" and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm"):
+    if (torch.device(device).type == "cuda" and hasattr(torch, "float8_e4m3fn") and hasattr(torch, "_scaled_mm")
+            and wanted("fp8")):
         a8 = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn)
         b8 = torch.randn(n, n, generator=g).to(device=device, dtype=torch.float8_e4m3fn).t()  # column-major
         one = torch.ones((), device=device)

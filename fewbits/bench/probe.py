@@ -84,6 +84,7 @@ from fewbits.bench.machine import (
     device_description,
     l2_cache_bytes,
     matmul_rates,
+    matmul_size,
     memory_bandwidth,
 )
 from fewbits.bench.probe_calls import (
@@ -486,7 +487,7 @@ def build_profile(spec: ModelSpec, name: str = "this-machine", weight_specs: tup
     t_start = time.perf_counter()
     on_cpu = torch.device(device).type == "cpu"
     bandwidth_bytes = bandwidth_bytes or (1 << 30 if on_cpu else 4 << 30)
-    matmul_n = matmul_n or (1024 if on_cpu else 8192)
+    matmul_n = matmul_n or matmul_size(device)
     log(f"memory bandwidth ({device}) ...")
     bw = memory_bandwidth(bandwidth_bytes, device=device)
     log(f"  {bw / 1e9:.1f} GB/s")

@@ -31,11 +31,27 @@ def _memory_read(device: str) -> float:
     return memory_bandwidth(1 << 30, device=device)
 
 
+def _matmul_rate(device: str) -> float:
+    """FLOP/s of an fp32 GEMM on `device`, as `fewbits probe` measures its matmul rates."""
+    from fewbits.bench.machine import matmul_rates, matmul_size
+
+    return matmul_rates(matmul_size(device), device=device, only=("fp32",))["fp32"]
+
+
 def _drift_line(probed: float, now: float, when: str) -> str:
     return (f"memory read {when}: {now / 1e9:.1f} GB/s, {now / probed:.2f}x the profile's {probed / 1e9:.1f} GB/s"
             + ("" if abs(now / probed - 1) <= 0.1 else
                " (the host is not as it was probed, e.g. other processes' load: the predictions assume the "
                "profile's machine; probe again to compare them now)"))
+
+
+def _compute_line(probed: float, now: float) -> str:
+    """The fp32 GEMM rate before the rows beside the profile's: the rows that arithmetic bounds (a CPU's batch-8
+    steps) move with it as the memory-bound ones move with the memory read (on a shared 2-core EPYC one probe
+    read 91 GFLOP/s, the same GEMM 124-156 half an hour later, and its batch-8 rows came out 31-38% slow)."""
+    return (f"fp32 matmul before the rows: {now / 1e9:.0f} GFLOP/s, {now / probed:.2f}x the profile's "
+            f"{probed / 1e9:.0f} GFLOP/s" + ("" if abs(now / probed - 1) <= 0.1 else
+                                              " (rows bound by arithmetic, as a CPU's batch-8 steps, move with it)"))
 
 
 @click.command("bench")
@@ -74,8 +90,8 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     weight format and KV-cache format, with the cost model's prediction and its error.  Decode runs the compiled
     static-cache step (compiled graphs cached on disk under $FEWBITS_CACHE/inductor; compile time shown apart)
     unless --eager.  With a probed --profile, memory is read as the probe read it, before and after the rows,
-    beside the profile's bandwidth: a host slower or faster than when probed moves every measurement away from
-    its prediction."""
+    beside the profile's bandwidth, and an fp32 GEMM is timed before them beside the profile's rate: a host slower
+    or faster than when probed moves every measurement away from its prediction."""
     import torch
 
     from fewbits.bench.decode import HEADER, BenchMemoryError, run_bench, summary
@@ -120,11 +136,16 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
     # a probed profile's bandwidth beside the same read now and after the rows: on a shared host the machine's
     # speed drifts (one afternoon: 60 GB/s at a probe, 34 GB/s at the bench after it), and a prediction can only
     # be as near the measurement as the machine is to its profile
-    probed = float((prof.measured or {}).get("bandwidth") or 0.0) if profile_path is not None else 0.0
+    measured = (prof.measured or {}) if profile_path is not None else {}
+    probed = float(measured.get("bandwidth") or 0.0)
+    probed_flops = float((measured.get("matmul_flops") or {}).get("fp32") or 0.0)
     reads: dict[str, float] = {}
     if probed > 0:
         reads["before"] = _memory_read(dev)
         click.echo(_drift_line(probed, reads["before"], "before the rows"))
+    flops_now = _matmul_rate(dev) if probed_flops > 0 else 0.0
+    if flops_now > 0:
+        click.echo(_compute_line(probed_flops, flops_now))
     click.echo(HEADER)
     try:
         if json_out:
@@ -142,5 +163,7 @@ def bench_cmd(model: str, profile_path: str | None, weights: str, kv: str, batch
         data = json.dumps({"model": model, "profile": prof.name, "device": dev, "random_weights": random_weights,
                            "path": "eager" if eager else "compiled",
                            "memory_read_bytes_s": {"profile": probed, **reads} if probed > 0 else None,
+                           "fp32_matmul_flops_s": {"profile": probed_flops, "before": flops_now}
+                           if flops_now > 0 else None,
                            "rows": [r.to_dict() for r in rows]}, indent=1)
         write_text(json_out, data)

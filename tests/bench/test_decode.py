@@ -191,8 +191,9 @@ def test_split_activations_reads_the_a8_suffix():
 
 def test_bench_reports_the_memory_read_beside_the_probed_profiles(tmp_path, monkeypatch):
     """With a probed profile, `fewbits bench` reads memory as the probe did before and after its rows and prints
-    it beside the profile's bandwidth, with a warning past 10% (a shared host drifts between probe and bench);
-    the JSON keeps the three figures.  A profile without a measured bandwidth prints nothing of it."""
+    it beside the profile's bandwidth, with a warning past 10% (a shared host drifts between probe and bench), and
+    times the probe's fp32 GEMM before them beside the profile's rate, likewise; the JSON keeps the figures.  A
+    profile without measured figures prints nothing of them (and times nothing)."""
     from fewbits.bench import decode
     from fewbits.cli import bench as bench_cli
     from fewbits.cli import main
@@ -201,11 +202,13 @@ def test_bench_reports_the_memory_read_beside_the_probed_profiles(tmp_path, monk
     path, prof = _tiny(tmp_path)
     reads = iter([34e9, 58e9])
     monkeypatch.setattr(bench_cli, "_memory_read", lambda device: next(reads))
+    monkeypatch.setattr(bench_cli, "_matmul_rate", lambda device: 150e9)
     monkeypatch.setattr(decode, "run_bench", lambda *a, **k: [])
     monkeypatch.setattr(decode, "summary", lambda rows: "no rows")
     probed = tmp_path / "probed.json"
     save_profile(Profile(name="p", bandwidth_efficiency={"float": 0.5}, kv_bandwidth_efficiency={"float": 0.5},
-                         compute_efficiency={"float": 0.5}, device=prof.device, measured={"bandwidth": 60e9}),
+                         compute_efficiency={"float": 0.5}, device=prof.device,
+                         measured={"bandwidth": 60e9, "matmul_flops": {"fp32": 100e9, "bf16": 1e9}}),
                  probed)
     out_json = tmp_path / "rows.json"
     res = CliRunner().invoke(main, ["bench", str(path), "--profile", str(probed), "--json", str(out_json)])
@@ -213,10 +216,21 @@ def test_bench_reports_the_memory_read_beside_the_probed_profiles(tmp_path, monk
     before, after = (ln for ln in res.output.splitlines() if ln.startswith("memory read"))
     assert before.startswith("memory read before the rows: 34.0 GB/s, 0.57x the profile's 60.0 GB/s (the host is")
     assert after == "memory read after the rows: 58.0 GB/s, 0.97x the profile's 60.0 GB/s"
-    assert json.loads(out_json.read_text())["memory_read_bytes_s"] == {"profile": 60e9, "before": 34e9,
-                                                                       "after": 58e9}
+    (compute,) = (ln for ln in res.output.splitlines() if ln.startswith("fp32 matmul"))
+    assert compute == ("fp32 matmul before the rows: 150 GFLOP/s, 1.50x the profile's 100 GFLOP/s (rows bound by "
+                       "arithmetic, as a CPU's batch-8 steps, move with it)")
+    data = json.loads(out_json.read_text())
+    assert data["memory_read_bytes_s"] == {"profile": 60e9, "before": 34e9, "after": 58e9}
+    assert data["fp32_matmul_flops_s"] == {"profile": 100e9, "before": 150e9}
+    # within 10% of the profile's: the rate without the warning
+    monkeypatch.setattr(bench_cli, "_memory_read", lambda device: 60e9)
+    monkeypatch.setattr(bench_cli, "_matmul_rate", lambda device: 105e9)
+    res = CliRunner().invoke(main, ["bench", str(path), "--profile", str(probed)])
+    assert res.exit_code == 0 and "fp32 matmul before the rows: 105 GFLOP/s, 1.05x the profile's 100 GFLOP/s\n" \
+        in res.output, res.output
     plain = tmp_path / "plain.json"
     save_profile(prof, plain)
     monkeypatch.setattr(bench_cli, "_memory_read", lambda device: pytest.fail("read without a probed bandwidth"))
+    monkeypatch.setattr(bench_cli, "_matmul_rate", lambda device: pytest.fail("GEMM without a probed rate"))
     res = CliRunner().invoke(main, ["bench", str(path), "--profile", str(plain)])
-    assert res.exit_code == 0 and "memory read" not in res.output, res.output
+    assert res.exit_code == 0 and "memory read" not in res.output and "fp32 matmul" not in res.output, res.output

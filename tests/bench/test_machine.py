@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
-from fewbits.bench.machine import device_description, l2_cache_bytes, matmul_rates, memory_bandwidth
+from fewbits.bench.machine import (
+    device_description,
+    l2_cache_bytes,
+    matmul_rates,
+    matmul_size,
+    memory_bandwidth,
+)
 
 
 def test_cpu_figures_are_plausible():
@@ -15,6 +21,9 @@ def test_cpu_figures_are_plausible():
     assert mem == os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") and "threads" in name
     assert "fp8" not in rates  # FP8 GEMMs are measured on CUDA devices only
     assert l2_cache_bytes() >= 0
+    only = matmul_rates(128, only=("fp32",))  # the bench's second read: that precision alone
+    assert set(only) == {"fp32"} and 1e6 < only["fp32"] < 1e15
+    assert matmul_size("cpu") == 1024 and matmul_size("cuda") == 8192
 
 
 def test_bandwidth_curve_sorted_with_memorys_point_and_non_increasing(monkeypatch):
