@@ -723,7 +723,11 @@ void block_x16(const Args& a, const X16& q, int64_t b, int64_t m) {
         // row1_streams) 0.95-1.16x, in 4 runs 0.85-1.05x; prefetching 64 chunks ahead, or 128 into L2,
         // 0.98-1.15x (scratch A/B of builds in one process, the same host); after the unpacking above, prefetching
         // 96 chunks ahead 1.02-1.09x, 1.01-1.08x and 1.00-1.01x in three runs (192: 0.98-1.03x), not kept: the
-        // distance is shared with the AVX-512 paths, tuned on other hosts
+        // distance is shared with the AVX-512 paths, tuned on other hosts.  Later, the same host and A/B: nibbles 1
+        // and 2 masked in place from the loaded word (16x and 256x their codes, a chain each, shifted back per
+        // block: 4 shifts and masks per half chunk instead of 5) 0.96-1.03x; each thread's first 32 chunks
+        // prefetched at its range's start 0.99-1.01x; the blocks handed out from an atomic counter instead of
+        // one range a thread, the whole batch-1 step 0.87-0.99x (chunks of NB / 16 to NB / 4 blocks)
         asm volatile("" : "+x"(acc[0]), "+x"(acc[1]), "+x"(a16[0]), "+x"(a16[1]));
       }
       const __m256 dv = _mm256_set1_ps(q.d[m * nb + xb]);
