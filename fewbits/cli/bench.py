@@ -48,7 +48,7 @@ def _drift_line(probed: float, now: float, when: str) -> str:
 def _compute_line(probed: float, now: float) -> str:
     """The fp32 GEMM rate before the rows beside the profile's: the rows that arithmetic bounds (a CPU's batch-8
     steps) move with it as the memory-bound ones move with the memory read (on a shared 2-core EPYC one probe
-    read 91 GFLOP/s, the same GEMM 124-156 half an hour later, and its batch-8 rows came out 31-38% slow)."""
+    read 91 GFLOP/s, the same GEMM 124-180 half an hour later, and its batch-8 rows came out 31-38% slow)."""
     return (f"fp32 matmul before the rows: {now / 1e9:.0f} GFLOP/s, {now / probed:.2f}x the profile's "
             f"{probed / 1e9:.0f} GFLOP/s" + ("" if abs(now / probed - 1) <= 0.1 else
                                               " (rows bound by arithmetic, as a CPU's batch-8 steps, move with it)"))
