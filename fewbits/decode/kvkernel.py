@@ -97,7 +97,7 @@ CFLAGS = native.EXACT_CFLAGS
 def available() -> bool:
     """Whether the `fewbits_kv` operators are usable (built or loaded once per process; False if no compiler)."""
     return native.build(NAME, _SRC, {"fewbits_kv::attend_kv": _fake, "fewbits_kv::attend_rows": _fake,
-                                     "fewbits_kv::append_kv": _fake_append}, CFLAGS)
+                                     "fewbits_kv::append_kv": _fake_append}, CFLAGS, shims=True)
 
 
 AVX2_NAME = "fewbits_attend_kv_avx2"

@@ -7,7 +7,9 @@ On a CPU inductor generates C++ kernels and, by default (``wrapper="cpp"``), C++
 ~800 kernel and operator calls are issued from one C++ function instead of a Python one.  That function is
 built apart from the kernels and at -O1
 (`CPU_OPTIONS`): compiled at -O3 together with them it took g++ minutes.  ``wrapper="python"`` (or
-``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  Each step then calls that compiled graph with its
+``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  The C++ wrapper calls fewbits' operators through
+their C shims (`fewbits.kernels.native.c_shims`), not through the dispatcher (``FEWBITS_C_SHIMS=0`` keeps that,
+for comparisons).  Each step then calls that compiled graph with its
 input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  On a CUDA device the step is compiled with
 ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked static, so the
 graph writes them in place).
@@ -39,7 +41,7 @@ from fewbits.decode.arch import Arch, describe, unsupported
 from fewbits.decode.cache import LayerKV, make_cache
 from fewbits.decode.fuse import Fused, fuse_projections
 from fewbits.decode.step import WIDEN, forward, rows_on
-from fewbits.kernels import rows
+from fewbits.kernels import native, rows
 from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
@@ -222,9 +224,11 @@ class StaticDecoder:
         ids = torch.zeros(self.batch, 1, dtype=torch.long, device=self.device)
         slot = torch.tensor([self.max_len - 1], device=self.device)
         args = (self.model, self.arch, self.cache, self.valid, ids, self.pos, slot, self.fused)
-        options = CPU_OPTIONS[self.wrapper]
+        options = dict(CPU_OPTIONS[self.wrapper])
+        shims = native.c_shims() if self.wrapper == "cpp" and os.environ.get("FEWBITS_C_SHIMS") != "0" else {}
         key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
                                                     "max_len": self.max_len, "options": options,
+                                                    "c_shims": sorted(str(op) for op in shims),
                                                     "fused": self.fused is not None,
                                                     "rows": rows_on(), "widen": [str(d) for d in WIDEN],
                                                     "kv_ops": (self.cache[0].kernel, self.cache[0].native_append)})
@@ -232,6 +236,7 @@ class StaticDecoder:
         import torch._inductor.config as icfg
 
         t0 = time.perf_counter()
+        options["aot_inductor.custom_ops_to_c_shims"] = shims
         with torch.no_grad(), compile_scope(cache_dir), icfg.patch(options):
             with icfg.patch(precompiled.LOAD_OPTIONS):
                 fn = precompiled.load(path, globals())

@@ -100,7 +100,7 @@ def _fake_dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 def available(src: str = _SRC, name: str = NAME, cflags: list[str] | None = None) -> bool:
     """Whether `fewbits_q4::q4_mm` is usable (built or loaded once per process; False if no compiler)."""
     return native.build(name, src, {"fewbits_q4::q4_mm": _fake_mm, "fewbits_q4::q4_dequant": _fake_dequant},
-                        cflags=cflags)
+                        cflags=cflags, shims=name == NAME)
 
 
 def build_variant(name: str, source: str) -> bool:

@@ -131,7 +131,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def available() -> bool:
     """Whether `torch.ops.fewbits_rows` is usable (built or loaded once per process; False if no compiler)."""
-    return native.build(NAME, SRC, fakes())
+    return native.build(NAME, SRC, fakes(), shims=True)
 
 
 def enabled() -> bool:

@@ -71,6 +71,11 @@ def test_compiled_step_equals_uncompiled(int4_llama: torch.nn.Module, kv: str, t
     got, want = runs
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
     assert any(tmp_path.rglob("*")), "inductor wrote nothing to the scoped cache directory"
+    # the C++ wrapper calls fewbits' operators through their C shims (`native.c_shims`), not by name
+    wrappers = [t for t in (p.read_text() for p in tmp_path.rglob("*.cpp")) if "inductor_entry_impl" in t]
+    assert wrappers, "no C++ wrapper was written"
+    assert 'aoti_torch_call_dispatcher("fewbits' not in "".join(wrappers)
+    assert "aoti_torch_cpu_attend_" in "".join(wrappers)
 
 
 def test_compile_scope_restores_the_environment(tmp_path) -> None:
