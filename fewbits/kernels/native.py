@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp"]
+#: -fvisibility=hidden: a library exports only what is marked so (its C shims), so that a build whose symbols are
+#: loaded globally (`build(..., shims=True)`) cannot stand in for the same functions of another build of the same
+#: source (a test's portable or AVX2 variant), which the dynamic linker would otherwise bind to the first
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fvisibility=hidden"]
 #: for operators whose results a test reproduces bit for bit (no reassociation, no reciprocal rewrites)
 EXACT_CFLAGS = [f for f in CFLAGS if f != "-ffast-math"]
 
