@@ -236,7 +236,8 @@ class StaticDecoder:
         import torch._inductor.config as icfg
 
         t0 = time.perf_counter()
-        options["aot_inductor.custom_ops_to_c_shims"] = shims
+        if shims:
+            options["aot_inductor.custom_ops_to_c_shims"] = shims
         with torch.no_grad(), compile_scope(cache_dir), icfg.patch(options):
             with icfg.patch(precompiled.LOAD_OPTIONS):
                 fn = precompiled.load(path, globals())

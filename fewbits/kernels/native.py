@@ -133,6 +133,16 @@ def shim_source(src: str, ops: list[str]) -> tuple[str, dict[str, str]]:
     return "".join(code), decls
 
 
+def shims_supported() -> bool:
+    """Whether this torch takes C shims for custom operators (inductor's ``aot_inductor.custom_ops_to_c_shims``)
+    and ships the header they are written against; an older one keeps calling them through the dispatcher."""
+    import torch._inductor.config as icfg
+    from torch.utils.cpp_extension import include_paths
+
+    return hasattr(icfg.aot_inductor, "custom_ops_to_c_shims") and any(
+        (Path(p) / "torch/csrc/inductor/aoti_torch/utils.h").is_file() for p in include_paths())
+
+
 def c_shims() -> dict[object, list[str]]:
     """The C shims of the operators built in this process (`build(..., shims=True)`), as inductor's
     ``aot_inductor.custom_ops_to_c_shims`` takes them: a compiled step then calls those operators directly."""
@@ -163,7 +173,7 @@ def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor | Non
     (the main one: another build of the same source would define the same symbols)."""
     src = src.replace("@SCRATCH@", SCRATCH_SRC)
     decls: dict[str, str] = {}
-    if shims:
+    if shims and shims_supported():
         code, decls = shim_source(src, list(fakes))
         src += code
     if name not in _BUILT:

@@ -10,7 +10,7 @@ import torch
 from decode_models import build
 
 from fewbits.decode.runner import StaticDecoder, compile_scope, why_eager
-from fewbits.kernels import rows
+from fewbits.kernels import native, rows
 
 
 def quantised(model: torch.nn.Module, fmt: str, lm_head: str | None = None) -> torch.nn.Module:
@@ -71,6 +71,8 @@ def test_compiled_step_equals_uncompiled(int4_llama: torch.nn.Module, kv: str, t
     got, want = runs
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
     assert any(tmp_path.rglob("*")), "inductor wrote nothing to the scoped cache directory"
+    if not native.shims_supported():
+        return
     # the C++ wrapper calls fewbits' operators through their C shims (`native.c_shims`), not by name
     wrappers = [t for t in (p.read_text() for p in tmp_path.rglob("*.cpp")) if "inductor_entry_impl" in t]
     assert wrappers, "no C++ wrapper was written"

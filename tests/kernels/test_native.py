@@ -50,6 +50,18 @@ def test_every_operator_the_package_ships_builds() -> None:
     assert not failed, f"operators that did not build: {failed}"
 
 
+@pytest.mark.skipif(shutil.which("c++") is None or platform.machine().lower() not in ("x86_64", "amd64")
+                    or not native.shims_supported(), reason="operators not built here, or no C shims in this torch")
+def test_every_operator_a_compiled_step_can_hold_has_a_shim() -> None:
+    """Each operator with a fake implementation (what lets it sit in a compiled graph) is called through a C shim:
+    one left out would silently go back to the dispatcher."""
+    assert cpu_int4.available() and rows.available() and kvkernel.available()
+    names = {op.name() for op in native.c_shims()}
+    want = {"fewbits_q4::q4_mm", "fewbits_q4::q4_dequant", *rows.fakes(), "fewbits_kv::attend_kv",
+            "fewbits_kv::attend_rows", "fewbits_kv::append_kv"}
+    assert want <= names, sorted(want - names)
+
+
 SHIM_SRC = r"""
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -91,7 +103,8 @@ def test_shims_cover_the_types_the_wrapper_passes_and_skip_the_rest() -> None:
     }
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+@pytest.mark.skipif(shutil.which("c++") is None or not native.shims_supported(),
+                    reason="no C++ compiler, or a torch without C shims for custom operators")
 def test_a_compiled_graph_calls_the_shims_and_computes_what_the_operators_do(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """Built with shims, a graph compiled with inductor's C++ wrapper calls each operator through its shim (the
     arguments as the wrapper passes them: a tensor's handle, an optional tensor's pointer or nullptr, 0 / 1 for a
