@@ -171,12 +171,12 @@ def build(name: str, src: str, fakes: dict[str, Callable[..., torch.Tensor | Non
     registered.  `shims`: also give the operators of `fakes` C shims (`shim_source`, `c_shims`) and load the
     library's symbols globally, so that a compiled step's library resolves them; one build per operator name
     (the main one: another build of the same source would define the same symbols)."""
-    src = src.replace("@SCRATCH@", SCRATCH_SRC)
-    decls: dict[str, str] = {}
-    if shims and shims_supported():
-        code, decls = shim_source(src, list(fakes))
-        src += code
-    if name not in _BUILT:
+    if name not in _BUILT:  # (callers ask on every use: all the work is in here, once)
+        src = src.replace("@SCRATCH@", SCRATCH_SRC)
+        decls: dict[str, str] = {}
+        if shims and shims_supported():
+            code, decls = shim_source(src, list(fakes))
+            src += code
         try:
             from torch.utils.cpp_extension import load
 
