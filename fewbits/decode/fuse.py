@@ -47,7 +47,7 @@ from torch import nn
 
 from fewbits.kernels.cpu import Int4PackKernel, Int8PackKernel
 from fewbits.kernels.cpu_int4 import ROWS as Q4_ROW_BLOCK
-from fewbits.kernels.cpu_int4 import Q4Kernel
+from fewbits.kernels.cpu_int4 import Q4Kernel, no_zeros
 from fewbits.kernels.cpu_rows import Fp8RowsKernel, Int8RowsA8Kernel, Int8RowsKernel
 
 #: int8 kernel classes over the same tensors (q, scales, corr)
@@ -234,7 +234,7 @@ def _fuse_q4(mods: list[nn.Module], sizes: tuple[int, ...]) -> FusedLinear:
     k.codes = torch.cat([p.codes for p in ks])
     k.scales = torch.cat([p.scales.to(dt) for p in ks])
     if all(p.zeros.numel() == 0 for p in ks):
-        k.zeros = torch.empty(0, dtype=dt)
+        k.zeros = no_zeros(dt)
     else:
         k.zeros = torch.cat([p.zeros.to(dt) if p.zeros.numel() else torch.zeros_like(p.scales, dtype=dt) for p in ks])
     k.shape = (sum(sizes), ks[0].shape[1])

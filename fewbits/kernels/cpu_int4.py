@@ -185,6 +185,17 @@ def group_of(fmt: Format, in_features: int) -> int:
     return fmt.group_size if fmt.granularity == "group" else in_features
 
 
+#: one empty zero-point tensor per dtype, which every symmetric kernel holds: a compiled decode step takes each
+#: distinct tensor it reads as an input, and its C++ wrapper makes (and drops) a handle for every input on every
+#: call, so one shared tensor instead of one per linear layer (121 for SmolLM2) spares those (`no_zeros`)
+_NO_ZEROS: dict[torch.dtype, torch.Tensor] = {}
+
+
+def no_zeros(dtype: torch.dtype) -> torch.Tensor:
+    """The empty zero-point tensor of `dtype` a symmetric `Q4Kernel` holds (one per process, never written)."""
+    return _NO_ZEROS.setdefault(dtype, torch.empty(0, dtype=dtype))
+
+
 class Q4Kernel:
     """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations: `fewbits_q4::q4_mm`."""
 
@@ -247,7 +258,7 @@ class Q4Kernel:
         dt = torch.float16 if half else torch.float32
         self.codes = pack_codes(qt.unpacked_codes())
         self.scales = _blocked(s).to(dt)
-        self.zeros = torch.empty(0, dtype=dt) if symmetric else _blocked(z).to(dt)
+        self.zeros = no_zeros(dt) if symmetric else _blocked(z).to(dt)
         self.shape = qt.shape
         self._op = torch.ops.fewbits_q4.q4_mm.default
 

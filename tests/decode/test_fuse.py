@@ -13,6 +13,7 @@ from fewbits.decode.fuse import fuse_group, fuse_projections
 from fewbits.decode.runner import StaticDecoder, why_eager
 from fewbits.generate import generate
 from fewbits.kernels import prepare_linear
+from fewbits.kernels.cpu_int4 import no_zeros
 from fewbits.models.qlinear import QuantLinear
 from fewbits.tensor import quantize_tensor
 
@@ -82,8 +83,9 @@ def test_parts_read_views_of_the_fused_tensors(weights: str) -> None:
     for p in parts:
         t = held(p)
         assert t.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
-        if f.kind == "q4":  # scales too
+        if f.kind == "q4":  # scales too; symmetric codes: the one shared empty zero-point tensor
             assert p.kernel.scales.untyped_storage().data_ptr() == f.kernel.scales.untyped_storage().data_ptr()
+            assert f.kernel.zeros.numel() or p.kernel.zeros is f.kernel.zeros is no_zeros(f.kernel.scales.dtype)
         assert p.bias.untyped_storage().data_ptr() == f.bias.untyped_storage().data_ptr()
     assert fuse_projections(model, 2).layers[0].qkv is f
     if f.kind == "int4":  # the scale table too: each part reads its columns of the fused one
