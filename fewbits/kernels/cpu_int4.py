@@ -67,6 +67,7 @@ dispatcher falls back to torch's operator.  ``FEWBITS_CPU_INT4=torch`` selects t
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 
@@ -261,6 +262,16 @@ class Q4Kernel:
         self.zeros = no_zeros(dt) if symmetric else _blocked(z).to(dt)
         self.shape = qt.shape
         self._op = torch.ops.fewbits_q4.q4_mm.default
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Q4Kernel:
+        """A copy with tensors of its own, except that a symmetric kernel's zeros stay the shared empty tensor (a
+        copied model's or layer's kernels take one input between them, as the original's do)."""
+        for t in _NO_ZEROS.values():
+            memo.setdefault(id(t), t)
+        c = object.__new__(type(self))
+        memo[id(self)] = c
+        c.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return c
 
     @property
     def nbytes(self) -> int:

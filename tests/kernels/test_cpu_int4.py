@@ -13,6 +13,8 @@ row too) and the portable loops.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -126,6 +128,9 @@ def test_symmetric_kernels_share_one_empty_zeros_tensor() -> None:
     x = torch.randn(2, 256).to(torch.bfloat16)
     torch.testing.assert_close(a(x).float(), x.float() @ a.dequantized().float().T, rtol=2**-7, atol=1e-3)
     assert cpu_int4.no_zeros(torch.float32).numel() == 0 and cpu_int4.no_zeros(torch.float32).dtype == torch.float32
+    c, d = copy.deepcopy(a), copy.deepcopy(asym)  # copies: codes and scales their own, the empty zeros shared
+    assert c.zeros is a.zeros and c.codes is not a.codes and torch.equal(c.codes, a.codes) and torch.equal(c(x), a(x))
+    assert d.zeros is not asym.zeros and torch.equal(d.zeros, asym.zeros)
 
 
 @pytest.mark.parametrize(("spec", "shape", "why"), [
