@@ -53,7 +53,11 @@ constexpr int64_t L2_PREFETCH_CHUNKS = 128;
 // at 8 rows 0.59-0.67x in cache
 constexpr int64_t AMX_MIN_ROWS = 3;
 // rows of x up to which the AVX2 path takes x in int16 (X16); from 2 rows the fp32 path's AND and convert per 8
-// weights are shared by the rows and X16 gained nothing (2-3 rows 0.99-1.00x, 4 rows 0.88-0.92x; one row 1.11-1.26x)
+// weights are shared by the rows and X16 gained nothing (2-3 rows 0.99-1.00x, 4 rows 0.88-0.92x; one row 1.11-1.26x).
+// Later, the same EPYC: a kernel unpacking each chunk half once for 2-8 rows (one int32 chain a row, the rows'
+// block sums in L1) ran 0.76-0.95x the fp32 path on SmolLM2's layers from memory (bench_cpu_int4.py --rows
+// 1,2,4,8 --baseline; the unchanged one-row kernel 0.90-0.98x in that run): vpmaddwd and its add are two
+// instructions per 16 products, as an FMA is one per 8
 constexpr int64_t X16_MAX_ROWS = 1;
 // and with AVX512-VNNI where AMX does not run (block_x16_512): on the Emerald Rapids Xeon against vdpbf16ps
 // (block_fast, path 2), weights in cache, SmolLM2's q/k/v, gate/up and down: 1.46-1.98x at 2 rows, 1.60-1.92x at
