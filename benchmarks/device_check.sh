@@ -69,7 +69,8 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
         --min-mb 512 --rounds 20 | tee "$OUT/gemv.txt"
     has profile && stage profile 50 $PY benchmarks/profile_step.py smollm2-135m --random-weights --device "$DEVICE" \
         --weights bf16,int8 --steps 8 --threads 0,1 --top 15 | tee "$OUT/profile.txt"
-    has tune && stage tune 90 $PY benchmarks/tune_gemv.py --specs int8,int4-g128 --shapes 14336x4096,4096x14336 \
+    has tune && stage tune 150 $PY benchmarks/tune_gemv.py --specs int8,int4-g128 --shapes 14336x4096,4096x14336 \
+        --block-n 64 --block-k 128 --split 1,4,8 --gemv-n 4,8,16 --gemv-k 512,1024 --warps 4,8 \
         | tee "$OUT/tune.txt"
     has smollm2 && pair smollm2-135m smollm2 80 80
     has calib && stage "gptq llama-3-8b" 240 $PY benchmarks/bench_calib_device.py --device "$DEVICE" \

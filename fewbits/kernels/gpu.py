@@ -5,7 +5,10 @@
   group's scale s and offset m (w = c * s + m, m = -o * s for integer codes with offset o, 0 for FP8)
   are applied to the group's partial sums, s * sum(x c) + m * sum(x), instead of to every weight.
   8-bit codes are stored one per byte, 2..4-bit codes two per byte (low nibble first), so memory
-  traffic is the packed size.  Decode shapes use narrow tiles and split-K (`choose_tiles`).
+  traffic is the packed size.  Prefill shapes use that tile product (`choose_tiles`); one to
+  `GEMV_MAX_ROWS` rows of activations (decode) use `_wq_gemv` instead, where a tile product would
+  waste 15 of its 16 rows: the codes read as 32-bit words, turned into floats by bit operations and
+  one subtraction, multiplied and reduced in fp32 (`decode_tiles` picks the kernel and its tiles).
 * `FP8ScaledMMKernel` (W8A8-FP8): activations quantised per token to E4M3 (scale = amax / 448) and
   multiplied with per-channel E4M3 weights by ``torch._scaled_mm`` (row-wise scales, bf16 output);
   needs compute capability >= 8.9.
@@ -14,6 +17,7 @@
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -119,6 +123,54 @@ if triton is not None:  # pragma: no cover
             tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=omask)
 
 
+    @triton.jit
+    def _wq_gemv(x_ptr, w_ptr, s_ptr, m_ptr, y_ptr, M, N, K, NG, KW, group,
+                 stride_xm, stride_ym,
+                 BITS: tl.constexpr, FP8: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GB: tl.constexpr):
+        # y[m, n] = sum_k x[m, k] * (c[n, k] * s[n, g] + o[n, g]) for M <= BLOCK_M rows (decode), without a tile
+        # product.  The codes are read as 32-bit words of 32 // BITS codes each, the first code in the lowest
+        # bits: the stored layout (one byte a code, or two a byte, low nibble first), read KW words a row.  An
+        # integer code c becomes a float without a conversion instruction: the word (c | 0x4B000000) is the
+        # float 2^23 + c, exactly, so one subtraction gives c.  A K-block of BLOCK_K columns is NGB sub-blocks
+        # of GB columns, each inside one group (GB divides the group size; per-channel formats pass group = K):
+        # each sub-block's sums take its group's scale and offset, s * sum(x c) + o * sum(x).  Program pid
+        # covers BLOCK_N output columns and all of K; the weights are read once for all M rows.
+        CPW: tl.constexpr = 32 // BITS
+        NGB: tl.constexpr = BLOCK_K // GB
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn < N
+        rw = tl.arange(0, BLOCK_K // CPW)
+        shifts = tl.arange(0, CPW) * BITS
+        rk = tl.arange(0, BLOCK_K)
+        rows = tl.arange(0, BLOCK_M)
+        sub = tl.arange(0, NGB) * GB
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            wk = k0 // CPW + rw
+            w = tl.load(w_ptr + rn[:, None] * KW + wk[None, :], mask=nmask[:, None] & (wk < KW)[None, :], other=0)
+            c = (w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # (BLOCK_N, words, CPW)
+            if FP8:
+                v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            v = tl.reshape(v, (BLOCK_N, NGB, GB))  # column k0 + j * GB + t at [:, j, t]
+            kg = k0 + sub
+            gi = rn[:, None] * NG + (kg // group)[None, :]
+            gmask = nmask[:, None] & (kg < K)[None, :]  # sub-blocks past K: no group there
+            s = tl.load(s_ptr + gi, mask=gmask, other=0.0)
+            o = tl.load(m_ptr + gi, mask=gmask, other=0.0)
+            for mi in tl.static_range(BLOCK_M):
+                xk = tl.load(x_ptr + mi * stride_xm + k0 + rk, mask=(k0 + rk < K) & (mi < M), other=0.0)
+                x3 = tl.reshape(xk.to(tl.float32), (NGB, GB))
+                part = tl.sum(v * x3[None, :, :], axis=2)  # (BLOCK_N, NGB)
+                r = tl.sum(part * s + tl.sum(x3, axis=1)[None, :] * o, axis=1)
+                acc += tl.where(rows[:, None] == mi, r[None, :], 0.0)
+        ptrs = y_ptr + rows[:, None] * stride_ym + rn[None, :]
+        tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & nmask[None, :])
+
+
 def _pow2_divisor(n: int, cap: int) -> int:
     """The largest power of two <= cap that divides n."""
     b = cap
@@ -153,6 +205,51 @@ def choose_tiles(m: int, n: int, k: int, group: int, per_channel: bool, programs
     if m <= 16 and n * k >= SPLIT_MIN_ELEMENTS and tiles < 4 * programs:
         split = max(1, min(kb, 8, -(-4 * programs // tiles)))
     return bm, bn, bk, split
+
+
+#: decode batches of up to this many rows run `_wq_gemv` (its rows are unrolled in the kernel), more the tile product
+GEMV_MAX_ROWS = 8
+
+
+class GemvTiles(NamedTuple):
+    """`_wq_gemv`'s tiles: BLOCK_N output columns a program, BLOCK_K columns of K a loop step, its warps."""
+
+    bn: int
+    bk: int
+    warps: int = 4
+
+
+Tiles = tuple[int, int, int, int] | GemvTiles  # (BLOCK_M, BLOCK_N, BLOCK_K, split_k) of `_wq_matmul`, or `_wq_gemv`'s
+
+
+def gemv_ok(q: torch.Tensor, k: int, pack: int) -> bool:
+    """Whether `_wq_gemv` can read the codes q (N rows of K codes, `pack` a byte) as 32-bit words: whole words
+    a row, from a 4-byte boundary."""
+    per_word = 8 if pack == 2 else 4
+    return q.dtype == torch.uint8 and k % per_word == 0 and q.is_contiguous() and q.storage_offset() % 4 == 0
+
+
+def choose_gemv_tiles(n: int, k: int, pack: int, programs: int) -> GemvTiles:
+    """`_wq_gemv`'s tiles for an (m <= GEMV_MAX_ROWS, k) x (k, n) product: K-blocks of 256 bytes of a row's codes
+    (512 codes two a byte, 256 one a byte; halved while twice K still fits), 8 output columns a program with 4
+    warps (32 codes a thread held as floats across the rows), halved while fewer than 2 x `programs` programs
+    would run.  A first choice, not yet swept on a device: `benchmarks/tune_gemv.py --gemv` does that."""
+    bk = 512 if pack == 2 else 256
+    while bk > 32 and bk >= 2 * k:
+        bk //= 2
+    bn = 8
+    while bn > 1 and -(-n // bn) < 2 * programs:
+        bn //= 2
+    return GemvTiles(bn, bk)
+
+
+def decode_tiles(m: int, n: int, k: int, group: int, per_channel: bool, pack: int, programs: int,
+                 words: bool) -> Tiles:
+    """The kernel and tiles for an (m, k) x (k, n) product: `_wq_gemv` for m <= GEMV_MAX_ROWS where the codes
+    read as words (`gemv_ok`), else `_wq_matmul`'s `choose_tiles`."""
+    if m <= GEMV_MAX_ROWS and words:
+        return choose_gemv_tiles(n, k, pack, programs)
+    return choose_tiles(m, n, k, group, per_channel, programs)
 
 
 class TritonWeightOnlyKernel:
@@ -209,16 +306,15 @@ class TritonWeightOnlyKernel:
         # programs in flight: 2 per multiprocessor; the interpreter (CPU) gets a small number, so that its
         # tests take the split-K path too
         self.programs = 2 * torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 8
-        self._tiles: dict[int, tuple[int, int, int, int]] = {}  # rows -> choose_tiles(...)
+        self._tiles: dict[int, Tiles] = {}  # rows -> decode_tiles(...)
 
     @property
     def nbytes(self) -> int:
         return self.q.numel() + (self.s.numel() + self.m.numel()) * 4
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
-                 tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-        """y = x @ W.T (+ bias) in x's dtype; `tiles` = (BLOCK_M, BLOCK_N, BLOCK_K, split_k) overrides
-        `choose_tiles` (benchmarks/tune_gemv.py sweeps it)."""
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, tiles: Tiles | None = None) -> torch.Tensor:
+        """y = x @ W.T (+ bias) in x's dtype; `tiles` (a `GemvTiles`, or (BLOCK_M, BLOCK_N, BLOCK_K, split_k) for
+        the tile product) overrides `decode_tiles` (benchmarks/tune_gemv.py sweeps it)."""
         N, K = self.shape
         lead = x.shape[:-1]
         x2 = x.reshape(-1, K)
@@ -233,7 +329,8 @@ class TritonWeightOnlyKernel:
             if tiles is None:
                 tiles = self._tiles.get(M)
                 if tiles is None:
-                    tiles = self._tiles[M] = choose_tiles(M, N, K, self.group, self.ng == 1, self.programs)
+                    tiles = self._tiles[M] = decode_tiles(M, N, K, self.group, self.ng == 1, self.pack, self.programs,
+                                                          gemv_ok(self.q, K, self.pack))
             y = _launch(x2, self.q, self.s, self.m, N, self.group, self.pack, self.fp8, tiles, x.dtype)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
@@ -243,10 +340,23 @@ class TritonWeightOnlyKernel:
 
 
 def _launch(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, N: int, group: int, pack: int,
-            fp8: bool, tiles: tuple[int, int, int, int], out_dtype: torch.dtype) -> torch.Tensor:
-    """One launch of `_wq_matmul`: y (M, N) = x2 (M, K) bf16 times the codes q with scales s and offsets m."""
+            fp8: bool, tiles: Tiles, out_dtype: torch.dtype) -> torch.Tensor:
+    """One launch of `_wq_gemv` (`GemvTiles`) or `_wq_matmul`: y (M, N) = x2 (M, K) bf16 times the codes q with
+    scales s and offsets m."""
     M, K = x2.shape
     ng = s.shape[1]
+    if isinstance(tiles, GemvTiles):
+        if M > GEMV_MAX_ROWS or not gemv_ok(q, K, pack):
+            raise ValueError(f"the one-row kernel takes <= {GEMV_MAX_ROWS} rows of codes that read as aligned words "
+                             f"(K a multiple of {8 if pack == 2 else 4}); got {M} rows, K = {K}")
+        y = torch.empty((M, N), device=x2.device, dtype=out_dtype)
+        w = q.view(torch.int32)
+        gb = tiles.bk if ng == 1 else _pow2_divisor(group, tiles.bk)  # a sub-block inside one group
+        _wq_gemv[(triton.cdiv(N, tiles.bn),)](x2, w, s, m, y, M, N, K, ng, w.shape[1], group,
+                                              x2.stride(0), y.stride(0), BITS=4 if pack == 2 else 8, FP8=fp8,
+                                              BLOCK_M=1 << (M - 1).bit_length(), BLOCK_N=tiles.bn, BLOCK_K=tiles.bk,
+                                              GB=gb, num_warps=tiles.warps)
+        return y
     bm, bn, bk, split = tiles
     kb = -(-K // bk)
     k_split = -(-kb // split) * bk
@@ -263,17 +373,17 @@ def _launch(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor,
     return y
 
 
-_TILES: dict[tuple[int, int, int, int, bool, int], tuple[int, int, int, int]] = {}
+_TILES: dict[tuple[int, int, int, int, bool, int, int, bool], Tiles] = {}
 
 
 def launch_weight_only(x2: torch.Tensor, q: torch.Tensor, s: torch.Tensor, m: torch.Tensor, n_out: int, group: int,
                        pack: int, fp8: bool, programs: int) -> torch.Tensor:
     """`TritonWeightOnlyKernel`'s matmul from its tensors alone (the registered operator's body): bf16 (M, n_out)."""
     M, K = x2.shape
-    key = (M, n_out, K, group, s.shape[1] == 1, programs)
+    key = (M, n_out, K, group, s.shape[1] == 1, pack, programs, gemv_ok(q, K, pack))
     tiles = _TILES.get(key)
     if tiles is None:
-        tiles = _TILES[key] = choose_tiles(M, n_out, K, group, s.shape[1] == 1, programs)
+        tiles = _TILES[key] = decode_tiles(*key)
     y = _launch(x2, q, s, m, n_out, group, pack, fp8, tiles, torch.bfloat16)
     return y if y.dtype == torch.bfloat16 else y.to(torch.bfloat16)
 

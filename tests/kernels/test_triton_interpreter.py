@@ -1,9 +1,11 @@
-"""The Triton weight-only GEMM checked on CPU through Triton's interpreter (TRITON_INTERPRET=1).
+"""The Triton weight-only kernels checked on CPU through Triton's interpreter (TRITON_INTERPRET=1).
 
 Runs in a subprocess (the interpreter must be chosen before Triton compiles anything) and is skipped
 where Triton is not installed.  (Triton 3.6's interpreter needs numpy < 2.4: later numpy refuses its
-int() of one-element arrays.)  Bound: 1e-2 relative to the reference (bf16 activations; the
-interpreter multiplies in fp32).  On a GPU the same kernel runs compiled (tests/kernels/test_gpu_kernels.py).
+int() of one-element arrays.)  Bounds: the tile product 1e-2 relative to the reference (bf16 activations;
+the interpreter multiplies in fp32); the decode kernel `_wq_gemv`, given activations already in bf16,
+1e-5 relative (it multiplies and sums in fp32 on a GPU too: only the order of the sums differs from the
+reference's).  On a GPU the same kernels run compiled (tests/kernels/test_gpu_kernels.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,49 @@ SCRIPT = textwrap.dedent("""
     assert torch.isfinite(y).all(), "read past the last group"
     assert float((y - r).norm() / r.norm()) < 1e-2
     print("worst", worst)
+
+    # the decode kernel (`_wq_gemv`): the kernel's own pick for <= 8 rows, then K-blocks of several groups (or
+    # of part of one), more columns a program than the layer has, and rows masked inside a block of 8
+    from fewbits.kernels.gpu import GemvTiles
+    worst = 0.0
+    for spec, (n, k) in [("int8", (40, 256)), ("int8-asym", (35, 96)), ("int4-g64", (35, 192)),
+                         ("int4-g128-asym", (32, 384)), ("int3-g32", (24, 160)), ("int2-g32-asym", (17, 64)),
+                         ("int4-g64-asym-zfp16", (24, 128)), ("fp8-e4m3", (40, 256)), ("fp8-e4m3-g64", (32, 128)),
+                         ("int4-g96", (20, 192)), ("int4", (40, 2048)), ("int8-g32", (24, 96))]:
+        g = torch.Generator().manual_seed(n)
+        qt = quantize_tensor(torch.randn(n, k, generator=g), spec)
+        kern = TritonWeightOnlyKernel(qt, device="cpu")
+        for m, tiles in ((1, None), (3, None), (8, None), (1, GemvTiles(4, 64)), (5, GemvTiles(64, 256))):
+            x = torch.randn(m, k, generator=g).bfloat16().float()  # the kernel reads bf16: no rounding of x
+            y = kern(x, tiles=tiles)
+            if tiles is None:
+                assert isinstance(kern._tiles[m], GemvTiles), (spec, m, kern._tiles[m])
+            r = reference_linear(x, qt)
+            err = float((y - r).norm() / r.norm())
+            assert err < 1e-5, (spec, n, k, m, tiles, err)
+            worst = max(worst, err)
+    # K not a whole number of words a row (per-channel int4, K = 100): the tile product instead
+    qt = quantize_tensor(torch.randn(24, 100), "int4")
+    kern = TritonWeightOnlyKernel(qt, device="cpu")
+    x = torch.randn(1, 100)
+    y = kern(x).float()
+    assert not isinstance(kern._tiles[1], GemvTiles)
+    assert float((y - reference_linear(x, qt)).norm() / reference_linear(x, qt).norm()) < 1e-2
+    # blocks past K (224 columns in blocks of 64 and of 128): scales stored in front of NaNs, so that a read
+    # past the last group would show in the output
+    qt = quantize_tensor(torch.randn(40, 224), "int4-g32")
+    kern = TritonWeightOnlyKernel(qt, device="cpu")
+    for name in ("s", "m"):
+        t = getattr(kern, name)
+        big = torch.full((t.numel() + 64,), float("nan"))
+        big[:t.numel()] = t.reshape(-1)
+        setattr(kern, name, big[:t.numel()].view(t.shape))
+    x = torch.randn(2, 224).bfloat16().float()
+    for tiles in (GemvTiles(8, 64), GemvTiles(8, 128)):
+        y = kern(x, tiles=tiles)
+        assert torch.isfinite(y).all(), ("read past the last group", tiles)
+        assert float((y - reference_linear(x, qt)).norm() / reference_linear(x, qt).norm()) < 1e-5
+    print("gemv worst", worst)
 """)
 
 
@@ -69,4 +114,4 @@ def test_triton_weight_only_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "worst" in out.stdout
+    assert "worst" in out.stdout and "gemv worst" in out.stdout
