@@ -6,14 +6,16 @@
 #   3. a profile of SmolLM2-135M's decode steps (benchmarks/profile_step.py) and a sweep of the Triton
 #      kernel's tiles at decode shapes (benchmarks/tune_gemv.py), when asked for,
 #   4. `fewbits probe` then `fewbits bench` for SmolLM2-135M and for Llama-3-8B, both with random weights
-#      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel),
+#      (a step's time depends on shapes, formats and kernels, not on the values; the weights cannot travel);
+#      Llama-3-8B on issue 16's rows: bf16 / int4-g128 / fp8-e4m3 weights, batch 1 and 16, a 512-token prompt,
+#      every row a compiled CUDA-graph step (one compile a row: the stage prints each row as it finishes),
 #   5. GPTQ int4-g128 of a random Llama-3-8B on the GPU, 128 x 2048 calibration tokens, timed
 #      (benchmarks/bench_calib_device.py; issue 18's goal: under 3 minutes on an H200), when asked for.
 #
 # Usage, from the repository root:  OUT=/some/dir bash benchmarks/device_check.sh [STAGES]
 # STAGES: a comma-separated list of tests, gemv, profile, tune, smollm2, calib, llama3-8b (in that order whatever
 # the list's), or "all" (tests,gemv,smollm2,llama3-8b, the default) or "quick" (all but llama3-8b); two
-# calls on one warm machine can split a run.  Each stage has its own time limit and a failing stage does not
+# calls on one warm machine can split a run (e.g. "tests,gemv,tune", then "llama3-8b").  Each stage has its own time limit and a failing stage does not
 # stop the next; a stage that would start after BUDGET seconds (default 560) is skipped.  DEVICE=cpu runs
 # the same stages on the CPU (a dry run of the script; the GPU tests then skip, and LIMIT_SCALE=4 gives the
 # slower CPU four times each limit).  Writes under $OUT (at most 9 files): log.txt (everything printed),
@@ -75,7 +77,7 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     has smollm2 && pair smollm2-135m smollm2 80 80
     has calib && stage "gptq llama-3-8b" 240 $PY benchmarks/bench_calib_device.py --device "$DEVICE" \
         --model llama-3-8b --format int4-g128 --method gptq --samples 128 --seq-len 2048 --json "$OUT/calib.json"
-    has llama3-8b && pair llama-3-8b llama3-8b 120 120 --weights bf16,int8,int4-g128,fp8-e4m3 \
-        --kv bf16,fp8-e4m3,int8,int4
+    has llama3-8b && pair llama-3-8b llama3-8b 120 300 --weights bf16,int4-g128,fp8-e4m3 --kv bf16 \
+        --batch 1,16 --prompt 512 --steps 16
     date -u
 } 2>&1 | tee "$OUT/log.txt"
