@@ -129,44 +129,44 @@ if triton is not None:  # pragma: no cover
                  BITS: tl.constexpr, FP8: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GB: tl.constexpr):
         # y[m, n] = sum_k x[m, k] * (c[n, k] * s[n, g] + o[n, g]) for M <= BLOCK_M rows (decode), without a tile
-        # product.  The codes are read as 32-bit words of 32 // BITS codes each, the first code in the lowest
-        # bits: the stored layout (one byte a code, or two a byte, low nibble first), read KW words a row.  An
+        # product.  The codes are read as 32-bit words of CPW = 32 // BITS codes each, the first code in the
+        # lowest bits: the stored layout (one byte a code, or two a byte, low nibble first), KW words a row.  An
         # integer code c becomes a float without a conversion instruction: the word (c | 0x4B000000) is the
-        # float 2^23 + c, exactly, so one subtraction gives c.  A K-block of BLOCK_K columns is NGB sub-blocks
-        # of GB columns, each inside one group (GB divides the group size; per-channel formats pass group = K):
-        # each sub-block's sums take its group's scale and offset, s * sum(x c) + o * sum(x).  Program pid
-        # covers BLOCK_N output columns and all of K; the weights are read once for all M rows.
+        # float 2^23 + c, exactly, so one subtraction gives c.  A K-block of BLOCK_K columns is BLOCK_K // GB
+        # sub-blocks of GB columns (unrolled, so that their loads are in flight together), each inside one group
+        # (GB divides the group size; per-channel formats pass group = K): its sums take the group's scale and
+        # offset, s * sum(x c) + o * sum(x).  The codes of a sub-block are a (BLOCK_N, words, CPW) tensor and x
+        # is read in the same (words, CPW) shape, so nothing is reshaped.  Program pid covers BLOCK_N output
+        # columns and all of K; the weights are read once for all M rows.
         CPW: tl.constexpr = 32 // BITS
-        NGB: tl.constexpr = BLOCK_K // GB
+        WG: tl.constexpr = GB // CPW
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = rn < N
-        rw = tl.arange(0, BLOCK_K // CPW)
-        shifts = tl.arange(0, CPW) * BITS
-        rk = tl.arange(0, BLOCK_K)
+        rw = tl.arange(0, WG)
+        ri = tl.arange(0, CPW)
         rows = tl.arange(0, BLOCK_M)
-        sub = tl.arange(0, NGB) * GB
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            wk = k0 // CPW + rw
-            w = tl.load(w_ptr + rn[:, None] * KW + wk[None, :], mask=nmask[:, None] & (wk < KW)[None, :], other=0)
-            c = (w[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)  # (BLOCK_N, words, CPW)
-            if FP8:
-                v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                v = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            v = tl.reshape(v, (BLOCK_N, NGB, GB))  # column k0 + j * GB + t at [:, j, t]
-            kg = k0 + sub
-            gi = rn[:, None] * NG + (kg // group)[None, :]
-            gmask = nmask[:, None] & (kg < K)[None, :]  # sub-blocks past K: no group there
-            s = tl.load(s_ptr + gi, mask=gmask, other=0.0)
-            o = tl.load(m_ptr + gi, mask=gmask, other=0.0)
-            for mi in tl.static_range(BLOCK_M):
-                xk = tl.load(x_ptr + mi * stride_xm + k0 + rk, mask=(k0 + rk < K) & (mi < M), other=0.0)
-                x3 = tl.reshape(xk.to(tl.float32), (NGB, GB))
-                part = tl.sum(v * x3[None, :, :], axis=2)  # (BLOCK_N, NGB)
-                r = tl.sum(part * s + tl.sum(x3, axis=1)[None, :] * o, axis=1)
-                acc += tl.where(rows[:, None] == mi, r[None, :], 0.0)
+            for j in tl.static_range(BLOCK_K // GB):
+                kj = k0 + j * GB
+                wk = kj // CPW + rw
+                w = tl.load(w_ptr + rn[:, None] * KW + wk[None, :], mask=nmask[:, None] & (wk < KW)[None, :],
+                            other=0)
+                c = (w[:, :, None] >> (ri * BITS)[None, None, :]) & ((1 << BITS) - 1)  # column kj + CPW * word + i
+                if FP8:
+                    v = c.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                else:
+                    v = (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                gmask = nmask & (kj < K)  # a sub-block past K: no group there
+                s = tl.load(s_ptr + rn * NG + kj // group, mask=gmask, other=0.0)
+                o = tl.load(m_ptr + rn * NG + kj // group, mask=gmask, other=0.0)
+                xk = kj + rw[:, None] * CPW + ri[None, :]
+                for mi in tl.static_range(BLOCK_M):
+                    x = tl.load(x_ptr + mi * stride_xm + xk, mask=(xk < K) & (mi < M), other=0.0).to(tl.float32)
+                    part = tl.sum(tl.sum(v * x[None, :, :], axis=2), axis=1)
+                    r = part * s + tl.sum(tl.sum(x, axis=1), axis=0) * o
+                    acc += tl.where(rows[:, None] == mi, r[None, :], 0.0)
         ptrs = y_ptr + rows[:, None] * stride_ym + rn[None, :]
         tl.store(ptrs, acc.to(y_ptr.dtype.element_ty), mask=(rows < M)[:, None] & nmask[None, :])
 
