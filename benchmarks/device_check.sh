@@ -65,7 +65,7 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     $PY -c "import torch, transformers; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
 'transformers', transformers.__version__, torch.cuda.is_available() and torch.cuda.get_device_name())"
     $PY -c "import triton; print('triton', triton.__version__)"
-    has tests && stage tests 90 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench \
+    has tests && stage tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu tests/kernels tests/bench tests/decode \
         tests/test_generate.py tests/methods tests/calib
     has gemv && stage gemv 60 $PY benchmarks/bench_gemv.py --device "$DEVICE" --specs bf16,int8,int4-g128,fp8-e4m3 \
         --min-mb 512 --rounds 20 | tee "$OUT/gemv.txt"
