@@ -18,8 +18,8 @@
 # calls on one warm machine can split a run (e.g. "tests,gemv,tune", then "llama3-8b").  Each stage has its own time limit and a failing stage does not
 # stop the next; a stage that would start after BUDGET seconds (default 560) is skipped.  DEVICE=cpu runs
 # the same stages on the CPU (a dry run of the script; the GPU tests then skip, and LIMIT_SCALE=4 gives the
-# slower CPU four times each limit).  Writes under $OUT (at most 9 files): log.txt (everything printed),
-# gemv.txt, profile.txt, tune.txt, calib.json, and probe-<model>.json / bench-<model>.json.  Runs from the source tree
+# slower CPU four times each limit).  Writes under $OUT (at most 10 files): log.txt (everything printed),
+# gemv.txt, profile.txt, tune.txt, calib.json, probe-<model>.json / bench-<model>.json and bench-llama3-8b-b16.json.  Runs from the source tree
 # (PYTHONPATH), nothing is installed.
 set -u
 OUT=${OUT:-/tmp/fewbits-device}
@@ -53,9 +53,15 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     shift 4
     stage "probe $tag" "$plimit" $PY -m fewbits probe --device "$DEVICE" --model "$model" --name "$DEVICE-$tag" \
         -o "$OUT/probe-$tag.json"
+    more "$model" "$tag" "$tag" "$blimit" "$@"
+}
+
+more() {  # more MODEL TAG NAME LIMIT [bench options...]: another bench against pair's probe, into bench-NAME.json
+    local model=$1 tag=$2 name=$3 limit=$4
+    shift 4
     if [ -f "$OUT/probe-$tag.json" ]; then
-        stage "bench $tag" "$blimit" $PY -m fewbits bench "$model" --random-weights --device "$DEVICE" \
-            --profile "$OUT/probe-$tag.json" --json "$OUT/bench-$tag.json" "$@"
+        stage "bench $name" "$limit" $PY -m fewbits bench "$model" --random-weights --device "$DEVICE" \
+            --profile "$OUT/probe-$tag.json" --json "$OUT/bench-$name.json" "$@"
     fi
 }
 
@@ -77,7 +83,10 @@ pair() {  # pair MODEL TAG PROBE_LIMIT BENCH_LIMIT [bench options...]
     has smollm2 && pair smollm2-135m smollm2 80 80
     has calib && stage "gptq llama-3-8b" 240 $PY benchmarks/bench_calib_device.py --device "$DEVICE" \
         --model llama-3-8b --format int4-g128 --method gptq --samples 128 --seq-len 2048 --json "$OUT/calib.json"
-    has llama3-8b && pair llama-3-8b llama3-8b 120 300 --weights bf16,int4-g128,fp8-e4m3 --kv bf16 \
-        --batch 1,16 --prompt 512 --steps 16
+    # batch 1 and batch 16 apart: each row compiles its own step, and the first file must survive a slow second
+    has llama3-8b && pair llama-3-8b llama3-8b 120 200 --weights bf16,int4-g128,fp8-e4m3 --kv bf16 \
+        --batch 1 --prompt 512 --steps 16
+    has llama3-8b && more llama-3-8b llama3-8b llama3-8b-b16 200 --weights bf16,int4-g128,fp8-e4m3 --kv bf16 \
+        --batch 16 --prompt 512 --steps 16
     date -u
 } 2>&1 | tee "$OUT/log.txt"
