@@ -16,6 +16,7 @@ activations to int8 (`cpu_q4_a8`), as in bench_compiled.py.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -85,6 +86,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gemv", default="262144x640", help="N x K of the bf16 GEMV row ('' to skip)")
     args = ap.parse_args()
+    # the compiled step must read the tensors where each arm puts them, not through the block of the first
+    # placement by offsets (`Q4Kernel.bind`, which the decoder does by default)
+    os.environ["FEWBITS_BIND"] = "0"
     torch.set_num_threads(args.threads)
     why = pages.why_not_huge()
     if why:

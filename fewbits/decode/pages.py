@@ -27,8 +27,8 @@ import mmap
 import os
 import sys
 import weakref
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,13 +46,16 @@ _ARENAS: list[tuple[int, int, weakref.ref]] = []
 @dataclass(frozen=True)
 class Placement:
     """What `place` did: `nbytes` moved in `storages` storages (`tensors` tensors), the mapping's start address
-    (0 when nothing moved) and, when nothing moved, why."""
+    (0 when nothing moved) and, when nothing moved, why; `block`, a uint8 tensor over the whole mapping (None when
+    nothing moved), which operators can read the placed tensors through by their offsets
+    (`fewbits.kernels.cpu_int4.Q4Kernel.bind`)."""
 
     nbytes: int = 0
     storages: int = 0
     tensors: int = 0
     address: int = 0
     why_not: str | None = None
+    block: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def huge_bytes(self) -> int:
         """Bytes of the mapping that the kernel backs with huge pages now (/proc/self/smaps; 0 if unknown)."""
@@ -78,25 +81,31 @@ def why_not_huge(huge: bool = True) -> str | None:
 
 
 def tensors_of(roots: Iterable[object]) -> list[torch.Tensor]:
-    """Every tensor reachable from `roots`: modules' parameters, buffers and submodules, and the attributes of
-    fewbits' own objects (kernels, fused projections, caches) and of lists, tuples and dicts among them; in the
-    order a depth-first walk first meets them, children in their own order (a module's parameters and
-    submodules as registered, a list's items in turn).  `place` lays them out in that order, which for a model is
-    the order a decode step reads its layers' weights (each layer's attention, then its MLP, layer after layer),
-    so that the step streams its weights upward in memory: the probe's GEMV passes laid out the other way round
-    (the walk had taken the last child first) ran 2-6% slower (SmolLM2's step sets, bf16 / int8 / int4-g64, 1 and 8
-    rows of x)."""
+    """Every tensor reachable from `roots` (`walk`), in the order the walk first meets them.  `place` lays them out
+    in that order, which for a model is the order a decode step reads its layers' weights (each layer's attention,
+    then its MLP, layer after layer), so that the step streams its weights upward in memory: the probe's GEMV
+    passes laid out the other way round (the walk had taken the last child first) ran 2-6% slower (SmolLM2's step
+    sets, bf16 / int8 / int4-g64, 1 and 8 rows of x)."""
+    return [o for o in walk(roots) if isinstance(o, torch.Tensor)]
+
+
+def walk(roots: Iterable[object]) -> Iterator[object]:
+    """Every object reachable from `roots`, once each: modules' parameters, buffers and submodules, and the
+    attributes of fewbits' own objects (kernels, fused projections, caches; not those a class names in its
+    ``NOT_OWNED``, which refer to memory the object does not own) and of lists, tuples and dicts among them;
+    depth-first, children in their own order (a module's parameters and submodules as registered, a list's
+    items in turn)."""
     seen: set[int] = set()
-    found: dict[int, torch.Tensor] = {}
     stack = list(reversed(list(roots)))
     while stack:
         o = stack.pop()
         if id(o) in seen:
             continue
         seen.add(id(o))
+        yield o
         children: list[object] = []
         if isinstance(o, torch.Tensor):
-            found[id(o)] = o
+            pass
         elif isinstance(o, torch.nn.Module):
             children = [*o._parameters.values(), *o._buffers.values(), *o._modules.values()]
             children += [v for k, v in vars(o).items() if not k.startswith("_")]
@@ -105,9 +114,9 @@ def tensors_of(roots: Iterable[object]) -> list[torch.Tensor]:
         elif isinstance(o, dict):
             children = list(o.values())
         elif type(o).__module__.startswith("fewbits.") and hasattr(o, "__dict__"):
-            children = list(vars(o).values())
+            skip = getattr(type(o), "NOT_OWNED", ())
+            children = [v for k, v in vars(o).items() if k not in skip]
         stack += reversed(children)  # the first child is taken next
-    return list(found.values())
 
 
 def _placeable(t: torch.Tensor, again: bool) -> bool:
@@ -127,9 +136,11 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return first * t.element_size(), (last + 1) * t.element_size()
 
 
-def _groups(tensors: Iterable[torch.Tensor], again: bool) -> list[tuple[int, int, list[torch.Tensor]]]:
+def _groups(tensors: Iterable[torch.Tensor], again: bool,
+            min_bytes: int = MIN_BYTES) -> list[tuple[int, int, list[torch.Tensor]]]:
     """The tensors grouped by the storage they view, each group with the span of bytes its tensors read
-    (first, end): a group moves as one block, so views stay views at the same distances."""
+    (first, end), groups under `min_bytes` left out: a group moves as one block, so views stay views at the same
+    distances."""
     by: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
         if _placeable(t, again):
@@ -139,22 +150,23 @@ def _groups(tensors: Iterable[torch.Tensor], again: bool) -> list[tuple[int, int
         spans = [_extent(t) for t in group]
         first, end = min(a for a, _ in spans), max(b for _, b in spans)
         first -= first % ALIGN  # so that every tensor's new offset is a whole number of its elements
-        if end - first >= MIN_BYTES:
+        if end - first >= min_bytes:
             out.append((first, end, group))
     return out
 
 
 @torch.no_grad()
-def place(roots: Iterable[object], huge: bool = True, again: bool = False) -> Placement:
+def place(roots: Iterable[object], huge: bool = True, again: bool = False, min_bytes: int = MIN_BYTES) -> Placement:
     """Move the tensors reachable from `roots` (`tensors_of`) into one mapping advised for huge pages (`huge`
     False: advised against them, the 4 KiB pages torch's own allocations get: benchmarks' other arm).  Each
     tensor keeps its identity, values, dtype, shape and strides; tensors viewing one storage view one storage
     after, at the same distances.  Tensors placed already (by an earlier call) stay where they are, unless
-    `again` (benchmarks moving the same tensors back and forth)."""
+    `again` (benchmarks moving the same tensors back and forth); storages of which fewer than `min_bytes` are
+    viewed stay too (0: every one, so that `Placement.block` covers them all)."""
     why = why_not_huge(huge)
     if why is not None:
         return Placement(why_not=why)
-    groups = _groups(tensors_of(roots), again)
+    groups = _groups(tensors_of(roots), again, min_bytes)
     sizes = [end - first for first, end, _ in groups]
     if sum(sizes) < HUGE:
         return Placement(why_not=f"{sum(sizes)} bytes of tensors to place, under one huge page")
@@ -179,7 +191,7 @@ def place(roots: Iterable[object], huge: bool = True, again: bool = False) -> Pl
             t.set_(dst.untyped_storage(), byte // t.element_size(), t.size(), t.stride())
     _ARENAS.append((lo, lo + len(area), weakref.ref(area)))
     return Placement(nbytes=sum(sizes), storages=len(groups), tensors=sum(len(g) for *_, g in groups),
-                     address=lo + start)
+                     address=lo + start, block=torch.frombuffer(area, dtype=torch.uint8, count=len(area)))
 
 
 def mapping_huge_bytes(address: int) -> int:

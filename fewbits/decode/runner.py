@@ -10,7 +10,10 @@ built apart from the kernels and at -O1
 ``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  The C++ wrapper calls fewbits' operators through
 their C shims (`fewbits.kernels.native.c_shims`), not through the dispatcher (``FEWBITS_C_SHIMS=0`` keeps that,
 for comparisons).  Each step then calls that compiled graph with its
-input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  On a CUDA device the step is compiled with
+input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  The int4 kernels read their codes,
+scales and zeros through the block the decoder placed its tensors in (`pages.place`), by offsets
+(`Q4Kernel.bind`), so the graph takes that block once instead of ~240 tensors (SmolLM2: 370 -> 128 inputs, each a
+handle the C++ wrapper makes and drops every call; ``FEWBITS_BIND=0`` keeps the tensors).  On a CUDA device the step is compiled with
 ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked static, so the
 graph writes them in place).
 
@@ -186,10 +189,15 @@ class StaticDecoder:
         self.compiled = compile
         self.fused = fuse_projections(model, self.arch.n_layers) if fuse else None  # q/k/v, gate/up: one matmul
         # the weights and the cache in huge pages (the step reads them all; `pages` says what it gains)
-        self.placement = (pages.place([model, self.fused, self.cache]) if self.device.type == "cpu"
+        self.placement = (pages.place([model, self.fused, self.cache], min_bytes=0) if self.device.type == "cpu"
                           else pages.Placement(why_not=f"on {self.device.type}"))
+        # the int4 kernels read through that block by offsets (`Q4Kernel.bind`): a compiled step takes the block
+        # once instead of their ~240 tensors (SmolLM2), each a handle its C++ wrapper makes and drops every call
+        # (``FEWBITS_BIND=0`` keeps the tensors, for comparisons)
+        self.bound = self._bind(model) if compile and self.placement.block is not None else 0
         self.compile_s = 0.0
         self.direct = False
+        self.graph_inputs = 0  # tensors the CPU step's graph takes a call, where it is called directly (`graph_call`)
         self._held: list[torch.Tensor] = []  # views that keep the graph's tensors referenced from C++ (`_compile_cpu`)
         self._fn = self._decode_eager
         if compile:
@@ -207,6 +215,17 @@ class StaticDecoder:
             else:
                 rows.available()  # (built once per machine) its argmax_rows picks a greedy token in ~10 us, not ~200
                 self._compile_cpu(Path(cache_dir or inductor_cache_dir()))
+
+    def _bind(self, model: torch.nn.Module) -> int:
+        """Bind the int4 kernels of `model` and the fused projections to the placed block; how many are bound
+        (to it, or still to an earlier decoder's block over the same tensors)."""
+        from fewbits.kernels.cpu_int4 import Q4Kernel
+
+        kernels = [k for k in pages.walk([model, self.fused]) if isinstance(k, Q4Kernel)]
+        if os.environ.get("FEWBITS_BIND", "1") != "0":
+            for k in kernels:
+                k.bind(self.placement.block)
+        return sum(k._at is not None for k in kernels)
 
     def _decode(self, ids: torch.Tensor, pos: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         return forward(self.model, self.arch, self.cache, self.valid, ids, pos, slot, fused=self.fused)
@@ -229,7 +248,7 @@ class StaticDecoder:
         key = precompiled.artifact_key(self.model, {"kv": self.fmt.full_spec, "batch": self.batch,
                                                     "max_len": self.max_len, "options": options,
                                                     "c_shims": sorted(str(op) for op in shims),
-                                                    "fused": self.fused is not None,
+                                                    "fused": self.fused is not None, "bound": self.bound,
                                                     "rows": rows_on(), "widen": [str(d) for d in WIDEN],
                                                     "kv_ops": (self.cache[0].kernel, self.cache[0].native_append)})
         path = cache_dir / "fewbits-steps" / f"{key}.bin"
@@ -276,6 +295,7 @@ class StaticDecoder:
         self.direct = direct is not None  # the graph called with its tensors (`graph_call`), not via the bytecode
         if direct is not None:
             graph, flat = direct
+            self.graph_inputs = sum(isinstance(t, torch.Tensor) for t in flat)
             # A view of each tensor the graph takes, kept while the decoder lives: a view holds its base from C++,
             # so the C++ wrapper's handles on the ~370-490 tensors (taken and dropped every call) never drop a tensor's
             # last C++ reference, which would hand its Python object back under the GIL (perf: 111 -> 13 samples of

@@ -861,14 +861,46 @@ int64_t q4_isa() {
 // plain loops, 2 vdpbf16ps only, 3 x in int8 (blocks of 32 columns) through vpdpbusd (AVX2: vpmaddubsw) at every
 // row count where the group is a multiple of 32 (else path 0), 4 as 0 but x exact at few rows too (AVX2: the fp32
 // path; AVX-512: vdpbf16ps), 5 as 0 without AMX (what a CPU without it runs; tests).
+at::Tensor q4_run(const at::Tensor& x_in, Args a, int64_t path);
+
 at::Tensor q4_mm(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros,
                  int64_t group, int64_t bits, int64_t path) {
+  return q4_run(x_in, make_args(codes, scales, zeros, group, bits), path);
+}
+
+// q4_mm over tensors that lie in one block of memory (`arena`, uint8: the decoder's placed weights), each given by
+// its byte offset there: codes (N/16, K/8, 32) int16, scales (N/16, K/group, 16) fp16 (half) or fp32, zeros like
+// the scales or none (zeros_off < 0).  A compiled step then takes the one block instead of two or three tensors a
+// linear layer, each of which its C++ wrapper turns into a new handle on every call.
+at::Tensor q4_mm_at(const at::Tensor& x_in, const at::Tensor& arena, int64_t codes_off, int64_t scales_off,
+                    int64_t zeros_off, int64_t N, int64_t K, int64_t group, int64_t bits, int64_t half, int64_t path) {
+  TORCH_CHECK(arena.scalar_type() == at::kByte && arena.dim() == 1 && arena.is_contiguous(),
+              "q4_mm_at: the arena must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(bits >= 1 && bits <= 4, "q4: bits must be 1..4, got ", bits);
+  TORCH_CHECK(N > 0 && N % R == 0 && K > 0 && K % KC == 0 && group > 0 && group % KC == 0 && K % group == 0,
+              "q4_mm_at: N ", N, " must be a multiple of ", R, ", K ", K, " of 8 and of the group ", group);
+  const int64_t NB = N / R, G = K / group, esz = half ? 2 : 4, n = arena.numel();
+  const int64_t cbytes = NB * (K / KC) * 32 * 2, sbytes = NB * G * R * esz;
+  TORCH_CHECK(codes_off >= 0 && codes_off % 2 == 0 && codes_off + cbytes <= n && scales_off >= 0 &&
+              scales_off % esz == 0 && scales_off + sbytes <= n &&
+              (zeros_off < 0 || (zeros_off % esz == 0 && zeros_off + sbytes <= n)),
+              "q4_mm_at: the codes, scales or zeros lie outside the arena of ", n, " bytes");
+  const uint8_t* base = arena.data_ptr<uint8_t>();
+  Args a{};
+  a.codes = reinterpret_cast<const uint16_t*>(base + codes_off);
+  a.scales = base + scales_off;
+  a.zeros = zeros_off < 0 ? nullptr : base + zeros_off;
+  a.half = half != 0;
+  a.K = K; a.group = group; a.G = G; a.bits = bits; a.N = N;
+  return q4_run(x_in, a, path);
+}
+
+at::Tensor q4_run(const at::Tensor& x_in, Args a, int64_t path) {
   const int64_t portable = path == 1;
-  Args a = make_args(codes, scales, zeros, group, bits);
   TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == a.K && x_in.scalar_type() == at::kBFloat16,
               "q4_mm: x must be bf16 (M, ", a.K, "), got ", x_in.sizes(), " ", x_in.scalar_type());
   const at::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), NB = codes.size(0);
+  const int64_t M = x.size(0), NB = a.N / R;
   auto y = at::empty({M, a.N}, x.options());
   if (M == 0 || a.N == 0) return y;
   const bool fast = FB_FAST && !portable;
@@ -1005,9 +1037,12 @@ at::Tensor q4_dequant(const at::Tensor& codes, const at::Tensor& scales, const a
 TORCH_LIBRARY(fewbits_q4, m) {
   m.def("q4_mm(Tensor x, Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int path) -> "
         "Tensor");
+  m.def("q4_mm_at(Tensor x, Tensor arena, int codes_off, int scales_off, int zeros_off, int N, int K, int group, "
+        "int bits, int half, int path) -> Tensor");
   m.def("q4_dequant(Tensor codes, Tensor scales, Tensor zeros, int group, int bits, int portable) -> Tensor");
   m.def("q4_isa() -> int");
   m.impl("q4_mm", c10::DispatchKey::CPU, &q4_mm);
+  m.impl("q4_mm_at", c10::DispatchKey::CPU, &q4_mm_at);
   m.impl("q4_dequant", c10::DispatchKey::CPU, &q4_dequant);
   m.impl("q4_isa", c10::DispatchKey::CatchAll, &q4_isa);
 }

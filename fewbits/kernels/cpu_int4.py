@@ -93,6 +93,11 @@ def _fake_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: 
     return x.new_empty((x.shape[0], codes.shape[0] * ROWS))
 
 
+def _fake_mm_at(x: torch.Tensor, arena: torch.Tensor, codes_off: int, scales_off: int, zeros_off: int, n: int,
+                k: int, group: int, bits: int, half: int, path: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
 def _fake_dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int, bits: int,
                   portable: int) -> torch.Tensor:
     return codes.new_empty((codes.shape[0] * ROWS, codes.shape[1] * COLS), dtype=torch.bfloat16)
@@ -100,8 +105,8 @@ def _fake_dequant(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
 
 def available(src: str = _SRC, name: str = NAME, cflags: list[str] | None = None) -> bool:
     """Whether `fewbits_q4::q4_mm` is usable (built or loaded once per process; False if no compiler)."""
-    return native.build(name, src, {"fewbits_q4::q4_mm": _fake_mm, "fewbits_q4::q4_dequant": _fake_dequant},
-                        cflags=cflags, shims=name == NAME)
+    return native.build(name, src, {"fewbits_q4::q4_mm": _fake_mm, "fewbits_q4::q4_mm_at": _fake_mm_at,
+                                    "fewbits_q4::q4_dequant": _fake_dequant}, cflags=cflags, shims=name == NAME)
 
 
 def build_variant(name: str, source: str) -> bool:
@@ -204,6 +209,9 @@ class Q4Kernel:
     # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX, 4 as 0 but x exact at
     # few rows too (AVX2: the fp32 path, AVX-512: vdpbf16ps; tests, benchmarks), 5 as 0 without AMX (tests)
     path = 0
+    #: (block, codes, scales and zeros offsets, out, in, group, bits, half) where `bind` took a block, else None
+    _at: tuple | None = None
+    NOT_OWNED = ("_at",)  # the block is the decoder's (`fewbits.decode.pages.walk` does not count it as ours)
 
     @staticmethod
     def layout_reason(fmt: Format, shape: tuple[int, ...]) -> str | None:
@@ -265,13 +273,55 @@ class Q4Kernel:
 
     def __deepcopy__(self, memo: dict[int, object]) -> Q4Kernel:
         """A copy with tensors of its own, except that a symmetric kernel's zeros stay the shared empty tensor (a
-        copied model's or layer's kernels take one input between them, as the original's do)."""
+        copied model's or layer's kernels take one input between them, as the original's do); a copy is not
+        bound to its original's block (`bind`)."""
         for t in _NO_ZEROS.values():
             memo.setdefault(id(t), t)
         c = object.__new__(type(self))
         memo[id(self)] = c
-        c.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        c.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_at"}, memo))
         return c
+
+    def bind(self, block: torch.Tensor) -> bool:
+        """Call the operator with `block` and the byte offsets of the codes, scales and zeros in it
+        (`fewbits_q4::q4_mm_at`), where they lie inside it: `block` is a contiguous 1-D uint8 tensor over memory
+        they live in (a decoder's placed weights, `fewbits.decode.pages.Placement.block`).  A compiled step then
+        takes `block` once for every bound kernel instead of two or three tensors each, and its C++ wrapper makes
+        a handle a call for each tensor it takes.  False (nothing changes) where a tensor lies outside it.  The
+        tensors must stay where they are while bound (an uncompiled call checks that they have); `unbind` undoes
+        it."""
+        lo = block.data_ptr()
+        hi = lo + block.numel()
+
+        def offset(t: torch.Tensor) -> int | None:
+            p = t.data_ptr()
+            return p - lo if t.is_contiguous() and lo <= p and p + t.numel() * t.element_size() <= hi else None
+
+        if block.dtype != torch.uint8 or block.dim() != 1 or not block.is_contiguous():
+            raise ValueError("bind: the block must be a contiguous 1-D uint8 tensor")
+        c, s = offset(self.codes), offset(self.scales)
+        z = offset(self.zeros) if self.zeros.numel() else -1
+        if c is None or s is None or z is None:
+            return False
+        n, k = self.shape
+        self._at = (block, c, s, z, n, k, self.group, self.bits, int(self.scales.dtype == torch.float16))
+        return True
+
+    def unbind(self) -> None:
+        """Call the operator with the tensors themselves again."""
+        self._at = None
+
+    def _bound(self) -> tuple | None:
+        """The bound arguments, or None; outside compilation also None (and unbound) when the tensors have moved
+        since `bind` (`fewbits.decode.pages.place` moving them again)."""
+        at = self._at
+        if at is None or torch.compiler.is_compiling():
+            return at
+        base = at[0].data_ptr()
+        if self.codes.data_ptr() != base + at[1] or self.scales.data_ptr() != base + at[2]:
+            self._at = None
+            return None
+        return at
 
     @property
     def nbytes(self) -> int:
@@ -298,7 +348,11 @@ class Q4Kernel:
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
         if x2.dtype != torch.bfloat16:
             x2 = x2.to(torch.bfloat16)
-        y = self._op(x2, self.codes, self.scales, self.zeros, self.group, self.bits, self.path)
+        at = self._bound()
+        if at is not None:
+            y = torch.ops.fewbits_q4.q4_mm_at(x2, *at, self.path)
+        else:
+            y = self._op(x2, self.codes, self.scales, self.zeros, self.group, self.bits, self.path)
         if y.dtype != x.dtype:
             y = y.to(x.dtype)
         if bias is not None:

@@ -80,6 +80,38 @@ def test_compiled_step_equals_uncompiled(int4_llama: torch.nn.Module, kv: str, t
     assert "aoti_torch_cpu_attend_" in "".join(wrappers)
 
 
+def test_int4_kernels_bound_to_the_placed_block_give_the_same_step_with_fewer_inputs(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The decoder binds its int4 kernels to the block its tensors were placed in (`Q4Kernel.bind`): the compiled
+    step takes that block once instead of each kernel's codes and scales, and computes the same logits, bit for
+    bit, as the step over the tensors (``FEWBITS_BIND=0``)."""
+    import copy
+
+    from fewbits.decode import pages
+
+    if why_eager(build("llama")) is not None:
+        pytest.skip(why_eager(build("llama")))
+    monkeypatch.setattr(pages, "HUGE", 4096)  # the tiny model's tensors fill less than one huge page
+    model = quantised(build("llama", torch.bfloat16), "int4-g32", lm_head="int4-g32")
+    twin = copy.deepcopy(model)
+    bound = StaticDecoder(model, "bf16", 1, 24, cache_dir=tmp_path)
+    if bound.placement.why_not is not None:
+        pytest.skip(bound.placement.why_not)
+    monkeypatch.setenv("FEWBITS_BIND", "0")
+    plain = StaticDecoder(twin, "bf16", 1, 24, cache_dir=tmp_path)
+    assert bound.bound > 0 and plain.bound == 0
+    assert bound.direct and plain.direct
+    # 2 layers x (q/k/v, o, gate/up, down) + the head: 9 kernels, each two tensors fewer
+    assert bound.graph_inputs <= plain.graph_inputs - 17, (bound.graph_inputs, plain.graph_inputs)
+    ids = torch.randint(4, 320, (1, 10), generator=torch.Generator().manual_seed(6))
+    a, b = bound.prefill(ids), plain.prefill(ids)
+    assert torch.equal(a, b)
+    for i in range(8):
+        nxt = a.argmax(-1)
+        a, b = bound.step(nxt), plain.step(nxt)
+        assert torch.equal(a, b), i
+
+
 def test_compile_scope_restores_the_environment(tmp_path) -> None:
     before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with compile_scope(tmp_path):

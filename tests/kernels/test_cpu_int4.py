@@ -134,6 +134,42 @@ def test_symmetric_kernels_share_one_empty_zeros_tensor() -> None:
     assert d.zeros is not asym.zeros and torch.equal(d.zeros, asym.zeros)
 
 
+@pytest.mark.parametrize("spec", ["int4-g32", "int4-g64-asym", "int3-g64", "int2-g32-asym", "int4-g128-asym-zfp16"])
+def test_a_bound_kernel_reads_its_block_by_offsets_bit_for_bit(spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bind`: the operator reads the codes, scales and zeros from the block they were placed in, by their offsets
+    (`q4_mm_at`), with the same output as over the tensors; copies are not bound, the block is not one of the
+    kernel's own tensors, a kernel whose tensors moved since unbinds at its next call, and one whose tensors lie
+    outside a block is not bound to it."""
+    from fewbits.decode import pages
+
+    if pages.why_not_huge(huge=False) is not None:
+        pytest.skip(pages.why_not_huge(huge=False))
+    monkeypatch.setattr(pages, "HUGE", 4096)  # one kernel's tensors fill less than one huge page
+    qt, g = _case(spec, 48, 256, seed=3)
+    k = Q4Kernel(qt)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    want = k(x)
+    placed = pages.place([k], huge=False, min_bytes=0)
+    assert placed.block is not None and k.bind(placed.block)
+    assert k._at is not None and k._at[8] == int(k.scales.dtype == torch.float16)
+    assert torch.equal(k(x), want)
+    assert all(t is not placed.block for t in pages.tensors_of([k]))
+    c = copy.deepcopy(k)
+    assert c._at is None and torch.equal(c(x), want)
+    pages.place([k], huge=False, again=True, min_bytes=0)  # moved again: the block no longer holds them
+    assert torch.equal(k(x), want) and k._at is None
+    assert not Q4Kernel(qt).bind(placed.block)
+
+
+def test_reads_outside_the_block_are_refused() -> None:
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    block = torch.zeros(1000, dtype=torch.uint8)  # 16 x 64 codes are 512 bytes, their fp16 scales 64
+    torch.ops.fewbits_q4.q4_mm_at(x, block, 0, 512, -1, 16, 64, 32, 4, 1, 0)  # inside: runs
+    for codes, scales, zeros in ((600, 0, -1), (0, 980, -1), (0, 512, 960), (1, 512, -1)):
+        with pytest.raises(RuntimeError, match="outside the arena"):
+            torch.ops.fewbits_q4.q4_mm_at(x, block, codes, scales, zeros, 16, 64, 32, 4, 1, 0)
+
+
 @pytest.mark.parametrize(("spec", "shape", "why"), [
     ("int4-g32", (40, 128), "out_features divisible by 16"),
     ("int4", (64, 132), "in_features by 8"),
