@@ -18,7 +18,9 @@ runs (each old storage is freed as its tensors move, unless something else still
 
 Not done where it cannot help or is not asked for: off Linux, where the kernel's THP setting is "never", with
 ``FEWBITS_HUGE_PAGES=0``; tensors off the CPU, tensors that are not plain strided ones, storages whose viewed
-bytes are under `MIN_BYTES` (too small for page effects to matter) are left where they are.
+bytes are under `MIN_BYTES` (too small for page effects to matter) are left where they are, unless the caller asks
+for every one (`StaticDecoder` does: its int4 kernels then read all their tensors through the one block,
+`Placement.block`).
 """
 
 from __future__ import annotations

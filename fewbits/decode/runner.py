@@ -13,9 +13,9 @@ for comparisons).  Each step then calls that compiled graph with its
 input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  The int4 kernels read their codes,
 scales and zeros through the block the decoder placed its tensors in (`pages.place`), by offsets
 (`Q4Kernel.bind`), so the graph takes that block once instead of ~240 tensors (SmolLM2: 370 -> 128 inputs, each a
-handle the C++ wrapper makes and drops every call; ``FEWBITS_BIND=0`` keeps the tensors).  On a CUDA device the step is compiled with
-``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked static, so the
-graph writes them in place).
+handle the C++ wrapper makes and drops every call; ``FEWBITS_BIND=0`` keeps the tensors).  On a CUDA device the
+step is compiled with ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked
+static, so the graph writes them in place).
 
 The compiled code is cached on disk under ``$FEWBITS_CACHE/inductor`` (inductor's FX graph cache), set only
 for the duration of the compilation (`compile_scope`); on a CPU the traced step is saved there as well
