@@ -10,10 +10,10 @@ built apart from the kernels and at -O1
 ``FEWBITS_WRAPPER=python``) keeps inductor's Python wrapper.  The C++ wrapper calls fewbits' operators through
 their C shims (`fewbits.kernels.native.c_shims`), not through the dispatcher (``FEWBITS_C_SHIMS=0`` keeps that,
 for comparisons).  Each step then calls that compiled graph with its
-input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  The int4 kernels read their codes,
-scales and zeros through the block the decoder placed its tensors in (`pages.place`), by offsets
-(`Q4Kernel.bind`), so the graph takes that block once instead of ~240 tensors (SmolLM2: 370 -> 128 inputs, each a
-handle the C++ wrapper makes and drops every call; ``FEWBITS_BIND=0`` keeps the tensors).  On a CUDA device the
+input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  The int4 and int8 kernels read their
+tensors through the block the decoder placed its tensors in (`pages.place`), by offsets (`fewbits.kernels.arena`),
+so the graph takes that block once instead of ~240 tensors (SmolLM2 int4: 370 -> 128 inputs, each a handle the
+C++ wrapper makes and drops every call; ``FEWBITS_BIND=0`` keeps the tensors).  On a CUDA device the
 step is compiled with ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked
 static, so the graph writes them in place).
 
@@ -191,9 +191,9 @@ class StaticDecoder:
         # the weights and the cache in huge pages (the step reads them all; `pages` says what it gains)
         self.placement = (pages.place([model, self.fused, self.cache], min_bytes=0) if self.device.type == "cpu"
                           else pages.Placement(why_not=f"on {self.device.type}"))
-        # the int4 kernels read through that block by offsets (`Q4Kernel.bind`): a compiled step takes the block
-        # once instead of their ~240 tensors (SmolLM2), each a handle its C++ wrapper makes and drops every call
-        # (``FEWBITS_BIND=0`` keeps the tensors, for comparisons)
+        # the int4 and int8 kernels read through that block by offsets (`fewbits.kernels.arena`): a compiled step
+        # takes the block once instead of their ~240 tensors (SmolLM2), each a handle its C++ wrapper makes and
+        # drops every call (``FEWBITS_BIND=0`` keeps the tensors, for comparisons)
         self.bound = self._bind(model) if compile and self.placement.block is not None else 0
         self.compile_s = 0.0
         self.direct = False
@@ -217,11 +217,12 @@ class StaticDecoder:
                 self._compile_cpu(Path(cache_dir or inductor_cache_dir()))
 
     def _bind(self, model: torch.nn.Module) -> int:
-        """Bind the int4 kernels of `model` and the fused projections to the placed block; how many are bound
-        (to it, or still to an earlier decoder's block over the same tensors)."""
-        from fewbits.kernels.cpu_int4 import Q4Kernel
+        """Bind the kernels of `model` and the fused projections that can read through the placed block
+        (`fewbits.kernels.arena`) to it; how many are bound (to it, or still to an earlier decoder's block over the
+        same tensors)."""
+        from fewbits.kernels.arena import Bindable
 
-        kernels = [k for k in pages.walk([model, self.fused]) if isinstance(k, Q4Kernel)]
+        kernels = [k for k in pages.walk([model, self.fused]) if isinstance(k, Bindable)]
         if os.environ.get("FEWBITS_BIND", "1") != "0":
             for k in kernels:
                 k.bind(self.placement.block)

@@ -67,7 +67,6 @@ dispatcher falls back to torch's operator.  ``FEWBITS_CPU_INT4=torch`` selects t
 
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 
@@ -76,6 +75,7 @@ import torch
 from fewbits.formats.format import Format
 from fewbits.formats.packing import pack_bits, unpack_bits
 from fewbits.kernels import act8, native
+from fewbits.kernels.arena import Bindable
 from fewbits.tensor import QuantizedTensor
 
 ROWS = 16  # output rows per block: fused parts need multiples of this
@@ -202,16 +202,14 @@ def no_zeros(dtype: torch.dtype) -> torch.Tensor:
     return _NO_ZEROS.setdefault(dtype, torch.empty(0, dtype=dtype))
 
 
-class Q4Kernel:
-    """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations: `fewbits_q4::q4_mm`."""
+class Q4Kernel(Bindable):
+    """2-, 3- and 4-bit integer codes in groups (or per channel) x bf16 activations: `fewbits_q4::q4_mm` (bound to a
+    block, `fewbits_q4::q4_mm_at`: `fewbits.kernels.arena`)."""
 
     name = "cpu_q4"
     # the operator's path: 0 the fastest built, 1 the plain loops, 2 vdpbf16ps without AMX, 4 as 0 but x exact at
     # few rows too (AVX2: the fp32 path, AVX-512: vdpbf16ps; tests, benchmarks), 5 as 0 without AMX (tests)
     path = 0
-    #: (block, codes, scales and zeros offsets, out, in, group, bits, half) where `bind` took a block, else None
-    _at: tuple | None = None
-    NOT_OWNED = ("_at",)  # the block is the decoder's (`fewbits.decode.pages.walk` does not count it as ours)
 
     @staticmethod
     def layout_reason(fmt: Format, shape: tuple[int, ...]) -> str | None:
@@ -274,54 +272,17 @@ class Q4Kernel:
     def __deepcopy__(self, memo: dict[int, object]) -> Q4Kernel:
         """A copy with tensors of its own, except that a symmetric kernel's zeros stay the shared empty tensor (a
         copied model's or layer's kernels take one input between them, as the original's do); a copy is not
-        bound to its original's block (`bind`)."""
+        bound to its original's block."""
         for t in _NO_ZEROS.values():
             memo.setdefault(id(t), t)
-        c = object.__new__(type(self))
-        memo[id(self)] = c
-        c.__dict__.update(copy.deepcopy({k: v for k, v in self.__dict__.items() if k != "_at"}, memo))
-        return c
+        return super().__deepcopy__(memo)
 
-    def bind(self, block: torch.Tensor) -> bool:
-        """Call the operator with `block` and the byte offsets of the codes, scales and zeros in it
-        (`fewbits_q4::q4_mm_at`), where they lie inside it: `block` is a contiguous 1-D uint8 tensor over memory
-        they live in (a decoder's placed weights, `fewbits.decode.pages.Placement.block`).  A compiled step then
-        takes `block` once for every bound kernel instead of two or three tensors each, and its C++ wrapper makes
-        a handle a call for each tensor it takes.  False (nothing changes) where a tensor lies outside it.  The
-        tensors must stay where they are while bound (an uncompiled call checks that they have); `unbind` undoes
-        it."""
-        lo = block.data_ptr()
-        hi = lo + block.numel()
+    def _bind_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.codes, self.scales, self.zeros
 
-        def offset(t: torch.Tensor) -> int | None:
-            p = t.data_ptr()
-            return p - lo if t.is_contiguous() and lo <= p and p + t.numel() * t.element_size() <= hi else None
-
-        if block.dtype != torch.uint8 or block.dim() != 1 or not block.is_contiguous():
-            raise ValueError("bind: the block must be a contiguous 1-D uint8 tensor")
-        c, s = offset(self.codes), offset(self.scales)
-        z = offset(self.zeros) if self.zeros.numel() else -1
-        if c is None or s is None or z is None:
-            return False
+    def _bind_args(self, block: torch.Tensor, offsets: tuple[int, ...]) -> tuple:
         n, k = self.shape
-        self._at = (block, c, s, z, n, k, self.group, self.bits, int(self.scales.dtype == torch.float16))
-        return True
-
-    def unbind(self) -> None:
-        """Call the operator with the tensors themselves again."""
-        self._at = None
-
-    def _bound(self) -> tuple | None:
-        """The bound arguments, or None; outside compilation also None (and unbound) when the tensors have moved
-        since `bind` (`fewbits.decode.pages.place` moving them again)."""
-        at = self._at
-        if at is None or torch.compiler.is_compiling():
-            return at
-        base = at[0].data_ptr()
-        if self.codes.data_ptr() != base + at[1] or self.scales.data_ptr() != base + at[2]:
-            self._at = None
-            return None
-        return at
+        return (block, *offsets, n, k, self.group, self.bits, int(self.scales.dtype == torch.float16))
 
     @property
     def nbytes(self) -> int:

@@ -16,13 +16,15 @@ import torch
 
 from fewbits.formats.format import Format
 from fewbits.kernels import rows
+from fewbits.kernels.arena import Bindable
 from fewbits.kernels.cpu import Fp8DequantKernel, Int8PackKernel, _finish
 from fewbits.tensor import QuantizedTensor
 
 
-class Int8RowsKernel(Int8PackKernel):
+class Int8RowsKernel(Bindable, Int8PackKernel):
     """int8 weights (per channel or per tensor, symmetric or asymmetric) x up to `max_rows` rows of
-    activations through the few-row operator, more rows through ``aten._weight_int8pack_mm``."""
+    activations through the few-row operator (bound to a block, `fewbits_rows::int8_mm_at`:
+    `fewbits.kernels.arena`), more rows through ``aten._weight_int8pack_mm``."""
 
     name = "cpu_int8_rows"
     max_rows = rows.MAX_ROWS
@@ -37,10 +39,22 @@ class Int8RowsKernel(Int8PackKernel):
         why = Int8PackKernel.supports(fmt, shape)  # the many-row operator's conditions: it runs prefill
         return why if why is not None else rows.why_not()
 
+    def _bind_tensors(self) -> tuple[torch.Tensor | None, ...] | None:
+        if self.q.dtype != torch.int8 or self.scales.dtype != torch.bfloat16 or (
+                self.corr is not None and self.corr.dtype != torch.float32):
+            return None
+        return self.q, self.scales, self.corr
+
+    def _bind_args(self, block: torch.Tensor, offsets: tuple[int, ...]) -> tuple:
+        return (block, *offsets, self.shape[0])
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         if x2.shape[0] > (self.max_rows_bf16 if x2.dtype == torch.bfloat16 else self.max_rows):
             return super().__call__(x, bias)
+        at = self._bound()
+        if at is not None:
+            return _finish(torch.ops.fewbits_rows.int8_mm_at(x2, *at, self.path), x, bias)
         return _finish(torch.ops.fewbits_rows.int8_mm(x2, self.q, self.scales, self.corr, self.path), x, bias)
 
 
@@ -63,6 +77,9 @@ class Int8RowsA8Kernel(Int8RowsKernel):
         if not torch.ops.fewbits_rows.a8_fast():
             return "this CPU has neither AVX512-VNNI nor AVX2 (the int8-activation path)"
         return None
+
+    def _bind_tensors(self) -> None:
+        return None  # `int8_mm_a8` has no block variant
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])

@@ -1075,15 +1075,51 @@ at::Tensor dense_mm(const at::Tensor& x, const at::Tensor& w) {
 // path: 0 the fastest built (one row of x in int16 blocks where in_features is a multiple of 32 on the AVX2 and
 // AVX-512 builds; 2+ rows of a bf16 x through dpbf16 with AVX512-BF16, 2-16 of them through AMX's integer tiles as
 // a 24-bit fixed point per row where the CPU has them), 1 x in fp32
+at::Tensor int8_run(const at::Tensor& x, const char* W, int64_t ld, int64_t N, const float* scales, const float* corr,
+                    int64_t path);
+
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                    const c10::optional<at::Tensor>& corr, int64_t path) {
   check_w(x, q, "int8_mm");
   TORCH_CHECK(q.scalar_type() == at::kChar, "int8_mm: q must be int8, got ", q.scalar_type());
-  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
-  const int64_t M = x.size(0), N = q.size(0), K = x.size(1);
+  const int64_t N = q.size(0);
   TORCH_CHECK(scales.numel() == N, "int8_mm: ", N, " output channels but ", scales.numel(), " scales");
   const bool has_c = corr.has_value() && corr->defined();
   TORCH_CHECK(!has_c || corr->numel() == N, "int8_mm: ", N, " output channels but ", corr->numel(), " corrections");
+  const auto sc = as_float<1>(scales);
+  const auto cv = has_c ? as_float<2>(*corr) : Scratch<float, 2>(0);
+  return int8_run(x, static_cast<const char*>(q.data_ptr()), q.stride(0), N, sc.data(), has_c ? cv.data() : nullptr,
+                  path);
+}
+
+// int8_mm over tensors that lie in one block of memory (`arena`, uint8: the decoder's placed weights), each given by
+// its byte offset there: q (N, K) int8 rows, scales (N,) bf16, corr (N,) fp32 or none (corr_off < 0).  A compiled
+// step then takes the one block instead of two or three tensors a linear layer, each of which its C++ wrapper turns
+// into a new handle on every call.
+at::Tensor int8_mm_at(const at::Tensor& x, const at::Tensor& arena, int64_t q_off, int64_t scales_off,
+                      int64_t corr_off, int64_t N, int64_t path) {
+  TORCH_CHECK(arena.scalar_type() == at::kByte && arena.dim() == 1 && arena.is_contiguous(),
+              "int8_mm_at: the arena must be a contiguous 1-D uint8 tensor");
+  TORCH_CHECK(x.dim() == 2 && N >= 0, "int8_mm_at: x must be 2-D, got ", x.sizes());
+  const int64_t K = x.size(1), n = arena.numel();
+  TORCH_CHECK(q_off >= 0 && q_off + N * K <= n && scales_off >= 0 && scales_off % 2 == 0 && scales_off + 2 * N <= n &&
+              (corr_off < 0 || (corr_off % 4 == 0 && corr_off + 4 * N <= n)),
+              "int8_mm_at: the codes, scales or corrections lie outside the arena of ", n, " bytes");
+  const uint8_t* base = arena.data_ptr<uint8_t>();
+  const at::BFloat16* sb = reinterpret_cast<const at::BFloat16*>(base + scales_off);
+  Scratch<float, 1> sc(N);
+  for (int64_t i = 0; i < N; ++i) sc[i] = float(sb[i]);
+  return int8_run(x, reinterpret_cast<const char*>(base + q_off), K, N, sc.data(),
+                  corr_off < 0 ? nullptr : reinterpret_cast<const float*>(base + corr_off), path);
+}
+
+// x (M, K) float times the int8 rows W (N of them, ld bytes apart), per-row scales and optional corrections
+at::Tensor int8_run(const at::Tensor& x, const char* W, int64_t ld, int64_t N, const float* scales, const float* corr,
+                    int64_t path) {
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "int8_mm: x must be a float tensor, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && !x.is_cuda(), "int8_mm: x must be a 2-D CPU tensor, got ", x.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool has_c = corr != nullptr;
 #if defined(ROWS_AVX512) && defined(__AVX512BF16__)
   const bool bf16_rows = path == 0 && M >= 2 && x.scalar_type() == at::kBFloat16;  // dpbf16 or AMX on x as it is
 #else
@@ -1092,18 +1128,14 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
   // x in fp32 only where a path or the correction's row sums read it: a bf16 x of 8 rows of 1536 columns costs
   // microseconds a call to convert, ~120 calls a step
   const auto xf = has_c || !bf16_rows ? as_float<0>(x) : Scratch<float, 0>(0);
-  const auto sc = as_float<1>(scales);
-  const auto cv = has_c ? as_float<2>(*corr) : Scratch<float, 2>(0);
   const std::vector<float> xs = has_c ? row_sums(xf.data(), M, K) : std::vector<float>();
   Scratch<float, 3> acc(M * N);
-  const char* W = static_cast<const char*>(q.data_ptr());
   bool done = !(M && N);
 #ifdef ROWS_X16
   if (!done && path == 0 && M <= X16_MAX_ROWS && K % 32 == 0) {
     Scratch<int16_t, 0> xq(K);
     Scratch<float, 4> xd(K / 32);
     if (quantize_x16(xf.data(), K, xq.data(), xd.data())) {
-      const int64_t ld = q.stride(0);
       float* out = acc.data();
       at::parallel_for(0, (N + BLOCK - 1) / BLOCK, 1, [&](int64_t b0, int64_t b1) {
         int64_t n = b0 * BLOCK;
@@ -1126,12 +1158,12 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s
 #if defined(ROWS_AVX512) && defined(__AVX512BF16__)
   if (!done && bf16_rows) {  // bf16 x: dpbf16 on bf16 codes, or AMX
     const at::Tensor xc = x.contiguous();
-    matmul_rows(xc.data_ptr(), M, K, 2, W, q.stride(0), I8B, N, acc.data());
+    matmul_rows(xc.data_ptr(), M, K, 2, W, ld, I8B, N, acc.data());
     done = true;
   }
 #endif
-  if (!done) matmul_rows(xf.data(), M, K, 4, W, q.stride(0), I8, N, acc.data());
-  return finish(acc.data(), M, N, sc.data(), has_c ? xs.data() : nullptr, has_c ? cv.data() : nullptr, x);
+  if (!done) matmul_rows(xf.data(), M, K, 4, W, ld, I8, N, acc.data());
+  return finish(acc.data(), M, N, scales, has_c ? xs.data() : nullptr, corr, x);
 }
 
 // x (M, K) float, codes (N, K) uint8 FP8 codes (E4M3, or E5M2 if e5m2), scales (N,) or (1,) float -> (x w^T) * scales
@@ -1350,6 +1382,7 @@ int64_t rows_isa() {
 TORCH_LIBRARY(ROWS_NS, m) {
   m.def("dense_mm(Tensor x, Tensor w) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor q, Tensor scales, Tensor? corr, int path=0) -> Tensor");
+  m.def("int8_mm_at(Tensor x, Tensor arena, int q_off, int scales_off, int corr_off, int N, int path) -> Tensor");
   m.def("int8_mm_a8(Tensor x, Tensor q, Tensor scales, Tensor? corr) -> Tensor");
   m.def("fp8_mm(Tensor x, Tensor codes, Tensor scales, bool e5m2) -> Tensor");
   m.def("argmax_rows(Tensor logits) -> Tensor");
@@ -1358,6 +1391,7 @@ TORCH_LIBRARY(ROWS_NS, m) {
   m.def("rows_amx() -> bool");
   m.impl("dense_mm", c10::DispatchKey::CPU, &dense_mm);
   m.impl("int8_mm", c10::DispatchKey::CPU, &int8_mm);
+  m.impl("int8_mm_at", c10::DispatchKey::CPU, &int8_mm_at);
   m.impl("int8_mm_a8", c10::DispatchKey::CPU, &int8_mm_a8);
   m.impl("fp8_mm", c10::DispatchKey::CPU, &fp8_mm);
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);

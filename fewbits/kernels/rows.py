@@ -101,6 +101,11 @@ def _fake_int8(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, corr: tor
     return x.new_empty((x.shape[0], q.shape[0]))
 
 
+def _fake_int8_at(x: torch.Tensor, arena: torch.Tensor, q_off: int, scales_off: int, corr_off: int, n: int,
+                  path: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], n))
+
+
 def _fake_fp8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, e5m2: bool) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0]))
 
@@ -111,8 +116,8 @@ def _fake_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def fakes(ns: str = NAME) -> dict:
     """The fake implementations of the operators under namespace `ns`."""
-    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8, f"{ns}::int8_mm_a8": _fake_int8,
-            f"{ns}::fp8_mm": _fake_fp8, f"{ns}::argmax_rows": _fake_argmax}
+    return {f"{ns}::dense_mm": _fake_dense, f"{ns}::int8_mm": _fake_int8, f"{ns}::int8_mm_at": _fake_int8_at,
+            f"{ns}::int8_mm_a8": _fake_int8, f"{ns}::fp8_mm": _fake_fp8, f"{ns}::argmax_rows": _fake_argmax}
 
 
 ARGMAX_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -171,4 +176,5 @@ def build_variant(ns: str, defines: tuple[str, ...] = (), cflags: tuple[str, ...
     `source`, another version of ``rows.cpp`` (a benchmark's baseline: ``git show REV:fewbits/kernels/rows.cpp``)."""
     text = SRC if source is None else act8.with_blocks(source)
     src = "".join(f"#define {d}\n" for d in (f"ROWS_NS {ns}", *defines)) + text
-    return native.build(ns, src, fakes(ns), native.CFLAGS + list(cflags))
+    defined = {k: v for k, v in fakes(ns).items() if f'm.def("{k.split("::")[1]}(' in text}  # an older source's
+    return native.build(ns, src, defined, native.CFLAGS + list(cflags))

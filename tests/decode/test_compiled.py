@@ -80,11 +80,12 @@ def test_compiled_step_equals_uncompiled(int4_llama: torch.nn.Module, kv: str, t
     assert "aoti_torch_cpu_attend_" in "".join(wrappers)
 
 
-def test_int4_kernels_bound_to_the_placed_block_give_the_same_step_with_fewer_inputs(
-        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """The decoder binds its int4 kernels to the block its tensors were placed in (`Q4Kernel.bind`): the compiled
-    step takes that block once instead of each kernel's codes and scales, and computes the same logits, bit for
-    bit, as the step over the tensors (``FEWBITS_BIND=0``)."""
+@pytest.mark.parametrize("fmt", ["int4-g32", "int8-asym"])
+def test_kernels_bound_to_the_placed_block_give_the_same_step_with_fewer_inputs(
+        fmt: str, monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The decoder binds its int4 and int8 kernels to the block its tensors were placed in
+    (`fewbits.kernels.arena`): the compiled step takes that block once instead of each kernel's tensors, and
+    computes the same logits, bit for bit, as the step over the tensors (``FEWBITS_BIND=0``)."""
     import copy
 
     from fewbits.decode import pages
@@ -92,7 +93,7 @@ def test_int4_kernels_bound_to_the_placed_block_give_the_same_step_with_fewer_in
     if why_eager(build("llama")) is not None:
         pytest.skip(why_eager(build("llama")))
     monkeypatch.setattr(pages, "HUGE", 4096)  # the tiny model's tensors fill less than one huge page
-    model = quantised(build("llama", torch.bfloat16), "int4-g32", lm_head="int4-g32")
+    model = quantised(build("llama", torch.bfloat16), fmt, lm_head=fmt)
     twin = copy.deepcopy(model)
     bound = StaticDecoder(model, "bf16", 1, 24, cache_dir=tmp_path)
     if bound.placement.why_not is not None:

@@ -89,3 +89,45 @@ def test_grouped_fp8_stays_with_the_dequantising_kernel() -> None:
     qt = _qt("fp8-e4m3-g64", k=192)
     assert "grouped scales" in Fp8RowsKernel.supports(qt.fmt, tuple(qt.shape))
     assert isinstance(prepare_linear(qt), Fp8DequantKernel) and not isinstance(prepare_linear(qt), Fp8RowsKernel)
+
+
+@needs_ops
+@pytest.mark.parametrize("spec", ["int8", "int8-asym"])
+def test_a_bound_rows_kernel_reads_its_block_by_offsets_bit_for_bit(spec: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bind` (`fewbits.kernels.arena`): `int8_mm_at` reads the codes, scales and corrections from the block they
+    were placed in, with the same output as `int8_mm` over the tensors, at 1 and 3 rows in bf16 and fp32; copies
+    are not bound; a kernel whose tensors moved since unbinds at its next call; one outside the block is not bound."""
+    import copy
+
+    from fewbits.decode import pages
+
+    if pages.why_not_huge(huge=False) is not None:
+        pytest.skip(pages.why_not_huge(huge=False))
+    monkeypatch.setattr(pages, "HUGE", 4096)  # one kernel's tensors fill less than one huge page
+    qt = _qt(spec, 48, 256, seed=4)
+    kern = prepare_linear(qt)
+    assert isinstance(kern, Int8RowsKernel) and (kern.corr is not None) == (spec == "int8-asym")
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(m, 256, generator=g).to(dt) for m in (1, 3) for dt in (torch.bfloat16, torch.float32)]
+    want = [kern(x) for x in xs]
+    placed = pages.place([kern], huge=False, min_bytes=0)
+    assert placed.block is not None and kern.bind(placed.block) and kern._at is not None
+    for x, w in zip(xs, want, strict=True):
+        assert torch.equal(kern(x), w)
+    assert all(t is not placed.block for t in pages.tensors_of([kern]))
+    c = copy.deepcopy(kern)
+    assert c._at is None and torch.equal(c(xs[0]), want[0])
+    pages.place([kern], huge=False, again=True, min_bytes=0)
+    assert torch.equal(kern(xs[0]), want[0]) and kern._at is None
+    assert not prepare_linear(qt).bind(placed.block)
+
+
+@needs_ops
+def test_rows_reads_outside_the_block_are_refused() -> None:
+    x = torch.randn(1, 64)
+    block = torch.zeros(1000, dtype=torch.uint8)  # 8 x 64 int8 codes are 512 bytes, their bf16 scales 16
+    torch.ops.fewbits_rows.int8_mm_at(x, block, 0, 512, -1, 8, 0)  # inside: runs
+    for q, s, c in ((600, 0, -1), (0, 990, -1), (0, 512, 980), (0, 513, -1)):
+        with pytest.raises(RuntimeError, match="outside the arena"):
+            torch.ops.fewbits_rows.int8_mm_at(x, block, q, s, c, 8, 0)

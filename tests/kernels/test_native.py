@@ -57,8 +57,8 @@ def test_every_operator_a_compiled_step_can_hold_has_a_shim() -> None:
     one left out would silently go back to the dispatcher."""
     assert cpu_int4.available() and rows.available() and kvkernel.available()
     names = {op.name() for op in native.c_shims()}
-    want = {"fewbits_q4::q4_mm", "fewbits_q4::q4_dequant", *rows.fakes(), "fewbits_kv::attend_kv",
-            "fewbits_kv::attend_rows", "fewbits_kv::append_kv"}
+    want = {"fewbits_q4::q4_mm", "fewbits_q4::q4_mm_at", "fewbits_q4::q4_dequant", *rows.fakes(),
+            "fewbits_kv::attend_kv", "fewbits_kv::attend_rows", "fewbits_kv::append_kv"}
     assert want <= names, sorted(want - names)
 
 
