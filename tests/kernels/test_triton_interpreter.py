@@ -52,16 +52,16 @@ SCRIPT = textwrap.dedent("""
                 worst = max(worst, err)
     # a split whose last part runs past K (7 K-blocks in splits of 2): scales stored in front of NaNs, so
     # that a read past the last group would show in the output
-    qt = quantize_tensor(torch.randn(40, 224), "int4-g32")
-    kern = TritonWeightOnlyKernel(qt, device="cpu")
+    qpad = quantize_tensor(torch.randn(40, 224), "int4-g32")
+    padded = TritonWeightOnlyKernel(qpad, device="cpu")
     for name in ("s", "m"):
-        t = getattr(kern, name)
+        t = getattr(padded, name)
         big = torch.full((t.numel() + 64,), float("nan"))
         big[:t.numel()] = t.reshape(-1)
-        setattr(kern, name, big[:t.numel()].view(t.shape))
+        setattr(padded, name, big[:t.numel()].view(t.shape))
     x = torch.randn(1, 224)
-    y = kern(x, tiles=(16, 16, 32, 5)).float()
-    r = reference_linear(x, qt)
+    y = padded(x, tiles=(16, 16, 32, 5)).float()
+    r = reference_linear(x, qpad)
     assert torch.isfinite(y).all(), "read past the last group"
     assert float((y - r).norm() / r.norm()) < 1e-2
     print("worst", worst)
@@ -93,20 +93,12 @@ SCRIPT = textwrap.dedent("""
     y = kern(x).float()
     assert not isinstance(kern._tiles[1], GemvTiles)
     assert float((y - reference_linear(x, qt)).norm() / reference_linear(x, qt).norm()) < 1e-2
-    # blocks past K (224 columns in blocks of 64 and of 128): scales stored in front of NaNs, so that a read
-    # past the last group would show in the output
-    qt = quantize_tensor(torch.randn(40, 224), "int4-g32")
-    kern = TritonWeightOnlyKernel(qt, device="cpu")
-    for name in ("s", "m"):
-        t = getattr(kern, name)
-        big = torch.full((t.numel() + 64,), float("nan"))
-        big[:t.numel()] = t.reshape(-1)
-        setattr(kern, name, big[:t.numel()].view(t.shape))
+    # blocks past K (224 columns in blocks of 64 and of 128), on the kernel whose scales lie in front of NaNs
     x = torch.randn(2, 224).bfloat16().float()
     for tiles in (GemvTiles(8, 64), GemvTiles(8, 128)):
-        y = kern(x, tiles=tiles)
+        y = padded(x, tiles=tiles)
         assert torch.isfinite(y).all(), ("read past the last group", tiles)
-        assert float((y - reference_linear(x, qt)).norm() / reference_linear(x, qt).norm()) < 1e-5
+        assert float((y - reference_linear(x, qpad)).norm() / reference_linear(x, qpad).norm()) < 1e-5
     print("gemv worst", worst)
 
     # inside a compiled graph (the compiled decode step on a GPU): one opaque operator, no graph break, the same
