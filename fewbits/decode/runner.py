@@ -298,7 +298,7 @@ class StaticDecoder:
             graph, flat = direct
             self.graph_inputs = sum(isinstance(t, torch.Tensor) for t in flat)
             # A view of each tensor the graph takes, kept while the decoder lives: a view holds its base from C++,
-            # so the C++ wrapper's handles on the ~370-490 tensors (taken and dropped every call) never drop a tensor's
+            # so the C++ wrapper's handles on the ~130-490 tensors (taken and dropped every call) never drop a tensor's
             # last C++ reference, which would hand its Python object back under the GIL (perf: 111 -> 13 samples of
             # ~30k in those calls; the step by median, alternating rounds in one process on a busy AVX2 EPYC: SmolLM2
             # int4-g64 1.00-1.04x, int8 1.05x, Gemma-3 int4-g32 0.88-1.04x: about 1%, within that host's noise).
