@@ -49,8 +49,8 @@ _ARENAS: list[tuple[int, int, weakref.ref]] = []
 class Placement:
     """What `place` did: `nbytes` moved in `storages` storages (`tensors` tensors), the mapping's start address
     (0 when nothing moved) and, when nothing moved, why; `block`, a uint8 tensor over the whole mapping (None when
-    nothing moved), which operators can read the placed tensors through by their offsets
-    (`fewbits.kernels.cpu_int4.Q4Kernel.bind`)."""
+    nothing moved) from `address` over the placed bytes, which operators can read the placed tensors through by
+    their offsets (`fewbits.kernels.arena.Bindable.bind`): the same offsets for the same tensors in any process."""
 
     nbytes: int = 0
     storages: int = 0
@@ -192,8 +192,11 @@ def place(roots: Iterable[object], huge: bool = True, again: bool = False, min_b
             byte = t.storage_offset() * t.element_size() - first
             t.set_(dst.untyped_storage(), byte // t.element_size(), t.size(), t.stride())
     _ARENAS.append((lo, lo + len(area), weakref.ref(area)))
+    # the block starts where the placed bytes do, on the 2 MiB boundary, not where the mapping does (wherever
+    # the kernel put it): a tensor's offset in it is then the same in every process, and a compiled step that
+    # bakes the offsets of kernels bound to it (`fewbits.kernels.arena`) loads in the next process
     return Placement(nbytes=sum(sizes), storages=len(groups), tensors=sum(len(g) for *_, g in groups),
-                     address=lo + start, block=torch.frombuffer(area, dtype=torch.uint8, count=len(area)))
+                     address=lo + start, block=torch.frombuffer(area, dtype=torch.uint8, count=end, offset=start))
 
 
 def mapping_huge_bytes(address: int) -> int:

@@ -188,13 +188,18 @@ class StaticDecoder:
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=self.device)
         self.compiled = compile
         self.fused = fuse_projections(model, self.arch.n_layers) if fuse else None  # q/k/v, gate/up: one matmul
-        # the weights and the cache in huge pages (the step reads them all; `pages` says what it gains)
-        self.placement = (pages.place([model, self.fused, self.cache], min_bytes=0) if self.device.type == "cpu"
+        # the weights and the cache in huge pages (the step reads them all; `pages` says what it gains), in two
+        # mappings: the weights' block is then the same, its size and every tensor's offset in it, whatever cache
+        # this decoder (or the decoder that placed the weights first) has
+        cpu = self.device.type == "cpu"
+        self.placement = (pages.place([model, self.fused], min_bytes=0) if cpu
                           else pages.Placement(why_not=f"on {self.device.type}"))
-        # the int4 and int8 kernels read through that block by offsets (`fewbits.kernels.arena`): a compiled step
-        # takes the block once instead of their ~240 tensors (SmolLM2), each a handle its C++ wrapper makes and
-        # drops every call (``FEWBITS_BIND=0`` keeps the tensors, for comparisons)
-        self.bound = self._bind(model) if compile and self.placement.block is not None else 0
+        self.cache_placement = (pages.place([self.cache], min_bytes=0) if cpu
+                                else pages.Placement(why_not=f"on {self.device.type}"))
+        # the int4 and int8 kernels read through the weights' block by offsets (`fewbits.kernels.arena`): a compiled
+        # step takes the block once instead of their ~240 tensors (SmolLM2), each a handle its C++ wrapper makes
+        # and drops every call (``FEWBITS_BIND=0`` keeps the tensors, for comparisons)
+        self.bound = self._bind(model) if compile else 0
         self.compile_s = 0.0
         self.direct = False
         self.graph_inputs = 0  # tensors the CPU step's graph takes a call, where it is called directly (`graph_call`)
@@ -223,7 +228,7 @@ class StaticDecoder:
         from fewbits.kernels.arena import Bindable
 
         kernels = [k for k in pages.walk([model, self.fused]) if isinstance(k, Bindable)]
-        if os.environ.get("FEWBITS_BIND", "1") != "0":
+        if self.placement.block is not None and os.environ.get("FEWBITS_BIND", "1") != "0":
             for k in kernels:
                 k.bind(self.placement.block)
         return sum(k._at is not None for k in kernels)

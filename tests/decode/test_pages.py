@@ -78,6 +78,26 @@ def test_place_keeps_every_tensor_its_values_layout_and_aliasing(huge: bool) -> 
 
 
 @needs_madvise
+def test_the_block_starts_on_the_boundary_and_offsets_do_not_depend_on_the_mapping(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Placement.block` starts where the placed bytes do (on a huge-page boundary), wherever the kernel put the
+    mapping: the same tensors placed again, in another mapping, lie at the same offsets in its block (a compiled
+    step bakes those offsets, and loads in the next process only if they are the same there)."""
+    monkeypatch.setattr(pages, "HUGE", 64 << 10)  # 16 possible starts of a mapping (4 KiB pages) modulo this
+    m = _model()
+    first = place([m], huge=False, min_bytes=0)  # every tensor, as the decoder places its weights
+    ts = tensors_of([m])
+    offsets = [t.data_ptr() - first.block.data_ptr() for t in ts]
+    assert all(0 <= o < first.block.numel() for o in offsets)
+    second = place([m], huge=False, again=True, min_bytes=0)
+    for p in (first, second):
+        assert p.block.data_ptr() == p.address and p.address % pages.HUGE == 0
+        assert p.nbytes <= p.block.numel() < p.nbytes + pages.ALIGN * p.storages
+    assert second.address != first.address
+    assert [t.data_ptr() - second.block.data_ptr() for t in ts] == offsets
+
+
+@needs_madvise
 def test_place_twice_moves_nothing_the_second_time() -> None:
     m = _model()
     first = place([m], huge=False)
@@ -140,15 +160,15 @@ def test_the_cpu_decoder_places_its_weights_and_cache_and_decodes_the_same(monke
             out.append(int(dec.step(torch.tensor([out[-1]]))[0].argmax()))
         return out
 
-    placed = StaticDecoder(model, "bf16", 1, 1024, compile=False)  # 256 KiB of cache a layer's k and v
-    got = placed.placement
-    big = [p for p in model.parameters() if p.numel() * p.element_size() >= pages.MIN_BYTES]
-    big += [t for layer in placed.cache for t in layer.t.values()]
-    assert got.why_not is None and len(big) > 10
-    assert all(got.address <= t.data_ptr() < got.address + got.nbytes for t in big)
+    placed = StaticDecoder(model, "bf16", 1, 4096, compile=False)  # 1 MiB of cache a layer's k and v
+    # the weights in one mapping, the cache in another (the weights' block does not depend on the cache)
+    for got, big in ((placed.placement, [p for p in model.parameters() if p.numel() * p.element_size() >= 4096]),
+                     (placed.cache_placement, [t for layer in placed.cache for t in layer.t.values()])):
+        assert got.why_not is None and len(big) > 3
+        assert all(got.address <= t.data_ptr() < got.address + got.nbytes for t in big)
     monkeypatch.setenv("FEWBITS_HUGE_PAGES", "0")
-    plain = StaticDecoder(twin, "bf16", 1, 1024, compile=False)
-    assert plain.placement.nbytes == 0
+    plain = StaticDecoder(twin, "bf16", 1, 4096, compile=False)
+    assert plain.placement.nbytes == 0 and plain.cache_placement.nbytes == 0
     assert tokens(placed) == tokens(plain)
 
 

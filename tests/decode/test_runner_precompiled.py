@@ -67,6 +67,40 @@ def test_saved_step_loads_without_tracing_and_reads_the_given_weights(tmp_path) 
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
 
 
+def test_a_step_with_bound_kernels_loads_in_a_fresh_model_after_another_cache(tmp_path, monkeypatch,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """int4 kernels bound to the placed weights' block (`fewbits.kernels.arena`) bake their offsets into the
+    saved step; another model object of the same layout (its weights in another mapping, anywhere) and a decoder
+    whose model another decoder with another cache placed first both load it without tracing or a refusal."""
+    import logging
+
+    from test_compiled import quantised
+    from torch._dynamo.utils import counters
+
+    from fewbits.decode import pages
+
+    monkeypatch.setattr(pages, "HUGE", 64 << 10)  # the tiny model fills less than one huge page
+    first = quantised(build("llama", torch.bfloat16), "int4-g32", lm_head="int4-g32")
+    if why_eager(first) is not None:
+        pytest.skip(why_eager(first))
+    a = StaticDecoder(first, "bf16", 1, 20, cache_dir=tmp_path)  # places the weights, its cache apart
+    if a.placement.why_not is not None:
+        pytest.skip(a.placement.why_not)
+    StaticDecoder(first, "bf16", 2, 40, cache_dir=tmp_path)  # the weights placed and bound already, by `a`
+    assert a.bound > 0
+    for batch, length in ((1, 20), (2, 40)):
+        other = quantised(build("llama", torch.bfloat16), "int4-g32", lm_head="int4-g32")
+        torch._dynamo.reset()
+        frames = counters["frames"]["total"]
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fewbits.decode"):
+            dec = StaticDecoder(other, "bf16", batch, length, cache_dir=tmp_path)
+        assert not [r for r in caplog.records if "does not fit" in r.getMessage()], caplog.text
+        assert counters["frames"]["total"] == frames, f"batch {batch}: the saved step was traced again"
+        assert dec.bound == a.bound and dec.placement.address != a.placement.address
+
+
+
 def test_decoders_on_the_model_pickle_empty() -> None:
     """The decoders a model holds (each with its compiled step) pickle as an empty dict: a later step's saved
     guards, which pickle the model's attributes, must not reach an earlier step's guard manager."""
