@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import (
     Gemma3ForCausalLM,
@@ -41,3 +43,23 @@ def build(family: str, dtype: torch.dtype = torch.float32, layers: int | None = 
     else:
         raise ValueError(family)
     return model.to(dtype).eval()
+
+
+def teacher_forced_logits(model: torch.nn.Module, kv: str, ids: torch.Tensor, new: int,
+                          cache_dir: Path) -> list[torch.Tensor]:
+    """Logits (B, new, V) of the compiled step, then of the uncompiled one (fp32, on the CPU), both fed the eager
+    path's greedy tokens for `new` - 1 steps after the prompt `ids` (the compiled step's time recorded)."""
+    from fewbits.decode.runner import StaticDecoder
+    from fewbits.generate import generate
+
+    ref = generate(model, ids, new, kv=kv).tokens
+    runs = []
+    for compiled in (True, False):
+        dec = StaticDecoder(model, kv, ids.shape[0], ids.shape[1] + new, compile=compiled, cache_dir=cache_dir)
+        logits = [dec.prefill(ids)]
+        for i in range(new - 1):
+            logits.append(dec.step(ref[:, i]))
+        runs.append(torch.stack(logits, 1).float().cpu())
+        if compiled:
+            assert dec.compile_s > 0
+    return runs

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from decode_models import build
+from decode_models import build, teacher_forced_logits
 
 from fewbits.decode.runner import StaticDecoder, compile_scope, why_eager
 from fewbits.kernels import native, rows
@@ -53,22 +53,10 @@ def test_compiled_step_equals_uncompiled(int4_llama: torch.nn.Module, kv: str, t
     step's (whose tokens are the eager path's, test_static.py) to bf16 rounding: the compiled attention reads
     a quantised cache's codes with the scale folded in (fp32), the uncompiled one a bf16 copy.  (A random
     bf16 model's logits lie too close together for its greedy tokens to be a stable reference.)"""
-    from fewbits.generate import generate
-
     if why_eager(int4_llama) is not None:
         pytest.skip(why_eager(int4_llama))
     ids = torch.randint(4, 320, (1, 10), generator=torch.Generator().manual_seed(5))
-    ref = generate(int4_llama, ids, 12, kv=kv).tokens
-    runs = []
-    for compiled in (True, False):
-        dec = StaticDecoder(int4_llama, kv, 1, 22, compile=compiled, cache_dir=tmp_path)
-        logits = [dec.prefill(ids)]
-        for i in range(11):
-            logits.append(dec.step(ref[:, i]))
-        runs.append(torch.stack(logits, 1).float())
-        if compiled:
-            assert dec.compile_s > 0
-    got, want = runs
+    got, want = teacher_forced_logits(int4_llama, kv, ids, 12, tmp_path)
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
     assert any(tmp_path.rglob("*")), "inductor wrote nothing to the scoped cache directory"
     if not native.shims_supported():

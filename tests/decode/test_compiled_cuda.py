@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_models import build
-
-from fewbits.decode.runner import StaticDecoder
-from fewbits.generate import generate
+from decode_models import build, teacher_forced_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -29,15 +26,5 @@ def test_compiled_cuda_step_equals_uncompiled(weights: str, kv: str, tmp_path) -
         kernels = {type(m.kernel).__name__ for m in model.modules() if hasattr(m, "kernel")}
         assert kernels == {"TritonWeightOnlyKernel"}, kernels
     ids = torch.randint(4, 320, (1, 10), generator=torch.Generator().manual_seed(5)).cuda()
-    ref = generate(model, ids, 12, kv=kv).tokens
-    runs = []
-    for compiled in (True, False):
-        dec = StaticDecoder(model, kv, 1, 22, compile=compiled, cache_dir=tmp_path)
-        logits = [dec.prefill(ids)]
-        for i in range(11):
-            logits.append(dec.step(ref[:, i]))
-        runs.append(torch.stack(logits, 1).float().cpu())
-        if compiled:
-            assert dec.compile_s > 0
-    got, want = runs
+    got, want = teacher_forced_logits(model, kv, ids, 12, tmp_path)
     torch.testing.assert_close(got, want, atol=0.02 * float(want.abs().max()), rtol=0.0)
