@@ -8,7 +8,8 @@ one private anonymous mapping, aligned to 2 MiB and advised so, and points each 
 (`Tensor.set_`): the same tensor objects and values; tensors that viewed one storage view one storage (a new
 one over their part of the mapping), tensors that did not share one still do not.
 
-`StaticDecoder` places its model's weights, fused projections and cache so on a CPU.  Measured on a 2-core
+`StaticDecoder` places its model's weights and fused projections so on a CPU, and its cache in a mapping of its
+own (the weights' block is then the same whatever cache a decoder has).  Measured on a 2-core
 AVX2 EPYC VM (`benchmarks/bench_hugepages.py`, batch 1, median step in 4 KiB pages / in huge pages, arms
 alternating): Llama-3.2-1B shapes (random weights, 6 rounds of 16 steps) bf16 1.089x, int4-g32+a8 1.065x; the
 small packaged models within this host's noise (two runs of 8 rounds x 32 steps: SmolLM2-135M bf16 1.069x /
@@ -19,8 +20,9 @@ runs (each old storage is freed as its tensors move, unless something else still
 Not done where it cannot help or is not asked for: off Linux, where the kernel's THP setting is "never", with
 ``FEWBITS_HUGE_PAGES=0``; tensors off the CPU, tensors that are not plain strided ones, storages whose viewed
 bytes are under `MIN_BYTES` (too small for page effects to matter) are left where they are, unless the caller asks
-for every one (`StaticDecoder` does: its int4 kernels then read all their tensors through the one block,
-`Placement.block`).
+for every one (`StaticDecoder` does: its int4 and int8 kernels then read all their tensors through the one
+block, `Placement.block`, which starts on the 2 MiB boundary, so that a tensor's offset in it does not depend on
+where the kernel put the mapping: a compiled step bakes those offsets and is loaded again in later processes).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ built apart from the kernels and at -O1
 their C shims (`fewbits.kernels.native.c_shims`), not through the dispatcher (``FEWBITS_C_SHIMS=0`` keeps that,
 for comparisons).  Each step then calls that compiled graph with its
 input tensors, gathered once (`graph_call`), not through dynamo's bytecode.  The int4 and int8 kernels read their
-tensors through the block the decoder placed its tensors in (`pages.place`), by offsets (`fewbits.kernels.arena`),
+tensors through the block the decoder placed the weights in (`pages.place`), by offsets (`fewbits.kernels.arena`),
 so the graph takes that block once instead of ~240 tensors (SmolLM2 int4: 370 -> 128 inputs, each a handle the
 C++ wrapper makes and drops every call; ``FEWBITS_BIND=0`` keeps the tensors).  On a CUDA device the
 step is compiled with ``mode="reduce-overhead"``, which replays it as a CUDA graph (the cache tensors are marked
