@@ -3,7 +3,7 @@
 A compiled decode step takes every distinct tensor it reads as an input, and its C++ wrapper makes (and drops) a
 handle for each input on every call: ~0.2 us each to make alone, their metadata cold after the step's stream of
 weights (SmolLM2 int4-g64, batch 1: one more set of the step's 370 handles added 74 us to a 3.9 ms step).  The
-decoder places all its tensors in one mapping (`fewbits.decode.pages.place`); a kernel bound to a uint8 tensor over
+decoder places all its weights in one mapping (`fewbits.decode.pages.place`); a kernel bound to a uint8 tensor over
 that mapping (`Bindable.bind`) calls its operator's block variant with that tensor and the byte offsets of its own
 tensors, so the step takes the one block instead of two or three tensors a linear layer.
 """
