@@ -50,9 +50,9 @@ _ARENAS: list[tuple[int, int, weakref.ref]] = []
 @dataclass(frozen=True)
 class Placement:
     """What `place` did: `nbytes` moved in `storages` storages (`tensors` tensors), the mapping's start address
-    (0 when nothing moved) and, when nothing moved, why; `block`, a uint8 tensor over the whole mapping (None when
-    nothing moved) from `address` over the placed bytes, which operators can read the placed tensors through by
-    their offsets (`fewbits.kernels.arena.Bindable.bind`): the same offsets for the same tensors in any process."""
+    (0 when nothing moved) and, when nothing moved, why; `block`, a uint8 tensor over the placed bytes from
+    `address` (None when nothing moved), which operators can read the placed tensors through by their offsets
+    (`fewbits.kernels.arena.Bindable.bind`): the same offsets for the same tensors in any process."""
 
     nbytes: int = 0
     storages: int = 0
