@@ -270,7 +270,7 @@ class StaticDecoder:
                 try:
                     fn(*args)
                 except RuntimeError as exc:  # its guards refused these inputs: compile afresh
-                    log.warning("fewbits.decode: the saved step %s does not fit (%s)", path.name,
+                    log.warning("fewbits.decode: the saved step %s does not fit (%s); compiling it again", path.name,
                                 str(exc).splitlines()[0] if str(exc) else "")
                     fn = None
             if fn is None:
