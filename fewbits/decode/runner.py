@@ -191,11 +191,9 @@ class StaticDecoder:
         # the weights and the cache in huge pages (the step reads them all; `pages` says what it gains), in two
         # mappings: the weights' block is then the same, its size and every tensor's offset in it, whatever cache
         # this decoder (or the decoder that placed the weights first) has
-        cpu = self.device.type == "cpu"
-        self.placement = (pages.place([model, self.fused], min_bytes=0) if cpu
-                          else pages.Placement(why_not=f"on {self.device.type}"))
-        self.cache_placement = (pages.place([self.cache], min_bytes=0) if cpu
-                                else pages.Placement(why_not=f"on {self.device.type}"))
+        cpu, off = self.device.type == "cpu", pages.Placement(why_not=f"on {self.device.type}")
+        self.placement = pages.place([model, self.fused], min_bytes=0) if cpu else off
+        self.cache_placement = pages.place([self.cache], min_bytes=0) if cpu else off
         # the int4 and int8 kernels read through the weights' block by offsets (`fewbits.kernels.arena`): a compiled
         # step takes the block once instead of their ~240 tensors (SmolLM2), each a handle its C++ wrapper makes
         # and drops every call (``FEWBITS_BIND=0`` keeps the tensors, for comparisons)
