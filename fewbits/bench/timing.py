@@ -31,23 +31,7 @@ def _nothing() -> None:
 def time_call(fn: Callable[[], object], min_time: float = 0.05, rounds: int = 5, warmup: int = 2,
               statistic: str = "min", sync: Callable[[], object] | None = None) -> float:
     """Seconds per call of `fn`: the fastest (or median) of `rounds` samples of at least `min_time` s each."""
-    sync = sync or _nothing
-    for _ in range(warmup):
-        fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    once = max(time.perf_counter() - t0, 1e-7)
-    n = max(1, int(min_time / once))
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / n)
-    return STATS[statistic](samples)
+    return time_interleaved({"fn": fn}, min_time, rounds, warmup, statistic, sync)["fn"]
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], min_time: float = 0.03, rounds: int = 7,

@@ -29,7 +29,7 @@ from fewbits.methods.common import MethodError, QuantResult, check_method_format
 from fewbits.methods.config import AWQ, AWQGPTQ, GPTQ, HQQ, MethodConfig
 from fewbits.methods.gptq import gptq_quantize
 from fewbits.methods.rtn import rtn_quantize
-from fewbits.models.mappings import ArchMapping
+from fewbits.models.mappings import ArchMapping, SmoothMapping
 
 log = logging.getLogger("fewbits.calib")
 Commit = Callable[[str, Any], None]
@@ -98,6 +98,20 @@ def _awq_opts(plan: Any) -> AWQ:
 
 
 # ---------------------------------------------------------------------- AWQ
+def smooth_modules(run: BlockRun, m: SmoothMapping) -> tuple[nn.Module, list[nn.Module]] | None:
+    """The module whose output feeds a smoothing group (a norm or a linear) and the group's linears, which AWQ and
+    SmoothQuant scale against each other; None where the block lacks one of them or a linear producer's rows do
+    not line up with its consumers' columns (v_proj -> o_proj with grouped-query attention)."""
+    try:
+        prev = run.module(m.prev)
+        consumers = [run.module(p) for p in m.linears]
+    except AttributeError:
+        return None
+    if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
+        return None
+    return prev, consumers
+
+
 def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: bool,
               info: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Search and fold AWQ scales for one block (all mappings from one pass over the float block);
@@ -115,13 +129,10 @@ def awq_block(run: BlockRun, planned: dict[str, Any], arch: ArchMapping, clip: b
         cons = [p for p in m.linears if p in planned]
         if not cons or any(not stats[p].reached or p in starved for p in cons):
             continue
-        try:
-            prev = run.module(m.prev)
-            consumers = [run.module(p) for p in m.linears]
-        except AttributeError:
+        found = smooth_modules(run, m)
+        if found is None:
             continue
-        if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
-            continue  # e.g. v_proj -> o_proj with grouped-query attention: shapes do not line up
+        prev, consumers = found
         o = opts[cons[0]]
         x = _subsample(stats[cons[0]].inputs(), o.search_tokens)
         res = awq_search_scales(x, [c.weight for c in consumers], planned[cons[0]].format, n_grid=o.grid,

@@ -18,7 +18,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from fewbits.calib.pipeline import Commit, _check, _split_by_block, commit_outside, plan_config, planned_blocks
+from fewbits.calib.pipeline import (
+    Commit,
+    _check,
+    _split_by_block,
+    commit_outside,
+    plan_config,
+    planned_blocks,
+    smooth_modules,
+)
 from fewbits.calib.runner import check_calibration_data
 from fewbits.methods.awq import fold_scales
 from fewbits.methods.config import LLMInt8, SmoothQuant
@@ -54,13 +62,10 @@ def run_smoothquant(model: nn.Module, layers: Sequence[Any], data: torch.Tensor 
                     cons = [p for p in m.linears if p in planned]
                     if not cons or not cfg[cons[0]].smooth or any(not stats[p].reached for p in cons):
                         continue
-                    try:
-                        prev = run.module(m.prev)
-                        consumers = [run.module(p) for p in m.linears]
-                    except AttributeError:
+                    found = smooth_modules(run, m)
+                    if found is None:
                         continue
-                    if m.prev_kind == "linear" and prev.weight.shape[0] != consumers[0].weight.shape[1]:
-                        continue
+                    prev, consumers = found
                     s = smooth_scales(stats[cons[0]].absmax, [c.weight for c in consumers], cfg[cons[0]].alpha,
                                       f"{run.prefix}.{m.prev}")
                     fold_scales(prev.weight.data, getattr(prev, "bias", None), [c.weight.data for c in consumers], s,
