@@ -120,9 +120,11 @@ def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, 
                  lm_head: str | None = None) -> None:
     """Refuse, before loading anything, a bench whose models cannot all be held on `device`: every weight
     format's model stays loaded (the rows alternate between them), plus the 16-bit copy being quantised
-    and a 16-bit cache of `batch` x `context` tokens, as the cost model counts them.  A model the cost
-    model cannot describe without loading it (a hub id) is not checked."""
+    and a 16-bit cache of `batch` x `context` tokens' slots as the decoder preallocates them
+    (`fewbits.decode.runner.cache_slots`), as the cost model counts them.  A model the cost model cannot describe
+    without loading it (a hub id) is not checked."""
     from fewbits.bench.machine import memory_available
+    from fewbits.decode.runner import cache_slots
     from fewbits.models.presets import resolve_model
 
     try:
@@ -132,7 +134,8 @@ def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, 
     quantised = [w for w in weights if w not in ("bf16", "fp16", "fp32")]
     held = {w: plan(spec, "h100", 1, 1, w, table_weights=None, misfit="regroup",
                     lm_head=lm_head if w in quantised else None).memory_weights for w in weights}
-    kv = plan(spec, "h100", batch, context, "bf16", table_weights=None).memory_kv
+    slots = cache_slots(context, parse_kv_format("bf16"), device)
+    kv = plan(spec, "h100", batch, slots, "bf16", table_weights=None).memory_kv
     need = sum(held.values()) + (plan(spec, "h100", 1, 1, "bf16", table_weights=None).memory_weights
                                  if quantised and "bf16" not in held else 0.0) + kv
     have = memory_available(device)
@@ -140,7 +143,7 @@ def check_memory(name: str, weights: tuple[str, ...], batch: int, context: int, 
         parts = ", ".join(f"{w} {b / 1e9:.1f} GB" for w, b in held.items())
         raise BenchMemoryError(
             f"bench of {name} on {device} holds every weight format's model at once ({parts}, a 16-bit KV cache "
-            f"of {batch} x {context} tokens {kv / 1e9:.1f} GB): {need / 1e9:.1f} GB, but {have / 1e9:.1f} GB is "
+            f"of {batch} x {slots} slots {kv / 1e9:.1f} GB): {need / 1e9:.1f} GB, but {have / 1e9:.1f} GB is "
             "free; bench fewer --weights at a time, or a smaller model")
 
 

@@ -44,16 +44,21 @@ APPEND_WITHOUT_WINDOW = os.environ.get("FEWBITS_KV_APPEND", "native") == "always
 NATIVE_ATTEND = os.environ.get("FEWBITS_KV_ATTEND", "native") != "torch"
 
 
+def native_attention(fmt: KVFormat, device: torch.device | str) -> bool:
+    """Whether a step's attention over this cache runs through the hand-written operators
+    (`fewbits.decode.kvkernel`, CPU), which read slots up to the query's own only; else inductor's reductions read
+    every preallocated slot.  Decided outside any graph."""
+    return (fmt.kind in ("int8", "kivi", "float") or (fmt.kind == "fp8" and not fmt.residual)) and \
+        torch.device(device).type == "cpu" and NATIVE_ATTEND and kvkernel.available()
+
+
 class LayerKV:
     """One layer's keys and values: quantised slots (or 16-bit ones), a 16-bit ring, their scales."""
 
     def __init__(self, fmt: KVFormat, batch: int, heads: int, dim: int, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.fmt, self.dim, self.dtype = fmt, dim, dtype
-        # attention through the hand-written kernel (`fewbits.decode.kvkernel`), decided here, outside any graph
-        self.kernel = (fmt.kind in ("int8", "kivi", "float") or (fmt.kind == "fp8" and not fmt.residual)) and \
-            torch.device(device).type == "cpu" and \
-            NATIVE_ATTEND and kvkernel.available()
+        self.kernel = native_attention(fmt, device)
         z = lambda *s, dt: torch.zeros(batch, heads, *s, dtype=dt, device=device)  # noqa: E731
         T = max_len
         self.native_append = False

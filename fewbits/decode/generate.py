@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from fewbits.decode.runner import SLOT_ROUND, StaticDecoder, compile_scope, why_eager
+from fewbits.decode.runner import StaticDecoder, cache_slots, compile_scope, why_eager
 from fewbits.generate import GenerationResult, attention_backends, decode_loop, generate, synchronizer
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
@@ -39,7 +39,8 @@ def decoder_for(model: torch.nn.Module, kv: KVFormat | str, batch: int, max_len:
     from fewbits.decode import cache
 
     f = parse_kv_format(kv)
-    key = (f.full_spec, batch, -(-max_len // SLOT_ROUND) * SLOT_ROUND, cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW)
+    slots = cache_slots(max_len, f, next(model.parameters()).device)
+    key = (f.full_spec, batch, slots, cache.NATIVE_APPEND, cache.APPEND_WITHOUT_WINDOW)
     per_model = model.__dict__.get("_fewbits_decoders")
     if not isinstance(per_model, Decoders):
         per_model = model.__dict__["_fewbits_decoders"] = Decoders(per_model or {})

@@ -41,7 +41,7 @@ import torch
 
 from fewbits.decode import pages, precompiled
 from fewbits.decode.arch import Arch, describe, unsupported
-from fewbits.decode.cache import LayerKV, make_cache
+from fewbits.decode.cache import LayerKV, make_cache, native_attention
 from fewbits.decode.fuse import Fused, fuse_projections
 from fewbits.decode.step import WIDEN, forward, rows_on
 from fewbits.kernels import native, rows
@@ -49,7 +49,26 @@ from fewbits.kernels.wide16 import widened
 from fewbits.kvcache.format import KVFormat, parse_kv_format
 
 log = logging.getLogger("fewbits.decode")
-SLOT_ROUND = 64  # cache lengths are rounded up to this, so nearby prompt lengths share one graph
+#: a cache whose attention reads every preallocated slot is rounded up to a multiple of this (`cache_slots`)
+SLOT_ROUND = 64
+#: the fewest slots of a cache whose attention reads only the slots written so far (`cache_slots`)
+MIN_SLOTS = 256
+
+
+def cache_slots(tokens: int, fmt: KVFormat, device: torch.device | str) -> int:
+    """How many slots a decoder preallocates for `tokens` tokens.  Each count is a compiled step of its own (about
+    35-55 s cold for SmolLM2, `precompiled` saves it), so counts are few: where the step's attention reads only the
+    slots written so far (the CPU's operators, `cache.native_attention`), the next power of two from `MIN_SLOTS`,
+    so that `fewbits generate` with another prompt or -n loads a saved step instead of compiling one (with
+    multiples of 64, 7 + 64 and 7 + 200 tokens were two compiles); the unused slots cost memory (under twice the
+    cache's) and no time that shows (SmolLM2 int4-g64 at 144 tokens, bf16 cache, alternating: 192 slots 5.38 ms,
+    256 5.40, 8192 5.47).  Elsewhere (a GPU, an fp8 cache with a window) the attention reads every slot: a multiple
+    of `SLOT_ROUND`."""
+    if tokens < 1:
+        raise ValueError(f"a cache needs at least one slot, got {tokens} tokens")
+    if native_attention(fmt, device):
+        return max(MIN_SLOTS, 1 << (tokens - 1).bit_length())
+    return -(-tokens // SLOT_ROUND) * SLOT_ROUND
 WRAPPERS = ("cpp", "python")
 #: inductor options of the CPU step per wrapper: the C++ wrapper built apart from the kernels (kernels -O3, the
 #: wrapper at inductor's -O1 default for it), not as one -O3 file with them.  No size asserts: the step checked
@@ -178,7 +197,7 @@ class StaticDecoder:
         self.device = p.device
         self.dtype = model.model.embed_tokens.weight.dtype
         self.fmt = parse_kv_format(kv)
-        self.max_len = -(-max_len // SLOT_ROUND) * SLOT_ROUND
+        self.max_len = cache_slots(max_len, self.fmt, self.device)
         self.cache = make_cache(self.fmt, self.arch.n_layers, batch, self.arch.n_kv_heads, self.arch.head_dim,
                                 self.max_len, self.dtype, self.device)
         self.max_len = self.cache[0].t[next(iter(self.cache[0].t))].shape[2]

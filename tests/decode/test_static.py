@@ -3,6 +3,8 @@ format: the eager path (`fewbits.generate`, transformers' own forward over `KVSt
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from decode_models import build
@@ -102,6 +104,45 @@ def test_attention_over_codes_equals_dequantised_attention(kv: str) -> None:
     # themselves are off the unquantised history's attention by rms 4.1e-3); the other caches' paths here are float
     tol = 1e-4 if kv == "int8" else 1e-5
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_cache_slots_are_few_counts_where_attention_reads_only_written_slots() -> None:
+    from fewbits.decode import kvkernel
+    from fewbits.decode.runner import cache_slots
+    from fewbits.kvcache.format import parse_kv_format
+
+    if not kvkernel.available():
+        pytest.skip("the CPU attention operators need a C++ compiler")
+    for kv in ("bf16", "int8", "int4-g8-r8", "fp8-e4m3"):
+        f = parse_kv_format(kv)
+        assert [cache_slots(t, f, "cpu") for t in (1, 71, 207, 256, 257, 2100)] == [256, 256, 256, 256, 512, 4096]
+    # inductor's reductions read every slot: an fp8 cache with a window on a CPU, any cache off the CPU
+    for kv, device in (("fp8-e4m3-r8", "cpu"), ("bf16", "meta")):
+        f = parse_kv_format(kv)
+        assert [cache_slots(t, f, device) for t in (1, 71, 207, 257, 2100)] == [64, 128, 256, 320, 2112]
+    with pytest.raises(ValueError, match="at least one slot"):
+        cache_slots(0, parse_kv_format("bf16"), "cpu")
+
+
+def test_generate_with_another_length_in_the_bucket_reuses_the_decoder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`fewbits generate` with a 7-token prompt and -n 64, then -n 200: one compiled step, not two."""
+    import fewbits.decode.generate as dg
+    from fewbits.decode import kvkernel
+
+    if not kvkernel.available():
+        pytest.skip("the CPU attention operators need a C++ compiler")
+    built: list[tuple] = []
+
+    def record(model, kv, batch, max_len):  # noqa: ANN001, ANN202 - stands in for the compile
+        built.append((kv.full_spec, batch, max_len))
+        return SimpleNamespace(compile_s=30.0)
+
+    monkeypatch.setattr(dg, "StaticDecoder", record)
+    model = build("llama")
+    a = dg.decoder_for(model, "int8", 1, 7 + 64)
+    assert dg.decoder_for(model, "int8", 1, 7 + 200) is a and len(built) == 1
+    assert dg.decoder_for(model, "int8", 1, 7 + 300) is not a and len(built) == 2
+    assert dg.decoder_for(model, "fp8-e4m3-r8", 1, 7 + 64) is not dg.decoder_for(model, "fp8-e4m3-r8", 1, 7 + 200)
 
 
 def test_a_compiler_failure_falls_back_to_eager_with_its_reason(monkeypatch: pytest.MonkeyPatch) -> None:
