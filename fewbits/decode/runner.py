@@ -69,6 +69,8 @@ def cache_slots(tokens: int, fmt: KVFormat, device: torch.device | str) -> int:
     if native_attention(fmt, device):
         return max(MIN_SLOTS, 1 << (tokens - 1).bit_length())
     return -(-tokens // SLOT_ROUND) * SLOT_ROUND
+
+
 WRAPPERS = ("cpp", "python")
 #: inductor options of the CPU step per wrapper: the C++ wrapper built apart from the kernels (kernels -O3, the
 #: wrapper at inductor's -O1 default for it), not as one -O3 file with them.  No size asserts: the step checked
